@@ -37,9 +37,7 @@ def check_kv(x: torch.Tensor, *, name: str = "x") -> None:
             f"{name} must have shape [tokens, kv_heads, head_dim], got {tuple(x.shape)}"
         )
     if x.dtype not in _FLOAT_DTYPES:
-        raise FormatError(
-            f"{name} has dtype {x.dtype}; supported: bfloat16, float16, float32"
-        )
+        raise FormatError(f"{name} has dtype {x.dtype}; supported: bfloat16, float16, float32")
     if x.shape[2] % 2 or x.shape[2] <= 0:
         raise FormatError(f"{name} head_dim must be a positive even number, got {x.shape[2]}")
 
@@ -111,9 +109,7 @@ class KVFormat(ABC):
     ) -> torch.Tensor:
         """``[tokens, kv_heads, token_head_bytes]`` uint8 -> float32 ``[tokens, kv_heads, head_dim]``."""
 
-    def roundtrip(
-        self, x: torch.Tensor, *, kind: Kind, layer: int, start: int = 0
-    ) -> torch.Tensor:
+    def roundtrip(self, x: torch.Tensor, *, kind: Kind, layer: int, start: int = 0) -> torch.Tensor:
         """What attention reads back for tokens at positions ``start .. start+tokens-1``."""
         check_kv(x)
         packed = self.encode(x, kind=kind, layer=layer)

