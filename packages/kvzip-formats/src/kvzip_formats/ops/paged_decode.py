@@ -1,0 +1,97 @@
+"""Reference paged decode attention on kvzip's paged layout (``spec/paged_layout.md``).
+
+One query token per sequence, ``q [batch, num_q_heads, head_dim]``; query head ``i`` attends
+with KV head ``i // (num_q_heads // num_kv_heads)`` (GQA) over the sequence's first
+``seq_lens[b]`` tokens, read through ``block_table[b]``. K and V are the format's decoded
+(float32) values, so the reference is exact attention on what the cache holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvzip_formats.base import FormatError, KVFormat
+from kvzip_formats.ops.cache_write import PagedLayout, check_paged_cache, gather_rows
+
+
+def check_decode_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lay: PagedLayout,
+) -> None:
+    """Shapes and dtypes of a paged decode call; raises FormatError naming the argument."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise FormatError(f"q must be [batch, num_q_heads, head_dim], got {getattr(q, 'shape', q)}")
+    b, hq, d = q.shape
+    if d != lay.head_dim:
+        raise FormatError(f"q has head_dim {d}, the cache layout has {lay.head_dim}")
+    check_paged_cache(k_cache, lay, name="k_cache")
+    check_paged_cache(v_cache, lay, name="v_cache")
+    if v_cache.shape != k_cache.shape:
+        raise FormatError(
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
+    hkv = k_cache.shape[1]
+    if hq % hkv:
+        raise FormatError(
+            f"num_q_heads {hq} (q shape {tuple(q.shape)}) is not a multiple of "
+            f"num_kv_heads {hkv} (k_cache shape {tuple(k_cache.shape)})"
+        )
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
+        raise FormatError(
+            f"block_table must be int32 [batch={b}, max_blocks], got "
+            f"{block_table.dtype} {tuple(block_table.shape)}"
+        )
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (b,):
+        raise FormatError(
+            f"seq_lens must be int32 [batch={b}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+
+
+def paged_decode(
+    fmt: KVFormat,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    block_size: int,
+    layer: int = 0,
+    sm_scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode attention, ``[batch, num_q_heads, head_dim]`` in ``compute_dtype``.
+
+    ``compute_dtype=torch.float32``: the reference. ``torch.bfloat16``: the same math as plain
+    torch does it in bf16 (K, V, q, scores, probabilities and output rounded to bf16), whose
+    error against the reference sets a kernel's earned tolerance.
+    """
+    lay = PagedLayout.of(fmt, q.shape[-1], block_size)
+    check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens, lay)
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.empty(b, hq, d, dtype=compute_dtype)
+    for i in range(b):
+        n = int(seq_lens[i])
+        if n <= 0:
+            raise FormatError(f"seq_lens[{i}] = {n}; every sequence needs at least one token")
+        k = fmt.decode(
+            gather_rows(k_cache, lay, block_table[i], n), kind="k", layer=layer, head_dim=d
+        )
+        v = fmt.decode(
+            gather_rows(v_cache, lay, block_table[i], n), kind="v", layer=layer, head_dim=d
+        )
+        k = k.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
+        v = v.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)
+        qi = q[i].cpu().to(compute_dtype)
+        s = torch.einsum("hd,nhd->hn", qi, k) * scale
+        p = torch.softmax(s, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, v)
+    return out

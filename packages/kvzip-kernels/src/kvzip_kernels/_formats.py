@@ -1,0 +1,50 @@
+"""What a kernel needs to know about a format: how its codes turn into numbers.
+
+Each supported format maps to a ``KernelSpec``: the code family the Triton kernels implement,
+the byte geometry (``kvzip_formats.ops.PagedLayout``) and the extra per-format constants
+(fp8's per-tensor scales, the rotation a rotated format applies to K and V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvzip_formats import FormatError, KVFormat, get_format
+from kvzip_formats.ops import PagedLayout
+from kvzip_formats.rotation import hadamard
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    family: str  # "int4" (affine 4-bit codes, fp16 scale + zero) or "fp8" (e4m3, tensor scale)
+    layout: PagedLayout
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    rotation: torch.Tensor | None = None  # [D, D] float32; stored = x @ R, R symmetric orthonormal
+
+
+def resolve(fmt: KVFormat | str) -> KVFormat:
+    if isinstance(fmt, str):
+        return get_format(fmt)
+    if not isinstance(fmt, KVFormat):
+        raise FormatError(f"fmt must be a format name or a KVFormat, got {type(fmt).__name__}")
+    return fmt
+
+
+SUPPORTED = ("fp8", "int4", "int4-rot")
+
+
+def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
+    """The kernel-facing description of ``fmt``; FormatError for formats without kernels."""
+    if head_dim not in (64, 128):
+        raise FormatError(f"kvzip_kernels supports head_dim 64 and 128, got {head_dim}")
+    lay = PagedLayout.of(fmt, head_dim, block_size)
+    if fmt.name == "fp8":
+        return KernelSpec("fp8", lay, fmt.scales["k"], fmt.scales["v"])
+    if fmt.name in ("int4", "int4-rot"):
+        rot = hadamard(head_dim) if fmt.name == "int4-rot" else None
+        return KernelSpec("int4", lay, rotation=rot)
+    raise FormatError(
+        f"format {fmt.name!r} has no kvzip_kernels implementation; supported: {', '.join(SUPPORTED)}"
+    )

@@ -1,0 +1,152 @@
+"""Paged cache-write: quantize new tokens and scatter them into kvzip's paged layout.
+
+``cache_write(fmt, x, cache, slot_mapping, kind=..., block_size=...)`` is bit-exact with
+``kvzip_formats.ops.cache_write`` (the format's reference ``encode`` plus the scatter of
+``spec/paged_layout.md``). One program per token writes every KV head of that token: a
+token-head row is only 36-68 bytes, so a program per row would be launch-bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from kvzip_formats import FormatError, KVFormat
+from kvzip_formats.ops.cache_write import check_paged_cache, check_slot_mapping
+
+from kvzip_kernels._formats import kernel_spec, resolve
+
+@triton.jit
+def _rne(v):
+    # 1.5 * 2**23: adding and subtracting it rounds a float32 |v| < 2**22 to the nearest
+    # integer, ties to even (the reference's torch.round); larger |v| clamp to 0 or 15 anyway.
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _int4_write_kernel(
+    x_ptr, cache_ptr, cache16_ptr, slot_ptr, stride_xt, stride_xh, num_kv_heads, page_bytes,
+    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // PS
+    t = slot % PS
+    h = tl.arange(0, H_P)
+    j = tl.arange(0, D // 2)
+    hm = h < num_kv_heads
+    xp = x_ptr + tok * stride_xt + h[:, None] * stride_xh + 2 * j[None, :]
+    xe = tl.load(xp, mask=hm[:, None], other=0.0).to(tl.float32)  # elements 2j
+    xo = tl.load(xp + 1, mask=hm[:, None], other=0.0).to(tl.float32)  # elements 2j+1
+    lo = tl.minimum(tl.min(xe, 1), tl.min(xo, 1))
+    hi = tl.maximum(tl.max(xe, 1), tl.max(xo, 1))
+    zero16 = lo.to(tl.float16)
+    scale16 = tl.math.div_rn(hi - lo, 15.0).to(tl.float16)
+    s = scale16.to(tl.float32)
+    z = zero16.to(tl.float32)
+    safe = tl.where(s > 0, s, 1.0)[:, None]
+    ce = tl.minimum(tl.maximum(_rne(tl.math.div_rn(xe - z[:, None], safe)), 0.0), 15.0)
+    co = tl.minimum(tl.maximum(_rne(tl.math.div_rn(xo - z[:, None], safe)), 0.0), 15.0)
+    ce = tl.where(s[:, None] > 0, ce, 0.0).to(tl.uint8)
+    co = tl.where(s[:, None] > 0, co, 0.0).to(tl.uint8)
+    base = blk * num_kv_heads * page_bytes + h * page_bytes  # int64 [H_P]
+    tl.store(cache_ptr + base[:, None] + t * (D // 2) + j[None, :], ce | (co << 4), mask=hm[:, None])
+    m16 = (base + PS * (D // 2) + t * 4) // 2  # metadata, in float16 units
+    tl.store(cache16_ptr + m16, scale16, mask=hm)
+    tl.store(cache16_ptr + m16 + 1, zero16, mask=hm)
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """float32 |y| <= 448 (or NaN) -> e4m3fn bits, round to nearest even, as torch's cast.
+
+    Written with integer ops rather than ``.to(tl.float8e4nv)``: the Triton interpreter's cast
+    misrounds values that carry into the next binade (127.75 -> 64), so the CPU tests could not
+    be bit-exact; on the GPU this costs a few integer ops per element of a write.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    sub = _rne(tl.abs(y) * 512.0).to(tl.int32)  # subnormals: steps of 2**-9
+    mag = tl.where(a >= 0x3C800000, normal, sub)
+    mag = tl.where(y != y, 0x7F, mag)
+    return (sign | mag).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_write_kernel(
+    x_ptr, cache_ptr, slot_ptr, stride_xt, stride_xh, num_kv_heads, page_bytes, scale,
+    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // PS
+    t = slot % PS
+    h = tl.arange(0, H_P)
+    d = tl.arange(0, D)
+    hm = h < num_kv_heads
+    x = tl.load(x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :], mask=hm[:, None],
+                other=0.0).to(tl.float32)
+    y = tl.math.div_rn(x, scale)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+    base = blk * num_kv_heads * page_bytes + h * page_bytes
+    tl.store(cache_ptr + base[:, None] + t * D + d[None, :], _e4m3_bits(y), mask=hm[:, None])
+
+
+def cache_write(
+    fmt: KVFormat | str, x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    kind: str, block_size: int, layer: int = 0, check_slots: bool = True,
+) -> None:
+    """Write ``x`` ``[num_tokens, num_kv_heads, head_dim]`` (bf16/fp16/fp32) into ``cache``
+    ``[num_blocks, num_kv_heads, block_size * token_head_bytes]`` (uint8) at ``slot_mapping``
+    ``[num_tokens]`` (int32/int64; ``-1`` skips a token).
+
+    ``check_slots=False`` skips the range check of the slots (it reads them on the host, a
+    device sync): for callers such as vLLM that guarantee valid slots.
+
+    Example::
+
+        cache = kvzip_formats.ops.new_paged_cache(get_format("int4"), 4, 8, 16, 128, device="cuda")
+        cache_write("int4", k, cache, slots, kind="k", block_size=16)
+    """
+    f = resolve(fmt)
+    if kind not in ("k", "v"):
+        raise FormatError(f"kind must be 'k' or 'v', got {kind!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise FormatError(f"x must be [num_tokens, num_kv_heads, head_dim], got {getattr(x, 'shape', x)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise FormatError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    n, h, d = x.shape
+    spec = kernel_spec(f, d, block_size)
+    lay = spec.layout
+    check_paged_cache(cache, lay, num_kv_heads=h)
+    if x.device != cache.device or slot_mapping.device != cache.device:
+        raise FormatError(f"x ({x.device}), slot_mapping ({slot_mapping.device}) and cache "
+                          f"({cache.device}) must be on one device")
+    if check_slots:
+        check_slot_mapping(slot_mapping, n, cache.shape[0] * block_size)
+    elif slot_mapping.shape != (n,):
+        raise FormatError(f"slot_mapping must have shape [{n}], got {tuple(slot_mapping.shape)}")
+    if n == 0:
+        return
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    hp = triton.next_power_of_2(h)
+    if spec.family == "int4":
+        if spec.rotation is not None:
+            x = x.float() @ spec.rotation.to(x.device)  # same op as the reference encode
+        _int4_write_kernel[(n,)](
+            x, cache, cache.view(torch.float16), slot_mapping, x.stride(0), x.stride(1), h,
+            lay.page_bytes, H_P=hp, D=d, PS=block_size, num_warps=2,
+        )
+    else:
+        scale = spec.k_scale if kind == "k" else spec.v_scale
+        _fp8_write_kernel[(n,)](
+            x, cache, slot_mapping, x.stride(0), x.stride(1), h, lay.page_bytes, scale,
+            H_P=hp, D=d, PS=block_size, num_warps=2,
+        )

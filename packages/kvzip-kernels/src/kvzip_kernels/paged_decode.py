@@ -1,0 +1,129 @@
+"""Paged decode attention on kvzip's paged cache (``kvzip_formats/spec/paged_layout.md``).
+
+``paged_decode(fmt, q, k_cache, v_cache, block_table, seq_lens, block_size=...)`` matches
+``kvzip_formats.ops.paged_decode`` (float32 attention on the dequantised cache) within the
+earned tolerance. Validation happens here; the kernels trust their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from kvzip_formats import FormatError, KVFormat
+from kvzip_formats.ops import check_decode_inputs
+
+from kvzip_kernels._decode_kernels import _fp8_split_kernel, _int4_split_kernel, _merge_kernel
+from kvzip_kernels._formats import kernel_spec, resolve
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters; ``None`` picks the defaults of ``_default_config``."""
+
+    block_n: int = 64  # tokens per loop iteration (a multiple of the page size)
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int | None = None  # split-KV factor; None: fill the GPU (see _num_splits)
+
+
+def _num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, device) -> int:
+    """Enough programs for ~4 per SM, each with at least 8 loop iterations of work."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    want = max(1, math.ceil(4 * sms / (batch * num_kv_heads)))
+    most = max(1, max_tokens // (8 * block_n))
+    return int(min(want, most, 256))
+
+
+def paged_decode(
+    fmt: KVFormat | str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, layer: int = 0,
+    sm_scale: float | None = None, max_seq_len: int | None = None, out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Decode attention for one new token per sequence.
+
+    q ``[batch, num_q_heads, head_dim]`` bf16; k_cache/v_cache uint8 ``[num_blocks,
+    num_kv_heads, block_size * token_head_bytes]``; block_table int32 ``[batch, max_blocks]``;
+    seq_lens int32 ``[batch]`` (each >= 1). Returns ``out`` ``[batch, num_q_heads, head_dim]``
+    bf16. ``max_seq_len`` (an upper bound of seq_lens) avoids reading seq_lens on the host.
+    Rotated formats (``int4-rot``) get the query rotated before and the output after.
+
+    Example::
+
+        out = paged_decode("int4", q, k_cache, v_cache, block_table, seq_lens, block_size=16)
+    """
+    f = resolve(fmt)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise FormatError(f"q must be [batch, num_q_heads, head_dim], got {getattr(q, 'shape', q)}")
+    if q.dtype != torch.bfloat16:
+        raise FormatError(f"q must be bfloat16 [batch, num_q_heads, head_dim], got {q.dtype}")
+    spec = kernel_spec(f, q.shape[2], block_size)
+    check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens, spec.layout)
+    devs = {t.device for t in (q, k_cache, v_cache, block_table, seq_lens)}
+    if len(devs) != 1:
+        raise FormatError(f"q, caches, block_table and seq_lens must share one device, got {devs}")
+    cfg = config or DecodeConfig()
+    if cfg.block_n % block_size and block_size % cfg.block_n:
+        raise FormatError(f"config.block_n {cfg.block_n} and block_size {block_size} must divide")
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+        if int(seq_lens.min()) < 1:
+            raise FormatError(f"seq_lens must be >= 1, got min {int(seq_lens.min())}")
+    if max_seq_len > block_table.shape[1] * block_size:
+        raise FormatError(f"max_seq_len {max_seq_len} exceeds block_table capacity "
+                          f"{block_table.shape[1]} blocks x {block_size}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise FormatError(f"out must be a contiguous bf16 tensor of shape {tuple(q.shape)}, "
+                          f"got {out.dtype} {tuple(out.shape)}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if spec.rotation is not None:  # K and V are stored as x @ R: rotate q the same way
+        q = (q.float() @ spec.rotation.to(q.device)).to(torch.bfloat16)
+
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    splits = cfg.num_splits or _num_splits(b, hkv, max_seq_len, cfg.block_n, q.device)
+    step = max(cfg.block_n, block_size)
+    per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), step) * step
+    splits = triton.cdiv(max_seq_len, per_split)
+    o_part = torch.empty(b * hq * splits * d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
+    block_m = max(16, triton.next_power_of_2(g))
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    common = dict(INTERPRET=interpret, G=g, BLOCK_M=block_m, D=d, PS=block_size, BLOCK_N=cfg.block_n,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (b * hkv, splits)
+    page_bytes = spec.layout.page_bytes
+    if spec.family == "int4":
+        _int4_split_kernel[grid](
+            q, k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16),
+            block_table, seq_lens, o_part, lse, scale * LOG2E, q.stride(0), q.stride(1),
+            block_table.stride(0), hkv, page_bytes, per_split, splits, **common,
+        )
+    else:
+        _fp8_split_kernel[grid](
+            q, k_cache.view(torch.float8_e4m3fn), v_cache.view(torch.float8_e4m3fn), block_table,
+            seq_lens, o_part, lse, scale * LOG2E * spec.k_scale, spec.v_scale, q.stride(0),
+            q.stride(1), block_table.stride(0), hkv, page_bytes, per_split, splits, **common,
+        )
+    target = out if spec.rotation is None else torch.empty(b, hq, d, dtype=torch.float32,
+                                                           device=q.device)
+    _merge_kernel[(b * hq,)](o_part, lse, target, splits, S_P=triton.next_power_of_2(splits),
+                             CH=16, D=d, OUT_BF16=spec.rotation is None,
+                             INTERPRET=interpret, num_warps=4)
+    if spec.rotation is not None:
+        out.copy_(target @ spec.rotation.to(q.device))
+    return out
