@@ -1,0 +1,181 @@
+"""The capacity tier's store: compressed KV blocks in CPU memory, a byte budget, LRU eviction.
+
+One entry per KV block (all layers), keyed by :func:`block_key`: the model, the codec and its
+format version, the cache layout and the block's chained prefix hash. vLLM's block hashes chain
+every earlier block's tokens (and LoRA / multimodal / salt extras), so equal keys mean equal
+prefixes; a block whose entry was evicted is simply not found, never replaced by another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import kvzip_lossless
+
+
+def block_key(namespace: bytes, block_hash: bytes) -> bytes:
+    """The store key of one KV block: sha256 over the namespace and vLLM's chained block hash."""
+    return hashlib.sha256(namespace + b"\0" + bytes(block_hash)).digest()
+
+
+def namespace(*, model: str, layout: str, block_size: int, dtype: str, rank: int = 0) -> bytes:
+    """Everything besides the tokens that decides a block's bytes (codec version included)."""
+    parts = [
+        f"model={model}",
+        f"codec=kvzip_lossless/{kvzip_lossless.FORMAT_VERSION}",
+        f"layout={layout}",
+        f"block_size={block_size}",
+        f"dtype={dtype}",
+        f"rank={rank}",
+    ]
+    return "|".join(parts).encode()
+
+
+@dataclass
+class TierStats:
+    """Counters a user can read (the connector writes them as JSON to ``stats_path``)."""
+
+    budget_bytes: int = 0
+    blocks_held: int = 0
+    bytes_held: int = 0  # compressed bytes held now
+    raw_bytes_held: int = 0  # bf16 bytes those blocks would take uncompressed
+    blocks_stored: int = 0  # cumulative
+    bytes_stored: int = 0  # cumulative compressed bytes written
+    raw_bytes_stored: int = 0  # cumulative bf16 bytes compressed
+    blocks_skipped: int = 0  # larger than the whole budget
+    evictions: int = 0
+    restore_hits: int = 0  # requests whose prefix was restored (at least one block)
+    blocks_restored: int = 0
+    tokens_restored: int = 0
+    restore_seconds: float = 0.0
+    store_seconds: float = 0.0
+    load_errors: int = 0  # blocks missing or failing their checksum at load: recomputed
+    misses: int = field(default=0)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.raw_bytes_held - self.bytes_held
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes_stored / self.bytes_stored if self.bytes_stored else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["bytes_saved"] = self.bytes_saved
+        d["ratio"] = round(self.ratio, 4)
+        return d
+
+
+@dataclass
+class _Entry:
+    blobs: tuple[bytes, ...]
+    nbytes: int
+    raw_bytes: int
+
+
+class BlockStore:
+    """Compressed KV blocks within ``budget_bytes``, least recently used evicted first."""
+
+    def __init__(self, budget_bytes: int):
+        if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = TierStats(budget_bytes=budget_bytes)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: bytes, tensors: list[torch.Tensor]) -> tuple[int, list[bytes]]:
+        """Compress and hold ``tensors`` (bf16) under ``key``.
+
+        Returns (compressed bytes held, 0 if not stored; keys evicted to make room).
+        """
+        t0 = time.perf_counter()
+        blobs = tuple(kvzip_lossless.compress(t) for t in tensors)
+        return self.put_blobs(key, blobs, sum(t.numel() * t.element_size() for t in tensors),
+                              time.perf_counter() - t0)
+
+    def put_blobs(self, key: bytes, blobs: tuple[bytes, ...], raw_bytes: int,
+                  seconds: float = 0.0) -> tuple[int, list[bytes]]:
+        nbytes = sum(len(b) for b in blobs)
+        evicted: list[bytes] = []
+        with self._lock:
+            s = self.stats
+            s.store_seconds += seconds
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key].nbytes, evicted
+            if nbytes > self.budget_bytes:
+                s.blocks_skipped += 1
+                return 0, evicted
+            while s.bytes_held + nbytes > self.budget_bytes:
+                old_key, old = self._entries.popitem(last=False)
+                s.bytes_held -= old.nbytes
+                s.raw_bytes_held -= old.raw_bytes
+                s.blocks_held -= 1
+                s.evictions += 1
+                evicted.append(old_key)
+            self._entries[key] = _Entry(blobs, nbytes, raw_bytes)
+            s.bytes_held += nbytes
+            s.raw_bytes_held += raw_bytes
+            s.blocks_held += 1
+            s.blocks_stored += 1
+            s.bytes_stored += nbytes
+            s.raw_bytes_stored += raw_bytes
+        return nbytes, evicted
+
+    def get_blobs(self, key: bytes) -> tuple[bytes, ...] | None:
+        """The blobs of ``key`` (marking it most recently used), or None if not held."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            return entry.blobs
+
+    def get(self, key: bytes, outs: list[torch.Tensor]) -> bool:
+        """Decode ``key`` into ``outs`` (bit-exact); False if not held or damaged.
+
+        A damaged entry (checksum failure) is dropped, so it is never served.
+        """
+        blobs = self.get_blobs(key)
+        if blobs is None:
+            return False
+        if len(blobs) != len(outs):
+            raise ValueError(f"entry holds {len(blobs)} tensors, {len(outs)} outputs given")
+        try:
+            for blob, out in zip(blobs, outs, strict=True):
+                out.copy_(kvzip_lossless.decompress(blob, device=out.device).view_as(out))
+        except kvzip_lossless.CorruptBlobError:
+            self.drop(key)
+            return False
+        return True
+
+    def drop(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self.stats.bytes_held -= entry.nbytes
+            self.stats.raw_bytes_held -= entry.raw_bytes
+            self.stats.blocks_held -= 1
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            s = self.stats
+            s.bytes_held = s.raw_bytes_held = s.blocks_held = 0

