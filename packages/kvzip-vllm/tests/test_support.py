@@ -1,0 +1,83 @@
+"""Start-up refusals and the plugin's inertness, without starting vLLM."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvzip_vllm import support
+
+
+def _model(arch="LlamaForCausalLM", dtype=torch.bfloat16, head=64):
+    return SimpleNamespace(architectures=[arch], dtype=dtype, get_head_size=lambda: head)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.1"])
+def test_supported_vllm_versions(version):
+    assert support.check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
+def test_other_vllm_versions_refused(version):
+    with pytest.raises(support.UnsupportedConfigError, match=r"supported: 0\.32\.x, 0\.33\.x"):
+        support.check_vllm_version(version)
+
+
+def test_model_refusals_name_what_is_supported():
+    ok = dict(dtypes=support.SUPPORTED_BACKEND_DTYPES, what="backend",
+              head_sizes=support.SUPPORTED_HEAD_SIZES)
+    support.check_model(_model(), **ok)
+    with pytest.raises(support.UnsupportedConfigError, match="GPT2.*supported: LlamaForCausalLM"):
+        support.check_model(_model(arch="GPT2LMHeadModel"), **ok)
+    with pytest.raises(support.UnsupportedConfigError, match="float32.*supported: bfloat16"):
+        support.check_model(_model(dtype=torch.float32), **ok)
+    with pytest.raises(support.UnsupportedConfigError, match="head size 96.*supported: 64, 128"):
+        support.check_model(_model(head=96), **ok)
+    with pytest.raises(support.UnsupportedConfigError, match="float16.*supported: bfloat16"):
+        support.check_model(_model(dtype=torch.float16), dtypes=support.SUPPORTED_CONNECTOR_DTYPES,
+                            what="connector")
+
+
+def test_parallel_refused():
+    with pytest.raises(support.UnsupportedConfigError, match="tensor_parallel_size=2"):
+        support.check_parallel(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+                               what="connector")
+
+
+def test_plugin_is_inert_without_env(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends import registry
+
+    monkeypatch.delenv("KVZIP_KV_FORMAT", raising=False)
+    before = dict(registry._ATTN_OVERRIDES)
+    importlib.import_module("kvzip_vllm.plugin").register()
+    assert registry._ATTN_OVERRIDES == before
+
+
+def test_plugin_registers_backend_when_enabled(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends import registry
+
+    monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
+    monkeypatch.setattr(registry, "_ATTN_OVERRIDES", dict(registry._ATTN_OVERRIDES))
+    importlib.import_module("kvzip_vllm.plugin").register()
+    assert registry.AttentionBackendEnum.CPU_ATTN.get_path() == \
+        "kvzip_vllm.backend.KvzipAttentionBackend"
+
+
+def test_backend_spec_uses_format_bytes(monkeypatch):
+    pytest.importorskip("vllm")
+    import kvzip_formats
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvzip_vllm.backend import KvzipAttentionBackend
+
+    monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    custom = KvzipAttentionBackend.customize_spec(spec)
+    tbh = kvzip_formats.get_format("int4").token_head_bytes(64)
+    assert custom.page_size_bytes == 32 * 3 * 2 * tbh
+    assert spec.page_size_bytes / custom.page_size_bytes == 256 / (2 * tbh)

