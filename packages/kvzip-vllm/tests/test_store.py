@@ -27,7 +27,7 @@ def test_roundtrip_bit_exact():
     for key, (k, v) in blocks.items():
         outs = [torch.empty_like(k), torch.empty_like(v)]
         assert store.get(key, outs)
-        for got, want in zip(outs, (k, v)):
+        for got, want in zip(outs, (k, v), strict=True):
             diff = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
             assert diff.numel() == 0, f"block {key[:1].hex()} differs at {diff[:5].tolist()}"
     s = store.stats

@@ -70,9 +70,9 @@ def test_plugin_registers_backend_when_enabled(monkeypatch):
 
 def test_backend_spec_uses_format_bytes(monkeypatch):
     pytest.importorskip("vllm")
-    import kvzip_formats
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+    import kvzip_formats
     from kvzip_vllm.backend import KvzipAttentionBackend
 
     monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")

@@ -22,8 +22,9 @@ KV_MEMORY_BYTES = 64 << 20
 
 
 def _llm(**kwargs):
-    from kvzip_eval.model import hf_folder
     from vllm import LLM
+
+    from kvzip_eval.model import hf_folder
 
     return LLM(model=str(hf_folder()), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
                kv_cache_memory_bytes=KV_MEMORY_BYTES, max_num_seqs=4, seed=0, **kwargs)
@@ -78,7 +79,8 @@ def eviction(args) -> dict:
     llm = _llm(enable_prefix_caching=True, block_size=32, kv_transfer_config=KVTransferConfig(
         kv_connector="KvzipConnector", kv_connector_module_path="kvzip_vllm.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"budget_bytes": args.budget_bytes, "stats_path": str(stats_path)}))
+        kv_connector_extra_config={"budget_bytes": args.budget_bytes,
+                                   "stats_path": str(stats_path)}))
     tok = llm.get_tokenizer()
     shared = _prompts(tok, 1, 96)[0]  # 3 blocks of 32 shared by every prompt
     tails = _prompts(tok, 4, 96, offset=1000)

@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
-from kvzip_formats.ops import PagedLayout
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -36,6 +35,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from kvzip_formats.ops import PagedLayout
 from kvzip_vllm import support
 from kvzip_vllm.settings import backend_settings, load_format
 

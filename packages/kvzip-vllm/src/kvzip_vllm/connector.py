@@ -260,7 +260,7 @@ class KvzipConnector(KVConnectorBase_V1):
         if device.type == "cuda":
             from kvzip_vllm.cuda_pipeline import CudaTierPipeline
 
-            self._cuda = CudaTierPipeline(self._store, self._block_views, device)
+            self._cuda = CudaTierPipeline(self._store, self._block_views, device, self._block_size)
 
     def _block_views(self, block_id: int) -> list[torch.Tensor]:
         """K and V of one block, all layers: views ``[num_kv_heads, block_size, head_size]``.

@@ -28,8 +28,10 @@ from kvzip_vllm.store import BlockStore
 
 
 class CudaTierPipeline:
-    def __init__(self, store: BlockStore, block_views: Callable[[int], list], device):
+    def __init__(self, store: BlockStore, block_views: Callable[[int], list], device,
+                 block_size: int):
         self.store = store
+        self.block_size = block_size
         self.block_views = block_views
         self.device = device
         self.load_streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
@@ -67,6 +69,7 @@ class CudaTierPipeline:
         s = self.store.stats
         s.restore_hits += len(hits)
         s.blocks_restored += sum(hits.values())
+        s.tokens_restored += sum(hits.values()) * self.block_size
         s.load_errors += len(failed)
         return failed
 

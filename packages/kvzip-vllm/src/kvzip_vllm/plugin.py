@@ -30,6 +30,7 @@ def register() -> None:
     from kvzip_vllm import support
 
     support.check_vllm_version()
-    slot = AttentionBackendEnum.CPU_ATTN if current_platform.is_cpu() else AttentionBackendEnum.CUSTOM
+    enum = AttentionBackendEnum
+    slot = enum.CPU_ATTN if current_platform.is_cpu() else enum.CUSTOM
     register_backend(slot, BACKEND_PATH)
     logger.info("kvzip: %s set; attention backend %s -> %s", ENV_FORMAT, slot.name, BACKEND_PATH)

@@ -46,7 +46,7 @@ def backend_settings(vllm_config=None) -> BackendSettings:
     name = kvzip.get("kv_format", name)
     calibration = kvzip.get("calibration", calibration)
     if not name:
-        raise ValueError(f"kvzip-vllm: set {ENV_FORMAT} (e.g. {ENV_FORMAT}=4bit) to use the backend")
+        raise ValueError(f"kvzip-vllm: set {ENV_FORMAT} (e.g. {ENV_FORMAT}=4bit) for the backend")
     return BackendSettings(name, calibration)
 
 
