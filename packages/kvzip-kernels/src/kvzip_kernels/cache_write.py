@@ -26,7 +26,7 @@ def _rne(v):
 @triton.jit
 def _int4_write_kernel(
     x_ptr, cache_ptr, cache16_ptr, slot_ptr, stride_xt, stride_xh, num_kv_heads, page_bytes,
-    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -52,7 +52,11 @@ def _int4_write_kernel(
     ce = tl.where(s[:, None] > 0, ce, 0.0).to(tl.uint8)
     co = tl.where(s[:, None] > 0, co, 0.0).to(tl.uint8)
     base = blk * num_kv_heads * page_bytes + h * page_bytes  # int64 [H_P]
-    tl.store(cache_ptr + base[:, None] + t * (D // 2) + j[None, :], ce | (co << 4), mask=hm[:, None])
+    if CHANNEL_MAJOR:  # V pages: byte j of token t at j * PS + t
+        code = base[:, None] + j[None, :] * PS + t
+    else:  # K pages: at t * code_bytes + j
+        code = base[:, None] + t * (D // 2) + j[None, :]
+    tl.store(cache_ptr + code, ce | (co << 4), mask=hm[:, None])
     m16 = (base + PS * (D // 2) + t * 4) // 2  # metadata, in float16 units
     tl.store(cache16_ptr + m16, scale16, mask=hm)
     tl.store(cache16_ptr + m16 + 1, zero16, mask=hm)
@@ -79,7 +83,7 @@ def _e4m3_bits(y):
 @triton.jit
 def _fp8_write_kernel(
     x_ptr, cache_ptr, slot_ptr, stride_xt, stride_xh, num_kv_heads, page_bytes, scale,
-    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -95,7 +99,11 @@ def _fp8_write_kernel(
     y = tl.math.div_rn(x, scale)
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
     base = blk * num_kv_heads * page_bytes + h * page_bytes
-    tl.store(cache_ptr + base[:, None] + t * D + d[None, :], _e4m3_bits(y), mask=hm[:, None])
+    if CHANNEL_MAJOR:
+        code = base[:, None] + d[None, :] * PS + t
+    else:
+        code = base[:, None] + t * D + d[None, :]
+    tl.store(cache_ptr + code, _e4m3_bits(y), mask=hm[:, None])
 
 
 def cache_write(
@@ -142,11 +150,11 @@ def cache_write(
             x = x.float() @ spec.rotation.to(x.device)  # same op as the reference encode
         _int4_write_kernel[(n,)](
             x, cache, cache.view(torch.float16), slot_mapping, x.stride(0), x.stride(1), h,
-            lay.page_bytes, H_P=hp, D=d, PS=block_size, num_warps=2,
+            lay.page_bytes, H_P=hp, D=d, PS=block_size, CHANNEL_MAJOR=kind == "v", num_warps=2,
         )
     else:
         scale = spec.k_scale if kind == "k" else spec.v_scale
         _fp8_write_kernel[(n,)](
             x, cache, slot_mapping, x.stride(0), x.stride(1), h, lay.page_bytes, scale,
-            H_P=hp, D=d, PS=block_size, num_warps=2,
+            H_P=hp, D=d, PS=block_size, CHANNEL_MAJOR=kind == "v", num_warps=2,
         )

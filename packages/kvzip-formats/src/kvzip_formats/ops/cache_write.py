@@ -2,9 +2,10 @@
 
 One layer's K (or V) cache is a ``torch.uint8`` tensor ``[num_blocks, num_kv_heads,
 block_size * token_head_bytes]``. Inside the page of one block and KV head, the code bytes of
-all ``block_size`` tokens come first (token ``t`` at ``t * code_bytes``), then their metadata
-(token ``t`` at ``block_size * code_bytes + t * meta_bytes``). A token's row as the format
-encodes it (``codes || meta``) is thus split in two parts that each stay contiguous per page.
+all ``block_size`` tokens come first, then their metadata (token ``t`` at
+``block_size * code_bytes + t * meta_bytes``). K codes are token-major (byte ``j`` of token
+``t`` at ``t * code_bytes + j``); V codes are channel-major (at ``j * block_size + t``), so
+that each operand of the decode kernel's two matrix products reads consecutive bytes.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ class PagedLayout:
         """Byte offset of the metadata region inside a page."""
         return self.block_size * self.code_bytes
 
-    def codes_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """``[num_blocks, num_kv_heads, block_size, code_bytes]`` view of the code region."""
-        return cache[..., : self.meta_offset].unflatten(-1, (self.block_size, self.code_bytes))
+    def codes_view(self, cache: torch.Tensor, kind: str) -> torch.Tensor:
+        """``[num_blocks, num_kv_heads, block_size, code_bytes]`` view of the code region
+        (for V a transposed view: V pages store their codes channel-major)."""
+        region = cache[..., : self.meta_offset]
+        if kind == "k":
+            return region.unflatten(-1, (self.block_size, self.code_bytes))
+        return region.unflatten(-1, (self.code_bytes, self.block_size)).transpose(-1, -2)
 
     def meta_view(self, cache: torch.Tensor) -> torch.Tensor:
         """``[num_blocks, num_kv_heads, block_size, meta_bytes]`` view of the metadata region."""
@@ -140,19 +145,20 @@ def cache_write(
     rows = fmt.encode(x[keep.to(x.device)], kind=kind, layer=layer).to(cache.device)
     slots = slot_mapping[keep].to(device=cache.device, dtype=torch.int64)
     blk, off = slots // block_size, slots % block_size
-    lay.codes_view(cache)[blk, :, off] = rows[..., : lay.code_bytes]
+    lay.codes_view(cache, kind)[blk, :, off] = rows[..., : lay.code_bytes]
     if lay.meta_bytes:
         lay.meta_view(cache)[blk, :, off] = rows[..., lay.code_bytes :]
 
 
 def gather_rows(
-    cache: torch.Tensor, lay: PagedLayout, block_table_row: torch.Tensor, seq_len: int
+    cache: torch.Tensor, lay: PagedLayout, block_table_row: torch.Tensor, seq_len: int, kind: str
 ) -> torch.Tensor:
     """The packed rows ``[seq_len, kv_heads, token_head_bytes]`` of one sequence, in order."""
     tok = torch.arange(seq_len, device=cache.device)
     blk = block_table_row.to(cache.device, torch.int64)[tok // lay.block_size]
     off = tok % lay.block_size
-    codes = lay.codes_view(cache)[blk, :, off]
+    check_kind(kind)
+    codes = lay.codes_view(cache, kind)[blk, :, off]
     if not lay.meta_bytes:
         return codes
     return torch.cat((codes, lay.meta_view(cache)[blk, :, off]), -1)

@@ -83,10 +83,10 @@ def paged_decode(
         if n <= 0:
             raise FormatError(f"seq_lens[{i}] = {n}; every sequence needs at least one token")
         k = fmt.decode(
-            gather_rows(k_cache, lay, block_table[i], n), kind="k", layer=layer, head_dim=d
+            gather_rows(k_cache, lay, block_table[i], n, "k"), kind="k", layer=layer, head_dim=d
         )
         v = fmt.decode(
-            gather_rows(v_cache, lay, block_table[i], n), kind="v", layer=layer, head_dim=d
+            gather_rows(v_cache, lay, block_table[i], n, "v"), kind="v", layer=layer, head_dim=d
         )
         k = k.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
         v = v.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)
