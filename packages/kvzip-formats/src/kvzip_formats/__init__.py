@@ -18,3 +18,4 @@ __all__ = [
     "list_formats",
     "register_format",
 ]
+from kvzip_formats import compact as _compact  # noqa: F401
