@@ -1,0 +1,63 @@
+"""``kvzip calibrate``: the one-time offline calibration of the compact formats for a model."""
+
+from __future__ import annotations
+
+import os
+
+# Small per-layer ops stall on OpenMP barriers when the 2 cores are shared (see cmd_eval).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import click  # noqa: E402
+
+#: 8 windows of 2,048 tokens: 16k tokens per layer. The statistics are per-channel means and
+#: second moments (3 numbers per channel), which need far fewer tokens than that.
+DEFAULT_WINDOWS = 8
+DEFAULT_LENGTH = 2048
+
+
+@click.command("calibrate")
+@click.option("--model", "model_path", default=None, help="Llama HF folder or .gguf (default: embedded SmolLM2-135M-Instruct).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Output directory (default: ~/.cache/kvzip/calibration/<model identity>, where `kvzip eval` looks).")
+@click.option("--text-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Calibration text (default: the calibration split of pydoc_data.topics).")
+@click.option("--windows", type=click.IntRange(min=1), default=DEFAULT_WINDOWS, show_default=True, help="Token windows to stream.")
+@click.option("--length", type=click.IntRange(min=16), default=DEFAULT_LENGTH, show_default=True, help="Tokens per window (capped at the model's context).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def command(model_path, out_dir, text_file, windows, length, seed) -> None:
+    """Stream calibration text through the model; write calibration.json + .safetensors.
+
+    Calibration uses the "calib" split of the text, disjoint from what `kvzip eval` scores.
+    """
+    import datetime as dt
+    import time
+
+    from kvzip_formats.calibration import CALIBRATION_VERSION
+
+    from kvzip_eval.calibrate import fit
+    from kvzip_eval.corpus import token_windows
+    from kvzip_eval.model import ModelError, cache_dir, load_model
+    from kvzip_eval.results import versions
+
+    t0 = time.perf_counter()
+    try:
+        loaded = load_model(model_path)
+    except ModelError as e:
+        raise click.UsageError(str(e)) from e
+    info = loaded.info
+    length = min(length, info.max_context)
+    try:
+        wins = token_windows(loaded.tokenizer, windows, length, text_file=text_file, split="calib", seed=seed)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    record = {
+        "text": text_file or "pydoc_data.topics",
+        "split": "calib",
+        "seed": seed,
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "versions": versions(),
+    }
+    cal = fit(loaded, wins, fit_record=record)
+    out = cal.save(out_dir or cache_dir() / "calibration" / info.identity)
+    click.echo(
+        f"calibration v{CALIBRATION_VERSION} of {info.name} (identity {info.identity}, "
+        f"{windows} x {length} tokens) written to {out} in {time.perf_counter() - t0:.0f} s"
+    )
