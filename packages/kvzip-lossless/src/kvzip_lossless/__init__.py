@@ -1,5 +1,25 @@
-"""kvzip_lossless."""
+"""kvzip_lossless: bit-exact compression of the bf16 KV cache, on the CPU and the GPU.
+
+>>> import torch, kvzip_lossless as kl
+>>> x = torch.randn(256, 3, 64).bfloat16()
+>>> torch.equal(kl.decompress(kl.compress(x)).view(torch.int16), x.view(torch.int16))
+True
+"""
 
 from kvzip_lossless._version import __version__
+from kvzip_lossless.blob import FORMAT_VERSION, CorruptBlobError
+from kvzip_lossless.codec import compress, decompress
+from kvzip_lossless.tables import Table, TableSet, build_kv_tables, fit_table, kv_slot
 
-__all__ = ["__version__"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CorruptBlobError",
+    "Table",
+    "TableSet",
+    "__version__",
+    "build_kv_tables",
+    "compress",
+    "decompress",
+    "fit_table",
+    "kv_slot",
+]

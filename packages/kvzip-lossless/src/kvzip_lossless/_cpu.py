@@ -1,0 +1,158 @@
+"""Reference CPU coder: interleaved rANS over many lanes at once, in numpy.
+
+One lane per (tile, column): lane state 32 bits, renormalised 16 bits at a time, 12-bit
+probabilities. Every numpy operation in the step loop acts on all lanes of all tiles of a
+blob together, so Python overhead is paid once per row, not once per value.
+Words are stored per chunk of 32 lanes in decoder order (row ascending, lane ascending),
+which is the order a GPU warp reads them with one ballot/prefix count per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvzip_lossless.tables import NSYM, PROB_BITS, Table, symbolize
+
+RANS_L = 1 << 16
+LANES = 32
+MANT_BITS = 7
+
+
+class DecodeError(Exception):
+    """Raised inside the coder; the public layer turns it into CorruptBlobError."""
+
+
+def checksum(vals: np.ndarray) -> np.ndarray:
+    """Per-tile checksum of bf16 bit patterns ``[tiles, n]``: see spec section 6.
+
+    sum over p of fmix32((p * 0x9E3779B1 + v_p) mod 2^32), mod 2^32, p = index in the tile.
+    Position-dependent and a sum, so a GPU computes it with one atomic add per block.
+    """
+    p = np.arange(vals.shape[-1], dtype=np.uint32)
+    h = p * np.uint32(0x9E3779B1) + vals.astype(np.uint32)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h.astype(np.uint64).sum(-1).astype(np.uint32) if h.shape[-1] else np.zeros(
+        vals.shape[:-1], np.uint32)
+
+
+def pack_mantissas(vals: np.ndarray) -> np.ndarray:
+    """7-bit mantissa fields of ``vals[tiles, n]``, MSB first, ``ceil(7n/8)`` bytes per tile."""
+    m = (vals & 0x7F).astype(np.uint8)
+    bits = np.unpackbits(m[..., None], axis=-1)[..., 1:]
+    return np.packbits(bits.reshape(vals.shape[0], -1), axis=-1)
+
+
+def unpack_mantissas(buf: np.ndarray, n: int) -> np.ndarray:
+    bits = np.unpackbits(buf, axis=-1)[..., : MANT_BITS * n]
+    bits = bits.reshape(buf.shape[0], n, MANT_BITS)
+    return np.packbits(np.concatenate([np.zeros_like(bits[..., :1]), bits], -1), axis=-1)[..., 0]
+
+
+def _contexts(sym: np.ndarray, table: Table) -> np.ndarray:
+    """Table row per value: column * n_buckets + bucket(previous row's symbol in the tile)."""
+    nb = table.n_buckets
+    bmap = np.asarray(table.buckets, np.int32)
+    prev = np.zeros_like(sym)
+    prev[:, 1:] = sym[:, :-1]
+    cols = np.arange(sym.shape[-1], dtype=np.int32) * nb
+    return cols + bmap[prev]
+
+
+def encode_tiles(vals: np.ndarray, table: Table):
+    """Encode tiles ``vals[tiles, rows, C]`` (uint16) sharing one row count.
+
+    Returns per tile: word counts ``[tiles, chunks]``, final states ``[tiles, C]`` (uint32),
+    the words of all tiles (uint16, tile-major then chunk, row, lane), escape positions and
+    values, packed mantissas ``[tiles, bytes]`` and checksums ``[tiles]``.
+    """
+    nt, nr, C = vals.shape
+    sym = symbolize(vals, table.base)
+    ctx = _contexts(sym, table)
+    freq = table.freq.reshape(-1, NSYM).astype(np.uint64)[ctx, sym]
+    cum = table.cum().astype(np.uint64)[ctx, sym]
+    x = np.full((nt, C), RANS_L, np.uint64)
+    words = np.zeros((nt, nr, C), np.uint16)
+    emit = np.zeros((nt, nr, C), bool)
+    shift = np.uint64(32 - PROB_BITS)
+    for t in range(nr - 1, -1, -1):
+        f = freq[:, t]
+        e = x >= (f << shift)
+        emit[:, t] = e
+        words[:, t] = x & np.uint64(0xFFFF)
+        x = np.where(e, x >> np.uint64(16), x)
+        q, r = np.divmod(x, f)
+        x = (q << np.uint64(PROB_BITS)) + r + cum[:, t]
+    nch = -(-C // LANES)
+    pad = nch * LANES - C
+    if pad:
+        words = np.pad(words, ((0, 0), (0, 0), (0, pad)))
+        emit = np.pad(emit, ((0, 0), (0, 0), (0, pad)))
+    w4 = words.reshape(nt, nr, nch, LANES).transpose(0, 2, 1, 3)
+    e4 = emit.reshape(nt, nr, nch, LANES).transpose(0, 2, 1, 3)
+    counts = e4.sum(axis=(2, 3)).astype(np.uint32)
+    flat = vals.reshape(nt, nr * C)
+    esc = (sym.reshape(nt, -1) & 15) == 0
+    return dict(counts=counts, states=x.astype(np.uint32), words=w4[e4], escapes=esc,
+                mant=pack_mantissas(flat), checksum=checksum(flat))
+
+
+def decode_tiles(states, counts, words, word_starts, mant, exc, nr: int, table: Table):
+    """Decode tiles of one row count. Raises DecodeError on any inconsistency.
+
+    states ``[tiles, C]`` uint32; counts ``[tiles, chunks]``; words: one uint16 array;
+    word_starts ``[tiles, chunks]`` offsets of each chunk in ``words``; mant ``[tiles, bytes]``;
+    exc: per tile ``(indices, values)``. Returns ``[tiles, nr, C]`` uint16.
+    """
+    nt, C = states.shape
+    nch = -(-C // LANES)
+    x = states.astype(np.uint64)
+    if ((x < RANS_L) | (x >= (1 << 32))).any():
+        raise DecodeError("lane state out of range")
+    nb = table.n_buckets
+    bmap = np.asarray(table.buckets, np.int64)
+    lut = table.lut()
+    freq = table.freq.reshape(-1, NSYM).astype(np.uint64)
+    cum = table.cum().astype(np.uint64)
+    colctx = np.arange(C, dtype=np.int64) * nb
+    ptr = word_starts.astype(np.int64).copy()
+    end = ptr + counts.astype(np.int64)
+    sym = np.zeros((nt, nr, C), np.uint8)
+    prev = np.zeros((nt, C), np.int64)
+    mask = np.uint64((1 << PROB_BITS) - 1)
+    lanepad = nch * LANES - C
+    wlen = len(words)
+    bad = False
+    for t in range(nr):
+        ctx = colctx + bmap[prev]
+        slot = x & mask
+        s = lut[ctx, slot.astype(np.int64)]
+        x = freq[ctx, s] * (x >> np.uint64(PROB_BITS)) + slot - cum[ctx, s]
+        need = x < RANS_L
+        n4 = np.pad(need, ((0, 0), (0, lanepad))).reshape(nt, nch, LANES)
+        excl = np.cumsum(n4, axis=-1) - n4
+        pos = (ptr[..., None] + excl).reshape(nt, -1)[:, :C]
+        ptr += n4.sum(-1)
+        if need.any():
+            pos_n = pos[need]
+            bad |= bool((pos_n >= wlen).any())
+            w = words[np.minimum(pos_n, max(wlen - 1, 0))] if wlen else np.zeros_like(pos_n)
+            x[need] = (x[need] << np.uint64(16)) | w.astype(np.uint64)
+        sym[:, t] = s
+        prev = s.astype(np.int64)
+    if bad or (ptr != end).any() or (x != RANS_L).any():
+        raise DecodeError("rANS stream does not decode to its recorded end (truncated or damaged)")
+    es = (sym & 15).astype(np.int32)
+    e = es + table.base.astype(np.int32) - 12
+    mants = unpack_mantissas(mant, nr * C).reshape(nt, nr, C).astype(np.int32)
+    vals = ((sym >> 4).astype(np.int32) << 15) | ((e & 255) << 7) | mants
+    vals = vals.astype(np.uint16).reshape(nt, nr * C)
+    esc = (es == 0).reshape(nt, nr * C)
+    for i, (idx, v) in enumerate(exc):
+        if len(idx) != int(esc[i].sum()) or (len(idx) and not esc[i][idx].all()):
+            raise DecodeError("escape list does not match the escape symbols")
+        vals[i, idx] = v
+    return vals.reshape(nt, nr, C)

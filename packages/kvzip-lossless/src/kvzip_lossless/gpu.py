@@ -1,0 +1,374 @@
+"""GPU coder (Triton, imported lazily): the same bytes as the CPU coder, one warp per chunk.
+
+A program owns one chunk: 32 lanes (columns) of one tile. Each step handles one row: a lane
+finds its symbol by a 5-step binary search in its context's packed ``cum << 16 | freq`` row
+(128 bytes, L1-resident), renormalises, and the lanes that need a word take consecutive words
+through a prefix sum over the 32 lanes (what a warp ballot does). Triton reaches this with no
+shared-memory tables: a chunk touches at most 32 columns x 8 buckets x 128 B = 32 KB of table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvzip_lossless import _cpu
+from kvzip_lossless.blob import MODE_RANS, MODE_RAW, CorruptBlobError, Header, tile_layout
+from kvzip_lossless.tables import MODE_SLOT, PROB_BITS, Table
+
+try:  # Triton comes with CUDA builds of torch; the CPU package never needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+
+LANES = 32
+
+
+def available() -> bool:
+    import os
+
+    return triton is not None and (torch.cuda.is_available() or
+                                   os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fmix(h):
+        h = h ^ (h >> 16)
+        h = h * 0x85EBCA6B
+        h = h ^ (h >> 13)
+        h = h * 0xC2B2AE35
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _symbol(v, colbase):
+        es = ((v >> 7) & 255) - colbase + MODE_SLOT_C
+        es = tl.where((es >= 1) & (es <= 15), es, 0)
+        return (v >> 15) * 16 + es
+
+    MODE_SLOT_C = tl.constexpr(MODE_SLOT)
+
+    @triton.jit
+    def _decode_kernel(blob8, blob16, blob32, tab, bmap, base, desc, out16, sums, err, C, NB):
+        pid = tl.program_id(0)
+        d = desc + pid * 8
+        state_off = tl.load(d)
+        word_off = tl.load(d + 1)
+        n_words = tl.load(d + 2).to(tl.int32)
+        mant_off = tl.load(d + 3)
+        out_off = tl.load(d + 4)
+        nr = tl.load(d + 5).to(tl.int32)
+        col0 = tl.load(d + 6).to(tl.int32)
+        tile = tl.load(d + 7)
+        lanes = tl.arange(0, 32)
+        col = col0 + lanes
+        lm = col < C
+        x = tl.load(blob32 + state_off + col, mask=lm, other=65536).to(tl.uint32)
+        colbase = tl.load(base + col, mask=lm, other=0).to(tl.int32)
+        ctx0 = col * NB
+        prev = tl.zeros([32], tl.int32)
+        ptr = n_words * 0
+        bad = n_words * 0
+        acc = tl.zeros([32], tl.uint32)
+        golden = tl.full([32], 0x9E3779B1, tl.uint32)
+        for t in range(nr):
+            b = tl.load(bmap + prev)
+            row = (ctx0 + b) * 32
+            slot = (x & 4095).to(tl.int32)
+            s = tl.zeros([32], tl.int32)
+            for k in tl.static_range(5):
+                step = 16 >> k
+                e = tl.load(tab + row + s + step, mask=lm, other=0)
+                s = tl.where((e >> 16) <= slot, s + step, s)
+            e = tl.load(tab + row + s, mask=lm, other=1)
+            cum = (e >> 16).to(tl.uint32)
+            f = (e & 0xFFFF).to(tl.uint32)
+            x = f * (x >> 12) + slot.to(tl.uint32) - cum
+            need = (x < 65536) & lm
+            ni = need.to(tl.int32)
+            pos = ptr + tl.cumsum(ni, 0) - ni
+            okp = pos < n_words
+            bad = bad + tl.sum((need & (pos >= n_words)).to(tl.int32), 0)
+            w = tl.load(blob16 + word_off + pos, mask=need & okp, other=0).to(tl.int32) & 0xFFFF
+            x = tl.where(need, (x << 16) | w.to(tl.uint32), x)
+            ptr = ptr + tl.sum(ni, 0)
+            es = s & 15
+            ex = (es + colbase - MODE_SLOT_C) & 255
+            p = t * C + col
+            bit = p.to(tl.int64) * 7
+            byte = mant_off + (bit >> 3)
+            b0 = tl.load(blob8 + byte, mask=lm, other=0).to(tl.int32)
+            b1 = tl.load(blob8 + byte + 1, mask=lm, other=0).to(tl.int32)
+            m = (((b0 << 8) | b1) >> (9 - (bit & 7).to(tl.int32))) & 127
+            v = ((s >> 4) << 15) | (ex << 7) | m
+            tl.store(out16 + out_off + p, v.to(tl.int16), mask=lm)
+            h = _fmix(p.to(tl.uint32) * golden + v.to(tl.uint32))
+            acc += tl.where(lm & (es != 0), h, 0)
+            prev = s
+        bad = bad + tl.sum(((x != 65536) & lm).to(tl.int32), 0) + (ptr != n_words).to(tl.int32)
+        tl.atomic_add(sums + tile, tl.sum(acc, 0).to(tl.int32, bitcast=True))
+        tl.store(err + pid, bad)
+
+    @triton.jit
+    def _encode_kernel(in16, tab, bmap, base, desc, scratch16, counts, states, C, NB, RPT):
+        pid = tl.program_id(0)
+        d = desc + pid * 4
+        in_off = tl.load(d)
+        nr = tl.load(d + 1).to(tl.int32)
+        col0 = tl.load(d + 2).to(tl.int32)
+        state_off = tl.load(d + 3)
+        lanes = tl.arange(0, 32)
+        col = col0 + lanes
+        lm = col < C
+        colbase = tl.load(base + col, mask=lm, other=0).to(tl.int32)
+        ctx0 = col * NB
+        x = tl.full([32], 65536, tl.uint32)
+        cnt = nr * 0
+        sbase = pid.to(tl.int64) * RPT * 32
+        v = tl.load(in16 + in_off + (nr - 1) * C + col, mask=lm, other=0).to(tl.int32) & 0xFFFF
+        cur = _symbol(v, colbase)
+        for i in range(nr):
+            t = nr - 1 - i
+            vp = tl.load(in16 + in_off + (t - 1) * C + col, mask=lm & (t > 0), other=0)
+            sp = tl.where(t > 0, _symbol(vp.to(tl.int32) & 0xFFFF, colbase), 0)
+            b = tl.load(bmap + sp)
+            e = tl.load(tab + (ctx0 + b) * 32 + cur, mask=lm, other=1)
+            cum = (e >> 16).to(tl.uint32)
+            f = (e & 0xFFFF).to(tl.uint32)
+            emit = (x >= (f << 20)) & lm
+            ni = emit.to(tl.int32)
+            tot = tl.sum(ni, 0)
+            rev = cnt + tot - tl.cumsum(ni, 0)
+            tl.store(scratch16 + sbase + rev, (x & 0xFFFF).to(tl.int32).to(tl.int16), mask=emit)
+            cnt = cnt + tot
+            x = tl.where(emit, x >> 16, x)
+            q = x // f
+            x = (q << 12) + (x - q * f) + cum
+            cur = sp
+        tl.store(states + state_off + col, x.to(tl.int32, bitcast=True), mask=lm)
+        tl.store(counts + pid, cnt)
+
+
+_dev_tables: dict = {}
+
+
+def _table_tensors(table: Table, device):
+    key = (id(table), str(device))
+    if key not in _dev_tables:
+        _dev_tables[key] = (
+            torch.from_numpy(table.packed().astype(np.int32)).to(device),
+            torch.tensor(table.buckets, dtype=torch.int32, device=device),
+            torch.from_numpy(table.base.astype(np.int32)).to(device),
+            table,  # keep alive so id() stays unique
+        )
+    return _dev_tables[key][:3]
+
+
+def decode_plan(buf: memoryview, h: Header):
+    """CPU side of a GPU decode: chunk descriptors, raw tiles and escape patches.
+
+    Returns (desc int64 [chunks, 8], expected kernel sums per tile (uint32, escapes' share
+    removed), raw tiles [(tile, byte offset, n values)], escape indices (in the tensor) and
+    values).
+    """
+    cols = h.columns
+    nch = -(-cols // LANES)
+    arr = np.frombuffer(buf, np.uint8)
+    offs = h.offsets()
+    descs, raw, eidx, evals = [], [], [], []
+    expect = h.checksums.astype(np.uint32).copy()
+    for ti in range(h.n_tiles):
+        nr = h.tile_rows(ti)
+        nv = nr * cols
+        o = int(offs[ti])
+        out_off = ti * h.rows_per_tile * cols
+        if h.modes[ti] == MODE_RAW:
+            if h.lengths[ti] != (2 * nv + 3) & ~3:
+                raise CorruptBlobError(f"raw tile {ti}: length {h.lengths[ti]} wrong")
+            raw.append((ti, o, nv, out_off))
+            continue
+        ne = int(h.n_exc[ti])
+        lay = tile_layout(nv, cols, ne)
+        c = arr[o:o + 4 * nch].view("<u4").astype(np.int64)
+        if (lay["words"] + 2 * int(c.sum()) + 3) & ~3 != h.lengths[ti]:
+            raise CorruptBlobError(f"tile {ti}: word counts do not match its length")
+        idx = arr[o + lay["exc_idx"]:o + lay["exc_val"]].view("<u4").astype(np.int64)
+        if ne and (idx.max() >= nv or (np.diff(idx) <= 0).any()):
+            raise CorruptBlobError(f"tile {ti}: escape positions out of range or unsorted")
+        ev = arr[o + lay["exc_val"]:o + lay["mant"]].view("<u2")
+        if ne:
+            p = idx.astype(np.uint32) * np.uint32(0x9E3779B1) + ev.astype(np.uint32)
+            expect[ti] = np.uint32((int(expect[ti]) - _mix_sum(p)) & 0xFFFFFFFF)
+            eidx.append(idx + out_off)
+            evals.append(ev)
+        wstart = (o + lay["words"]) // 2 + np.concatenate([[0], np.cumsum(c)[:-1]])
+        for ch in range(nch):
+            descs.append((o // 4 + nch, wstart[ch], c[ch], o + lay["mant"], out_off, nr,
+                          ch * LANES, ti))
+    desc = np.array(descs, np.int64).reshape(-1, 8)
+    e_i = np.concatenate(eidx) if eidx else np.zeros(0, np.int64)
+    e_v = np.concatenate(evals) if evals else np.zeros(0, np.uint16)
+    return desc, expect, raw, e_i, e_v
+
+
+def _mix_sum(h: np.ndarray) -> int:
+    h = h.astype(np.uint32)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return int(h.astype(np.uint64).sum() & 0xFFFFFFFF)
+
+
+class GpuBlob:
+    """A blob staged on the GPU with its decode plan (reusable: the restore pipeline stages
+    the plan once and streams the bytes)."""
+
+    def __init__(self, buf: memoryview, h: Header, table: Table, device):
+        self.h, self.table, self.device = h, table, device
+        desc, expect, raw, ei, ev = decode_plan(buf, h)
+        self.desc = torch.from_numpy(desc).to(device)
+        self.expect = torch.from_numpy(expect.view(np.int32)).to(device)
+        self.raw, self.n_chunks = raw, len(desc)
+        self.eidx = torch.from_numpy(ei).to(device)
+        self.evals = torch.from_numpy(ev.view(np.int16)).to(device)
+
+    def decode(self, blob_dev: torch.Tensor, out: torch.Tensor, check: bool = True):
+        """Decode from ``blob_dev`` (uint8 on the GPU) into ``out``; returns a device flag
+        tensor (nonzero = damaged) without synchronising unless ``check``."""
+        h = self.h
+        tab, bmap, base = _table_tensors(self.table, self.device)
+        o16 = out.view(-1).view(torch.int16)
+        sums = torch.zeros(h.n_tiles, dtype=torch.int32, device=self.device)
+        err = torch.zeros(max(self.n_chunks, 1), dtype=torch.int32, device=self.device)
+        if self.n_chunks:
+            _decode_kernel[(self.n_chunks,)](
+                blob_dev, blob_dev.view(torch.int16), blob_dev.view(torch.int32), tab, bmap, base,
+                self.desc, o16, sums, err, h.columns, self.table.n_buckets, num_warps=1)
+        for ti, o, nv, out_off in self.raw:
+            seg = blob_dev[o:o + 2 * nv].view(torch.int16)
+            o16[out_off:out_off + nv] = seg
+            sums[ti] = _gpu_checksum(seg).to(torch.int32)
+        if self.eidx.numel():
+            o16[self.eidx] = self.evals
+        flag = err.sum() + (sums != self.expect).sum()
+        if check and int(flag):
+            raise CorruptBlobError("GPU decode: checksum or stream check failed (damaged blob)")
+        return flag
+
+
+def _gpu_checksum(seg16: torch.Tensor) -> torch.Tensor:
+    v = seg16.to(torch.int64) & 0xFFFF
+    p = torch.arange(v.numel(), device=v.device, dtype=torch.int64)
+    h = (p * 0x9E3779B1 + v) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    s = h.sum() & 0xFFFFFFFF
+    return torch.where(s >= 1 << 31, s - (1 << 32), s)
+
+
+def decompress(buf: memoryview, h: Header, table: Table, *, device, out=None) -> torch.Tensor:
+    gb = GpuBlob(buf, h, table, device)
+    blob_dev = torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(device)
+    if out is None:
+        out = torch.empty(h.shape, dtype=torch.bfloat16, device=device)
+    gb.decode(blob_dev, out, check=True)
+    return out
+
+
+def encode_parts(x: torch.Tensor, table: Table, cols: int, rows_per_tile: int):
+    """Run the GPU encoder; returns device tensors for every tile (no host transfer)."""
+    dev = x.device
+    flat16 = x.contiguous().view(-1).view(torch.int16)
+    rows = flat16.numel() // cols
+    tab, bmap, base = _table_tensors(table, dev)
+    nch = -(-cols // LANES)
+    n_tiles = -(-rows // rows_per_tile)
+    ti = torch.arange(n_tiles, dtype=torch.int64)
+    nr = torch.clamp(rows - ti * rows_per_tile, max=rows_per_tile)
+    desc = torch.stack([
+        (ti * rows_per_tile * cols).repeat_interleave(nch), nr.repeat_interleave(nch),
+        (torch.arange(nch) * LANES).repeat(n_tiles), (ti * cols).repeat_interleave(nch)], 1)
+    desc = desc.to(dev).contiguous()
+    n_prog = n_tiles * nch
+    scratch = torch.empty(n_prog * rows_per_tile * LANES, dtype=torch.int16, device=dev)
+    counts = torch.empty(n_prog, dtype=torch.int32, device=dev)
+    states = torch.empty(n_tiles * cols, dtype=torch.int32, device=dev)
+    _encode_kernel[(n_prog,)](flat16, tab, bmap, base, desc, scratch, counts, states, cols,
+                              table.n_buckets, rows_per_tile, num_warps=1)
+    # words in decoder order: chunk c's j-th word is scratch[c * RPT * 32 + count_c - 1 - j]
+    c64 = counts.to(torch.int64)
+    starts = torch.cumsum(c64, 0) - c64
+    total = int(c64.sum())
+    ch_of = torch.repeat_interleave(torch.arange(n_prog, device=dev), c64, output_size=total)
+    local = torch.arange(total, device=dev) - starts[ch_of]
+    words = scratch[ch_of * rows_per_tile * LANES + c64[ch_of] - 1 - local]
+    v = flat16.to(torch.int32) & 0xFFFF
+    colidx = torch.arange(flat16.numel(), device=dev) % cols
+    es = ((v >> 7) & 255) - base[colidx] + MODE_SLOT
+    esc = (es < 1) | (es > 15)
+    mant = _pack_mant_gpu(v, rows, cols, rows_per_tile)
+    sums = _tile_checksums_gpu(v, rows, cols, rows_per_tile)
+    return dict(counts=counts, states=states, words=words, esc=esc, mant=mant, sums=sums,
+                n_tiles=n_tiles, nch=nch, rows=rows)
+
+
+def _pack_mant_gpu(v, rows, cols, rpt):
+    out = []
+    for t0 in range(0, rows, rpt):
+        seg = v[t0 * cols:min(rows, t0 + rpt) * cols] & 127
+        n = seg.numel()
+        g = torch.nn.functional.pad(seg.to(torch.int64), (0, (-n) % 8)).view(-1, 8)
+        sh = torch.arange(7, -1, -1, device=v.device) * 7
+        w = (g << sh).sum(1)
+        bsh = torch.arange(6, -1, -1, device=v.device) * 8
+        out.append(((w[:, None] >> bsh) & 255).to(torch.uint8).view(-1)[:(7 * n + 7) // 8])
+    return out
+
+
+def _tile_checksums_gpu(v, rows, cols, rpt):
+    sums = []
+    for t0 in range(0, rows, rpt):
+        seg = v[t0 * cols:min(rows, t0 + rpt) * cols]
+        sums.append(_gpu_checksum(seg) & 0xFFFFFFFF)
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def compress(x: torch.Tensor, *, tables=None, slot=None, rows_per_tile: int) -> bytes:
+    """GPU encode, then the blob assembled on the host (the same bytes as the CPU path)."""
+    from kvzip_lossless import codec
+
+    shape = tuple(int(s) for s in x.shape)
+    table = codec._resolve_table(tables, slot, shape, math.prod(shape))
+    # Without a table set the embedded table is fitted on the host from the values.
+    vals = codec._as_u16(x) if table is None else None
+    table, cols, table_id, slot_, embedded = codec.prepare_table(vals, shape, table, tables, slot)
+    p = encode_parts(x, table, cols, rows_per_tile)
+    return assemble_host(x, p, shape, cols, rows_per_tile, table_id, slot_, embedded)
+
+
+def assemble_host(x, p, shape, cols, rpt, table_id, slot, embedded) -> bytes:
+    from kvzip_lossless import codec
+
+    vals = codec._as_u16(x)
+    counts = p["counts"].cpu().numpy().view(np.uint32).reshape(p["n_tiles"], p["nch"])
+    states = p["states"].cpu().numpy().view(np.uint32).reshape(p["n_tiles"], cols)
+    words = p["words"].cpu().numpy().view(np.uint16)
+    esc = p["esc"].cpu().numpy()
+    sums = p["sums"].cpu().numpy()
+    woff = np.concatenate([[0], np.cumsum(counts.sum(1, dtype=np.int64))])
+    parts = []
+    for i in range(p["n_tiles"]):
+        a, b = i * rpt * cols, min(p["rows"], (i + 1) * rpt) * cols
+        parts.append(dict(vals=vals[a:b], counts=counts[i], states=states[i],
+                          words=words[woff[i]:woff[i + 1]], escapes=np.flatnonzero(esc[a:b]),
+                          mant=p["mant"][i].cpu().numpy(), checksum=int(sums[i])))
+    return codec.assemble(shape, cols, rpt, table_id, slot, embedded, parts)
