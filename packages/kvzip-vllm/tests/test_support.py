@@ -81,3 +81,30 @@ def test_backend_spec_uses_format_bytes(monkeypatch):
     tbh = kvzip_formats.get_format("int4").token_head_bytes(64)
     assert custom.page_size_bytes == 32 * 3 * 2 * tbh
     assert spec.page_size_bytes / custom.page_size_bytes == 256 / (2 * tbh)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"dtype": torch.float16}, "dtype torch.float16 is not supported; supported: bfloat16"),
+        ({"arch": "GPT2LMHeadModel"}, "supported: LlamaForCausalLM"),
+        ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
+        ({"tp": 2}, "tensor_parallel_size=2"),
+    ],
+)
+def test_connector_refuses_unsupported_setups_at_start(change, match):
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvzip_vllm.connector import KvzipConnector
+
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(get_from_extra_config=lambda k, d: d),
+        model_config=_model(arch=change.get("arch", "LlamaForCausalLM"),
+                            dtype=change.get("dtype", torch.bfloat16)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=change.get("tp", 1),
+                                        pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype=change.get("cache_dtype", "auto"), block_size=16),
+    )
+    with pytest.raises(support.UnsupportedConfigError, match=match):
+        KvzipConnector(cfg, KVConnectorRole.WORKER, None)

@@ -87,7 +87,8 @@ def test_connector_evicts_and_never_serves_a_wrong_prefix(tmp_path):
 @cache
 def _calibration(fmt: str) -> str | None:
     """A calibration directory for ``fmt`` if it needs one: ``KVZIP_TEST_CALIBRATION``, else
-    ``kvzip calibrate`` on the embedded model, made once into ~/.cache/kvzip/calibration."""
+    ``kvzip calibrate`` on the embedded model (4 windows of 1,024 tokens: the fitted statistics
+    are per-channel means and second moments), made once into ~/.cache/kvzip/calibration."""
     import kvzip_formats
     from kvzip_formats.calibration import CalibrationError
 
@@ -101,11 +102,12 @@ def _calibration(fmt: str) -> str | None:
         return given
     from kvzip_eval.model import cache_dir
 
-    out = cache_dir() / "calibration" / "embedded-test"
+    out = cache_dir() / "calibration" / "vllm-test"
     try:
         kvzip_formats.get_format(fmt, calibration=out)
     except (CalibrationError, OSError, ValueError):
-        _run(["-m", "kvzip_eval.cli", "calibrate", "--out", str(out)])
+        _run(["-m", "kvzip_eval.cli", "calibrate", "--windows", "4", "--length", "1024",
+              "--out", str(out)])
         kvzip_formats.get_format(fmt, calibration=out)  # raises if still unusable
     return str(out)
 
