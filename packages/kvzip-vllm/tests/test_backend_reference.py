@@ -19,7 +19,6 @@ pytest.importorskip("vllm")
 
 import kvzip_formats  # noqa: E402
 from kvzip_formats.ops import PagedLayout  # noqa: E402
-
 from kvzip_vllm.backend import KvzipAttentionImpl, KvzipAttentionMetadata  # noqa: E402
 
 
