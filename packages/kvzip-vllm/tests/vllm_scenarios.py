@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-if os.environ.get("KVZIP_LOSSLESS_STANDIN"):  # DEV ONLY, removed before the end
-    exec(open("/tmp/kvw/standin.py").read())
 
 KV_MEMORY_BYTES = 64 << 20
 
