@@ -208,7 +208,8 @@ def main():
                 _, _, (kp, vp) = pools["fp8"]
                 kv5 = torch.empty(P, 2, ps, hkv, d, dtype=torch.uint8, device=dev)
                 kv5[:, 0].copy_(kp.view(P, hkv, ps, d).permute(0, 2, 1, 3))
-                kv5[:, 1].copy_(vp.view(P, hkv, ps, d).permute(0, 2, 1, 3))
+                # our V pages are channel-major ([d, ps] per page and head; spec/paged_layout.md)
+                kv5[:, 1].copy_(vp.view(P, hkv, d, ps).permute(0, 3, 1, 2))
                 kv5 = kv5.view(torch.float8_e4m3fn)
             torch.cuda.synchronize()
             for B in a.batches:
