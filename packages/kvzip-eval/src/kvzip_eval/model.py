@@ -192,7 +192,11 @@ def _strip_quantization(config_json: Path) -> None:
 
 def _info(config, name: str, source: Path, folder: Path) -> ModelInfo:
     weights = [f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin")]
-    config_text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    # Leave out where the folder lies and which transformers wrote it: the same weights and
+    # config must give the same identity from any cache location.
+    cfg = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+    cfg.pop("transformers_version", None)
+    config_text = json.dumps(cfg, sort_keys=True, default=str)
     num_q = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q
     return ModelInfo(

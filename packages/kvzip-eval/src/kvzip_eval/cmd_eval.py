@@ -1,0 +1,235 @@
+"""``kvzip eval``: quality of KV-cache formats (KL, words changed, retrieval)."""
+
+from __future__ import annotations
+
+import os
+
+# Small ops (a format's per-token round trip during decode) wait ~20 ms on each OpenMP
+# barrier when the 2 cores are shared with other work and threads spin (measured: a
+# [3,64]@[64,64] matmul 23 ms vs 32 us with PASSIVE; large matmuls unchanged). Must be set
+# before torch starts its thread pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import click  # noqa: E402
+
+from kvzip_eval.quality.suite import PRESETS  # noqa: E402
+
+_PRESET_HELP = "; ".join(
+    f"{k}: KL {v.kl_windows}x{v.kl_length or 'context'} tokens, {v.prompts} prompts x "
+    f"{v.new_tokens} tokens, retrieval {v.retrieval_samples} per task at "
+    f"{','.join(str(L or 'context') for L in v.retrieval_lengths)}"
+    for k, v in PRESETS.items()
+)
+
+
+def _int_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def resolve_formats(names: list[str], calibration, info) -> dict:
+    """Instantiate the formats; calibrated ones take ``calibration`` (a directory)."""
+    from kvzip_eval.model import cache_dir
+    from kvzip_formats import FormatError, get_format, list_formats
+
+    known = list_formats()
+    out = {}
+    for name in names:
+        if name not in known:
+            raise click.BadParameter(
+                f"unknown format {name!r}; registered: {', '.join(known)}", param_hint="--formats"
+            )
+        calib = calibration
+        if calib is None:
+            default = cache_dir() / "calibration" / info.identity
+            calib = default if default.is_dir() else None
+        try:
+            fmt = get_format(name, calibration=calib)
+        except (FormatError, FileNotFoundError) as e:
+            raise click.UsageError(
+                f"format {name!r} could not be set up ({e}); formats that need a calibration "
+                f"take it from --calibration DIR (made by `kvzip calibrate` for this model)"
+            ) from e
+        if getattr(fmt, "needs_calibration", False) and calib is None:
+            raise click.UsageError(
+                f"format {name!r} needs a calibration for model {info.name}: run `kvzip "
+                f"calibrate` and pass --calibration DIR"
+            )
+        out[name] = fmt
+    return out
+
+
+@click.command("eval")
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    help="Llama HF folder or .gguf (default: embedded SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--formats", default=None, help="Comma-separated formats (default: every registered one)."
+)
+@click.option("--quick", "preset", flag_value="quick", help="About a minute: for tests and checks.")
+@click.option("--full", "preset", flag_value="full", help="The settings of the published numbers.")
+@click.option(
+    "--text-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Held-out text (default: Python's pydoc_data.topics).",
+)
+@click.option(
+    "--prompts-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help='JSON lines {"prompt": ...} for words changed.',
+)
+@click.option(
+    "--calibration",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Calibration directory for the formats that need one.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the results as JSON.",
+)
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write report.md and PNG plots here.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--kl-windows", type=int, default=None, help="Override: KL windows.")
+@click.option(
+    "--kl-length", type=int, default=None, help="Override: KL window tokens (0 = model context)."
+)
+@click.option(
+    "--prompts", "n_prompts", type=int, default=None, help="Override: prompts for words changed."
+)
+@click.option("--new-tokens", type=int, default=None, help="Override: greedy tokens per prompt.")
+@click.option(
+    "--retrieval-lengths",
+    callback=_int_list,
+    default=None,
+    help="Override: e.g. 1024,2048,0 (0 = model context).",
+)
+@click.option(
+    "--retrieval-samples", type=int, default=None, help="Override: samples per task and length."
+)
+@click.option("--tasks", default=None, help="Override: retrieval tasks, comma-separated.")
+@click.option(
+    "--batch-size", type=int, default=None, help="Override: prompts per generation batch."
+)
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def command(
+    model_path,
+    formats,
+    preset,
+    text_file,
+    prompts_file,
+    calibration,
+    json_path,
+    report_dir,
+    seed,
+    kl_windows,
+    kl_length,
+    n_prompts,
+    new_tokens,
+    retrieval_lengths,
+    retrieval_samples,
+    tasks,
+    batch_size,
+    no_progress,
+):
+    """Quality of KV-cache formats: KL at every position, words changed, multi-key retrieval.
+
+    Every attention layer reads K and V through each format's encode + decode, next to a
+    bf16 reference on the same windows, prompts and seeds. Presets:"""
+    from dataclasses import replace
+
+    from kvzip_eval.model import ModelError, load_model
+    from kvzip_eval.quality.report import SUMMARY_COLUMNS, summary_rows, write_report
+    from kvzip_eval.quality.suite import run_suite, settings_dict
+    from kvzip_eval.results import markdown_table, provenance, write_json
+    from kvzip_formats import FormatError, list_formats
+
+    s = PRESETS[preset or "default"]
+    over = {
+        "kl_windows": kl_windows,
+        "kl_length": kl_length,
+        "prompts": n_prompts,
+        "new_tokens": new_tokens,
+        "retrieval_lengths": retrieval_lengths,
+        "retrieval_samples": retrieval_samples,
+        "gen_batch": batch_size,
+        "tasks": tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
+    }
+    s = replace(s, seed=seed, **{k: v for k, v in over.items() if v is not None})
+    for k in ("kl_windows", "prompts", "new_tokens", "retrieval_samples", "gen_batch"):
+        if getattr(s, k) < 1:
+            raise click.BadParameter(f"{k.replace('_', '-')} must be >= 1, got {getattr(s, k)}")
+
+    from kvzip_eval.quality.retrieval import TASKS
+
+    bad = [t for t in s.tasks if t not in TASKS]
+    if bad or not s.tasks:
+        raise click.BadParameter(
+            f"unknown tasks {bad}; tasks: {', '.join(TASKS)}", param_hint="--tasks"
+        )
+    try:
+        loaded = load_model(model_path)
+    except ModelError as e:
+        raise click.UsageError(str(e)) from e
+    names = [f.strip() for f in formats.split(",") if f.strip()] if formats else list_formats()
+    fmts = resolve_formats(names, calibration, loaded.info)
+    try:
+        body, used = run_suite(
+            loaded,
+            fmts,
+            s,
+            text_file=text_file,
+            prompts_file=prompts_file,
+            progress=not no_progress,
+        )
+    except FormatError as e:
+        raise click.UsageError(str(e)) from e
+    except ValueError as e:  # text too short, bad prompts file: the user's input
+        raise click.UsageError(str(e)) from e
+
+    info = loaded.info
+    result = {
+        "model": {
+            "name": info.name,
+            "source": info.source,
+            "identity": info.identity,
+            "num_layers": info.num_layers,
+            "num_q_heads": info.num_q_heads,
+            "num_kv_heads": info.num_kv_heads,
+            "head_dim": info.head_dim,
+            "max_context": info.max_context,
+        },
+        "text": text_file or "pydoc_data.topics",
+        "preset": preset or "default",
+        "settings": settings_dict(used),
+        **body,
+        "provenance": provenance(),
+    }
+    click.echo(markdown_table(summary_rows(result), SUMMARY_COLUMNS))
+    if json_path:
+        write_json(json_path, result)
+        click.echo(f"wrote {json_path}")
+    if report_dir:
+        path = write_report(result, report_dir, fmts)
+        click.echo(f"wrote {path}")
+
+
+command.help += _PRESET_HELP + "."

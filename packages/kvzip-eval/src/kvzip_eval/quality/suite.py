@@ -1,0 +1,262 @@
+"""One evaluation run: KL, words changed and retrieval for several formats on the same inputs.
+
+Settings presets (times measured on the 2-core development machine while other jobs shared
+it, see results/quality/): ``quick`` for tests and checks, ``default`` for a first look,
+``full`` for published numbers. design.md's protocol asks for windows of the model's full
+context; on 2 CPU cores an 8,192-token forward of SmolLM2-135M takes ~1-2 minutes (attention
+is quadratic: 2,048 tokens take ~8-15 s), so ``default`` uses shorter windows and ``full``
+is sized to finish in ~40 minutes for the five baselines; every count can be raised with
+the command's options (on a GPU, the whole protocol takes minutes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from tqdm.auto import tqdm
+
+from kvzip_eval.corpus import token_windows
+from kvzip_eval.quality import kl as kl_mod
+from kvzip_eval.quality import retrieval, words
+from kvzip_eval.quality.generate import generate
+
+
+@dataclass(frozen=True)
+class Settings:
+    kl_windows: int
+    kl_length: int  # 0 = the model's context length
+    prompts: int
+    passage_tokens: int
+    new_tokens: int
+    retrieval_lengths: tuple[int, ...]  # 0 = the model's context length
+    retrieval_samples: int
+    tasks: tuple[str, ...] = retrieval.TASKS
+    gen_batch: int = 8
+    seed: int = 0
+
+    def resolved(self, max_context: int) -> Settings:
+        """Lengths of 0 (or beyond the model) become the model's context length."""
+        kl_len = self.kl_length if 0 < self.kl_length <= max_context else max_context
+        lens = sorted({L if 0 < L <= max_context else max_context for L in self.retrieval_lengths})
+        return replace(self, kl_length=kl_len, retrieval_lengths=tuple(lens))
+
+
+PRESETS = {
+    "quick": Settings(
+        kl_windows=1,
+        kl_length=256,
+        prompts=2,
+        passage_tokens=64,
+        new_tokens=16,
+        retrieval_lengths=(512,),
+        retrieval_samples=1,
+    ),
+    "default": Settings(
+        kl_windows=2,
+        kl_length=1024,
+        prompts=4,
+        passage_tokens=128,
+        new_tokens=64,
+        retrieval_lengths=(512, 1024),
+        retrieval_samples=2,
+    ),
+    "full": Settings(
+        kl_windows=2,
+        kl_length=0,
+        prompts=8,
+        passage_tokens=192,
+        new_tokens=128,
+        retrieval_lengths=(512, 1024, 2048),
+        retrieval_samples=2,
+    ),
+}
+#: What design.md's protocol asks for (hours on 2 CPU cores; minutes on a GPU).
+PROTOCOL = replace(
+    PRESETS["full"],
+    kl_windows=8,
+    prompts=32,
+    new_tokens=256,
+    retrieval_lengths=(1024, 2048, 4096, 0),
+    retrieval_samples=50,
+)
+
+
+@dataclass
+class SuiteResult:
+    formats: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)
+    timings_s: dict = field(default_factory=dict)
+
+
+def _bar(total: int, desc: str, progress: bool):
+    return tqdm(total=total, desc=desc, unit="prompt", disable=not progress)
+
+
+def run_words(loaded, formats: dict, prompts: list[str], s: Settings, progress: bool) -> dict:
+    tok = loaded.tokenizer
+    ids = words.prompt_ids(tok, prompts)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
+    sorted_ids = [ids[i] for i in order]
+    bar = _bar(len(ids) * (len(formats) + 1), "words", progress)
+    bar.set_postfix_str("bf16 reference")
+    ref, exact = generate(
+        loaded,
+        sorted_ids,
+        None,
+        max_new_tokens=s.new_tokens,
+        batch_size=s.gen_batch,
+        probes=formats,
+        on_batch=bar.update,
+    )
+    ref_text = [tok.decode(o, skip_special_tokens=True) for o in ref]
+    out = {}
+    for name, fmt in formats.items():
+        bar.set_postfix_str(name)
+        if name in exact:
+            got = ref
+            bar.update(len(ids))
+        else:
+            got, _ = generate(
+                loaded,
+                sorted_ids,
+                fmt,
+                max_new_tokens=s.new_tokens,
+                batch_size=s.gen_batch,
+                on_batch=bar.update,
+            )
+        got_text = [tok.decode(o, skip_special_tokens=True) for o in got]
+        out[name] = words.summarize(ref_text, got_text, ref, got)
+        out[name]["exact"] = name in exact
+    bar.close()
+    out["__reference__"] = {"outputs": [ref_text[order.index(i)] for i in range(len(ids))]}
+    return out
+
+
+def run_retrieval(loaded, formats: dict, s: Settings, text_file, progress: bool) -> dict:
+    tok = loaded.tokenizer
+    samples = retrieval.make_samples(
+        tok, s.tasks, s.retrieval_lengths, s.retrieval_samples, seed=s.seed, text_file=text_file
+    )
+    groups: dict[tuple[str, int], list] = {}
+    for smp in samples:
+        groups.setdefault((smp.task, smp.length), []).append(smp)
+    bar = _bar(len(samples) * (len(formats) + 1), "retrieval", progress)
+    acc = {n: {} for n in ["__reference__", *formats]}
+    for (task, length), group in groups.items():
+        prompts = [list(x.prompt_ids) for x in group]
+        new = retrieval.ANSWER_TOKENS[task]
+        bar.set_postfix_str(f"{task} {length} bf16")
+        ref, exact = generate(
+            loaded,
+            prompts,
+            None,
+            max_new_tokens=new,
+            batch_size=s.gen_batch,
+            probes=formats,
+            on_batch=bar.update,
+        )
+        runs = {"__reference__": ref}
+        for name, fmt in formats.items():
+            bar.set_postfix_str(f"{task} {length} {name}")
+            if name in exact:
+                runs[name] = ref
+                bar.update(len(group))
+            else:
+                runs[name], _ = generate(
+                    loaded,
+                    prompts,
+                    fmt,
+                    max_new_tokens=new,
+                    batch_size=s.gen_batch,
+                    on_batch=bar.update,
+                )
+        for name, outs in runs.items():
+            texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
+            ok = [retrieval.score(x, t) for x, t in zip(group, texts, strict=True)]
+            acc[name].setdefault(task, {})[str(length)] = sum(ok) / len(ok)
+    bar.close()
+    return acc
+
+
+def check_formats(loaded, formats: dict) -> None:
+    """Refuse formats that cannot encode this model's K/V (head size, layer count, ...)."""
+    from kvzip_formats import FormatError
+
+    info = loaded.info
+    x = torch.randn(2, info.num_kv_heads, info.head_dim, generator=torch.Generator().manual_seed(0))
+    for name, fmt in formats.items():
+        for layer in (0, info.num_layers - 1):
+            try:
+                fmt.roundtrip(x.to(torch.bfloat16), kind="k", layer=layer, start=0)
+                fmt.roundtrip(x.to(torch.bfloat16), kind="v", layer=layer, start=0)
+            except FormatError as e:
+                raise FormatError(
+                    f"format {name!r} cannot handle model {info.name} (head_dim "
+                    f"{info.head_dim}, {info.num_kv_heads} KV heads, {info.num_layers} layers): {e}"
+                ) from e
+
+
+def run_suite(
+    loaded,
+    formats: dict,
+    settings: Settings,
+    *,
+    text_file=None,
+    prompts_file=None,
+    progress: bool = True,
+) -> tuple[dict, Settings]:
+    """Measure every format; returns the ``formats`` section of the JSON and the settings used."""
+    s = settings.resolved(loaded.info.max_context)
+    check_formats(loaded, formats)
+    t = {}
+    t0 = time.perf_counter()
+    wins = token_windows(
+        loaded.tokenizer, s.kl_windows, s.kl_length, text_file=text_file, seed=s.seed
+    )
+    kl = kl_mod.measure_kl(loaded, formats, wins, progress=progress)
+    t["kl"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    if prompts_file:
+        prompts = words.file_prompts(prompts_file, s.prompts)
+    else:
+        prompts = words.corpus_prompts(
+            loaded.tokenizer, s.prompts, s.passage_tokens, text_file=text_file, seed=s.seed
+        )
+    wc = run_words(loaded, formats, prompts, s, progress)
+    t["words"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    rt = run_retrieval(loaded, formats, s, text_file, progress)
+    t["retrieval"] = time.perf_counter() - t0
+
+    from kvzip_eval.quality.report import bits_of
+
+    out = {}
+    for name, fmt in formats.items():
+        k = kl[name]
+        out[name] = {
+            **bits_of(fmt, loaded.info),
+            "kl_mean": k.kl_mean,
+            "kl_median": k.kl_median,
+            "kl_p99": k.kl_p99,
+            "top1_agree": k.top1_agree,
+            "words_changed": wc[name]["words_changed"],
+            "identical": wc[name]["identical"],
+            "retrieval": rt[name],
+            "kl_by_position": k.kl_by_position,
+            "kl_positions": k.positions,
+            "reused_reference": {"kl": k.exact, "words": wc[name]["exact"]},
+        }
+    extra = {
+        "reference": {"retrieval": rt["__reference__"], "outputs": wc["__reference__"]["outputs"]},
+        "prompts": prompts,
+        "timings_s": {k: round(v, 1) for k, v in t.items()},
+    }
+    return {"formats": out, **extra}, s
+
+
+def settings_dict(s: Settings) -> dict:
+    return asdict(s)

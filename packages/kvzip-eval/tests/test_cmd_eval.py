@@ -1,0 +1,99 @@
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvzip_eval.cmd_eval import command
+
+TINY = [
+    "--quick",
+    "--no-progress",
+    "--kl-length",
+    "48",
+    "--prompts",
+    "1",
+    "--new-tokens",
+    "4",
+    "--tasks",
+    "niah_multikey_1",
+    "--retrieval-lengths",
+    "300",
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, loaded):
+    out = tmp_path_factory.mktemp("eval")
+    res = CliRunner().invoke(
+        command,
+        [
+            *TINY,
+            "--formats",
+            "bf16,int4",
+            "--json",
+            str(out / "q.json"),
+            "--report",
+            str(out / "rep"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    return res, json.loads((out / "q.json").read_text()), out
+
+
+def test_json_schema_and_values(run):
+    _, data, _ = run
+    assert data["model"]["name"] == "SmolLM2-135M-Instruct"
+    assert data["text"] == "pydoc_data.topics"
+    assert set(data["formats"]) == {"bf16", "int4"}
+    for f in data["formats"].values():
+        for key in (
+            "bits",
+            "kl_mean",
+            "kl_median",
+            "kl_p99",
+            "top1_agree",
+            "words_changed",
+            "identical",
+            "retrieval",
+        ):
+            assert key in f
+        assert set(f["retrieval"]) == {"niah_multikey_1"}
+        assert set(f["retrieval"]["niah_multikey_1"]) == {"300"}
+    bf16, int4 = data["formats"]["bf16"], data["formats"]["int4"]
+    assert bf16["kl_mean"] == 0.0 and bf16["identical"] == 1.0 and bf16["words_changed"] == 0
+    assert int4["kl_mean"] > 0 and int4["bits"] == 4.25 and bf16["bits"] == 16
+    prov = data["provenance"]
+    assert {"date", "machine", "versions", "command"} <= set(prov)
+
+
+def test_table_and_report(run):
+    res, _, out = run
+    assert "| bf16 |" in res.output and "| int4 |" in res.output
+    md = (out / "rep" / "report.md").read_text()
+    assert "command:" in md and "versions:" in md and "| int4 |" in md
+    for png in ("kl.png", "capacity.png", "retrieval.png"):
+        assert (out / "rep" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_format_and_task():
+    res = CliRunner().invoke(command, [*TINY, "--formats", "int5"])
+    assert res.exit_code != 0 and "unknown format 'int5'" in res.output
+    res = CliRunner().invoke(command, ["--quick", "--tasks", "niah_x"])
+    assert res.exit_code != 0 and "unknown tasks" in res.output
+
+
+def test_bad_model_path(tmp_path):
+    res = CliRunner().invoke(command, [*TINY, "--model", str(tmp_path / "nope")])
+    assert res.exit_code != 0 and "does not exist" in res.output
+
+
+def test_unsupported_head_dim_refused(loaded):
+    from kvzip_eval.quality.suite import check_formats
+    from kvzip_formats import FormatError
+
+    class NeedsHead128:
+        def roundtrip(self, x, *, kind, layer, start=0):
+            raise FormatError(f"head_dim must be 128, got {x.shape[-1]}")
+
+    with pytest.raises(FormatError, match=r"cannot handle model SmolLM2.*head_dim 64"):
+        check_formats(loaded, {"h128": NeedsHead128()})
