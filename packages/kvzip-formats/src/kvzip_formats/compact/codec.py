@@ -36,19 +36,27 @@ F16_MAX = 65504.0
 
 @dataclass(frozen=True)
 class CompactSpec:
-    """A compact format: ``groups`` as ``((share of head_dim, bits), ...)``, plus sink tokens."""
+    """A compact format: row groups ``((share of head_dim, bits), ...)`` for K and for V, in
+    transformed order, plus the number of bf16 sink tokens.
+
+    K and V rows may differ in size (K's error dominates: spend the bits there); the format's
+    ``token_head_bytes(head_dim)`` without ``kind`` is their mean, which is what the bit
+    accounting counts, and MUST be a whole number of bytes.
+    """
 
     name: str
-    groups: tuple[tuple[float, int], ...]
+    k_groups: tuple[tuple[float, int], ...]
+    v_groups: tuple[tuple[float, int], ...]
     sink_tokens: int
     version: int
 
-    def layout(self, head_dim: int) -> RowLayout:
-        if head_dim < 16 or head_dim & (head_dim - 1):
+    def layout(self, head_dim: int, kind: str) -> RowLayout:
+        if not isinstance(head_dim, int) or head_dim < 16 or head_dim & (head_dim - 1):
             raise FormatError(
                 f"{self.name} needs head_dim a power of two >= 16 (Hadamard per group), got {head_dim}"
             )
-        return _layout(self.groups, head_dim)
+        check_kind(kind)
+        return _layout(self.k_groups if kind == "k" else self.v_groups, head_dim)
 
 
 @functools.cache
@@ -68,11 +76,20 @@ class CompactFormat(KVFormat):
         self._transforms: dict[tuple[str, int], Transform] = {}
 
     # -- accounting -------------------------------------------------------------------
-    def code_bytes(self, head_dim: int) -> int:
-        return self.spec.layout(head_dim).code_bytes
+    def code_bytes(self, head_dim: int, kind: str | None = None) -> int:
+        """Code bytes of a K or V row; without ``kind``, the mean of the two."""
+        if kind is None:
+            return _mean_int(self.code_bytes(head_dim, "k"), self.code_bytes(head_dim, "v"))
+        return self.spec.layout(head_dim, kind).code_bytes
 
-    def meta_bytes(self, head_dim: int) -> int:
-        return self.spec.layout(head_dim).row_bytes - self.code_bytes(head_dim)
+    def meta_bytes(self, head_dim: int, kind: str | None = None) -> int:
+        return self.token_head_bytes(head_dim, kind) - self.code_bytes(head_dim, kind)
+
+    def token_head_bytes(self, head_dim: int, kind: str | None = None) -> int:
+        """Row bytes of K or V per token and KV head; without ``kind``, the mean of the two."""
+        if kind is None:
+            return _mean_int(self.token_head_bytes(head_dim, "k"), self.token_head_bytes(head_dim, "v"))
+        return self.spec.layout(head_dim, kind).row_bytes
 
     def sequence_extra_bytes(self, head_dim: int, num_layers: int, num_kv_heads: int) -> int:
         # bf16 copies of the sink tokens' K and V, beside their rows in the paged cache
@@ -90,7 +107,7 @@ class CompactFormat(KVFormat):
         key = (kind, layer)
         if key not in self._transforms:
             mean, var, weight = self.calibration.stats(kind, layer)
-            groups = self.spec.layout(self.calibration.head_dim).groups
+            groups = self.spec.layout(self.calibration.head_dim, kind).groups
             self._transforms[key] = derive(mean, var, weight, groups)
         return self._transforms[key]
 
@@ -117,9 +134,9 @@ class CompactFormat(KVFormat):
         self._check_shape(x.shape[1], x.shape[2])
         return apply(xf, self.transform_of(kind, layer))
 
-    def quantize(self, y: torch.Tensor) -> torch.Tensor:
+    def quantize(self, y: torch.Tensor, *, kind: str) -> torch.Tensor:
         """Step 2: transformed ``y`` float32 ``[T, H, d]`` -> packed rows uint8."""
-        layout = self.spec.layout(y.shape[-1])
+        layout = self.spec.layout(y.shape[-1], kind)
         y = y.float()
         s0 = y.square().mean(-1, keepdim=True).sqrt().to(torch.float16).float()
         if torch.isinf(s0).any():
@@ -137,9 +154,9 @@ class CompactFormat(KVFormat):
         s = torch.where((s > 0) & torch.isfinite(s), s, s0)
         return torch.cat((layout.pack(codes), f16_to_bytes(s.squeeze(-1))), -1)
 
-    def dequantize(self, packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+    def dequantize(self, packed: torch.Tensor, *, kind: str, head_dim: int) -> torch.Tensor:
         """Inverse of step 2: packed rows -> ``y^`` float32 ``[T, H, d]``."""
-        layout = self.spec.layout(head_dim)
+        layout = self.spec.layout(head_dim, kind)
         check_packed(packed, layout.row_bytes)
         codes = layout.unpack(packed[..., : layout.code_bytes])
         s = bytes_to_f16(packed[..., layout.code_bytes :]).float().unsqueeze(-1)
@@ -149,12 +166,12 @@ class CompactFormat(KVFormat):
         return s * lv
 
     def encode(self, x, *, kind, layer):
-        return self.quantize(self.transform(x, kind=kind, layer=layer))
+        return self.quantize(self.transform(x, kind=kind, layer=layer), kind=kind)
 
     def decode(self, packed, *, kind, layer, head_dim):
         check_kind(kind)
         self._check_shape(packed.shape[1] if packed.dim() == 3 else -1, head_dim)
-        y = self.dequantize(packed, head_dim)
+        y = self.dequantize(packed, kind=kind, head_dim=head_dim)
         return unapply(y, self.transform_of(kind, layer))
 
     def roundtrip(self, x, *, kind, layer, start: int = 0):
@@ -171,3 +188,9 @@ def _spans(layout: RowLayout):
     for n, bits in layout.groups:
         yield start, n, bits
         start += n
+
+
+def _mean_int(a: int, b: int) -> int:
+    if (a + b) % 2:
+        raise FormatError(f"K and V rows of {a} and {b} bytes have no whole-byte mean")
+    return (a + b) // 2

@@ -4,4 +4,4 @@ head_dim 64: 26 bytes, 3.25 bits. Document: spec/3bit.md."""
 
 from kvzip_formats.compact.codec import CompactSpec
 
-SPEC = CompactSpec(name="3bit", groups=((1.0, 3),), sink_tokens=1, version=1)
+SPEC = CompactSpec(name="3bit", k_groups=((1.0, 3),), v_groups=((1.0, 3),), sink_tokens=1, version=1)

@@ -4,4 +4,4 @@ at 3 bits, one fp16 token scale, one bf16 sink token. Row at head_dim 128: 56 co
 
 from kvzip_formats.compact.codec import CompactSpec
 
-SPEC = CompactSpec(name="3.5bit", groups=((0.5, 4), (0.5, 3)), sink_tokens=1, version=1)
+SPEC = CompactSpec(name="3.5bit", k_groups=((1.0, 4),), v_groups=((1.0, 3),), sink_tokens=1, version=1)

@@ -4,4 +4,4 @@ with the sink); at head_dim 64: 34 bytes, 4.25 bits. Document: spec/4bit.md."""
 
 from kvzip_formats.compact.codec import CompactSpec
 
-SPEC = CompactSpec(name="4bit", groups=((1.0, 4),), sink_tokens=1, version=1)
+SPEC = CompactSpec(name="4bit", k_groups=((1.0, 4),), v_groups=((1.0, 4),), sink_tokens=1, version=1)
