@@ -46,7 +46,9 @@ def test_skip_slots_and_untouched_bytes():
     cache_write(fmt, x, cache, torch.tensor([-1, 5, -1]), kind="k", block_size=16)
     lay = PagedLayout.of(fmt, 64, 16)
     changed = (cache != 0xAB).nonzero()[:, 2]
-    assert set(changed.tolist()) <= set(range(5 * 32, 6 * 32)) | set(range(16 * 32 + 20, 16 * 32 + 24))
+    assert set(changed.tolist()) <= set(range(5 * 32, 6 * 32)) | set(
+        range(16 * 32 + 20, 16 * 32 + 24)
+    )
     assert lay.page_bytes == 16 * 36
 
 
@@ -67,5 +69,11 @@ def test_rejects_bad_input():
     with pytest.raises(FormatError, match="must have shape"):
         cache_write(fmt, x, cache[..., :-2], torch.tensor([0, 1, 2]), kind="k", block_size=16)
     with pytest.raises(FormatError, match="contiguous"):
-        cache_write(fmt, x, cache.transpose(0, 1).contiguous().transpose(0, 1), torch.tensor([0, 1, 2]),
-                    kind="k", block_size=16)
+        cache_write(
+            fmt,
+            x,
+            cache.transpose(0, 1).contiguous().transpose(0, 1),
+            torch.tensor([0, 1, 2]),
+            kind="k",
+            block_size=16,
+        )

@@ -24,16 +24,28 @@ def test_matches_dense_attention(name):
         slots = bt[i, tok // ps].long() * ps + tok % ps
         cache_write(fmt, k, kc, slots, kind="k", block_size=ps)
         cache_write(fmt, v, vc, slots, kind="v", block_size=ps)
-        dense.append((fmt.decode(fmt.encode(k, kind="k", layer=0), kind="k", layer=0, head_dim=d),
-                      fmt.decode(fmt.encode(v, kind="v", layer=0), kind="v", layer=0, head_dim=d)))
+        dense.append(
+            (
+                fmt.decode(fmt.encode(k, kind="k", layer=0), kind="k", layer=0, head_dim=d),
+                fmt.decode(fmt.encode(v, kind="v", layer=0), kind="v", layer=0, head_dim=d),
+            )
+        )
     q = torch.randn(2, hq, d, generator=g).bfloat16()
     out = paged_decode(fmt, q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), block_size=ps)
     for i, (k, v) in enumerate(dense):
         k, v = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), k) / math.sqrt(d), -1)
         assert torch.allclose(out[i], torch.einsum("hn,nhd->hd", p, v), atol=1e-5, rtol=1e-5)
-    plain = paged_decode(fmt, q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), block_size=ps,
-                         compute_dtype=torch.bfloat16)
+    plain = paged_decode(
+        fmt,
+        q,
+        kc,
+        vc,
+        bt,
+        torch.tensor(lens, dtype=torch.int32),
+        block_size=ps,
+        compute_dtype=torch.bfloat16,
+    )
     err = ((plain.float() - out).norm() / out.norm()).item()
     assert plain.dtype == torch.bfloat16 and 1e-4 < err < 3e-2  # bf16 math: a real, small error
 

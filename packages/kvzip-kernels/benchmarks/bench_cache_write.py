@@ -28,7 +28,10 @@ def timeit(torch, fn, iters=20, warmup=3):
         fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    ev = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
     for s, e in ev:
         s.record()
         fn()
@@ -46,9 +49,9 @@ def main():
     import torch
     import torch.nn.functional as F
     import triton
+
     from kvzip_formats import get_format
     from kvzip_formats.ops import new_paged_cache
-
     from kvzip_kernels import cache_write
 
     dev = torch.device("cuda")
@@ -60,7 +63,10 @@ def main():
 
     wq, wk, wv, wo = w(hq * d, hid), w(hkv * d, hid), w(hkv * d, hid), w(hid, hq * d)
     wg, wu, wd = w(inter, hid), w(inter, hid), w(hid, inter)
-    ln1, ln2 = torch.ones(hid, device=dev, dtype=torch.bfloat16), torch.ones(hid, device=dev, dtype=torch.bfloat16)
+    ln1, ln2 = (
+        torch.ones(hid, device=dev, dtype=torch.bfloat16),
+        torch.ones(hid, device=dev, dtype=torch.bfloat16),
+    )
 
     def layer(x):
         t = x.shape[0]
@@ -68,7 +74,9 @@ def main():
         q = (h @ wq.T).view(t, hq, d).transpose(0, 1)
         k = (h @ wk.T).view(t, hkv, d).transpose(0, 1)
         v = (h @ wv.T).view(t, hkv, d).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, enable_gqa=True
+        )
         x = x + o[0].transpose(0, 1).reshape(t, hq * d) @ wo.T
         h = F.rms_norm(x, (hid,), ln2)
         return x + (F.silu(h @ wg.T) * (h @ wu.T)) @ wd.T
@@ -92,26 +100,48 @@ def main():
 
             us = timeit(torch, write)
             moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
-            row = dict(tokens=T, format=name, write_us=round(us, 2), prefill_layer_us=round(prefill_us, 1),
-                       pct_of_prefill=round(100 * us / prefill_us, 3),
-                       write_gbps=round(moved / us / 1e3, 1))
+            row = dict(
+                tokens=T,
+                format=name,
+                write_us=round(us, 2),
+                prefill_layer_us=round(prefill_us, 1),
+                pct_of_prefill=round(100 * us / prefill_us, 3),
+                write_gbps=round(moved / us / 1e3, 1),
+            )
             rows.append(row)
             print(row, flush=True)
     prop = torch.cuda.get_device_properties(dev)
-    meta = dict(device=prop.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                versions=dict(python=platform.python_version(), torch=torch.__version__,
-                              triton=triton.__version__, cuda=torch.version.cuda),
-                command=" ".join([Path(sys.executable).name] + sys.argv),
-                note="per layer of Llama-3.1-8B: K and V write vs one decoder layer's prefill (bf16)")
+    meta = dict(
+        device=prop.name,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        versions=dict(
+            python=platform.python_version(),
+            torch=torch.__version__,
+            triton=triton.__version__,
+            cuda=torch.version.cuda,
+        ),
+        command=" ".join([Path(sys.executable).name] + sys.argv),
+        note="per layer of Llama-3.1-8B: K and V write vs one decoder layer's prefill (bf16)",
+    )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_cache_write.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    md = [f"# Cache-write cost vs prefill, {prop.name}", "", f"{meta['date']}; {meta['versions']}",
-          f"Command: `{meta['command']}`", "", meta["note"], "",
-          "| tokens | format | write (K+V) us | prefill layer us | % of prefill | write GB/s |",
-          "|---|---|---|---|---|---|"]
-    md += [f"| {r['tokens']} | {r['format']} | {r['write_us']} | {r['prefill_layer_us']} | "
-           f"{r['pct_of_prefill']} | {r['write_gbps']} |" for r in rows]
+    md = [
+        f"# Cache-write cost vs prefill, {prop.name}",
+        "",
+        f"{meta['date']}; {meta['versions']}",
+        f"Command: `{meta['command']}`",
+        "",
+        meta["note"],
+        "",
+        "| tokens | format | write (K+V) us | prefill layer us | % of prefill | write GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['tokens']} | {r['format']} | {r['write_us']} | {r['prefill_layer_us']} | "
+        f"{r['pct_of_prefill']} | {r['write_gbps']} |"
+        for r in rows
+    ]
     (out / "bench_cache_write.md").write_text("\n".join(md) + "\n")
 
 

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import importlib.util
 import json
-import math
 import os
 import platform
 import sys
@@ -36,7 +35,9 @@ PEAK = 4.3e12
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--bundle", default=".carry/flashinfer", help="folder made by make_bundle.sh")
     p.add_argument("--shapes", default="8b,70b-tp8")
     p.add_argument("--batches", default="8,16,32,64")
@@ -46,8 +47,12 @@ def parse():
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--sweep", default="", help="our configs to compare, e.g. 64/4/2,128/8/3 "
-                   "(block_n/num_warps/num_stages[/split_tokens]); the first is the default")
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="our configs to compare, e.g. 64/4/2,128/8/3 "
+        "(block_n/num_warps/num_stages[/split_tokens]); the first is the default",
+    )
     p.add_argument("--time-budget-s", type=float, default=480)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -71,8 +76,17 @@ def parse_configs(text, DecodeConfig):
     out = []
     for item in [x for x in text.split(",") if x]:
         v = [int(x) for x in item.split("/")]
-        out.append((item, DecodeConfig(block_n=v[0], num_warps=v[1], num_stages=v[2],
-                                       split_tokens=v[3] if len(v) > 3 else 2048)))
+        out.append(
+            (
+                item,
+                DecodeConfig(
+                    block_n=v[0],
+                    num_warps=v[1],
+                    num_stages=v[2],
+                    split_tokens=v[3] if len(v) > 3 else 2048,
+                ),
+            )
+        )
     return out or [("default", DecodeConfig())]
 
 
@@ -89,14 +103,16 @@ def fill_pool(torch, fmt, lay, pool, gen):
         return
     for i in range(0, flat.numel(), chunk):
         m = min(chunk, flat.numel() - i)
-        flat[i : i + m].copy_(torch.randint(0, 256, (m,), device=pool.device, generator=gen,
-                                            dtype=torch.uint8))
+        flat[i : i + m].copy_(
+            torch.randint(0, 256, (m,), device=pool.device, generator=gen, dtype=torch.uint8)
+        )
     if lay.meta_bytes:
         meta = pool[..., lay.meta_offset :].view(torch.float16)  # [P, H, ps * meta_bytes / 2]
         per_tok = lay.meta_bytes // 2
         meta = meta.view(meta.shape[0], meta.shape[1], lay.block_size, per_tok)
-        meta[..., 0].copy_((torch.rand(meta.shape[:3], device=pool.device, generator=gen) * 0.3
-                            + 0.05).half())
+        meta[..., 0].copy_(
+            (torch.rand(meta.shape[:3], device=pool.device, generator=gen) * 0.3 + 0.05).half()
+        )
         if per_tok > 1:
             meta[..., 1:].copy_((-7.5 * meta[..., :1].float()).half().expand_as(meta[..., 1:]))
 
@@ -112,12 +128,29 @@ def kernel_info():
                 for ck in cache[0].values():
                     ptx = ck.asm.get("ptx", "")
                     md = ck.metadata
-                    info.append(dict(kernel=kname, n_regs=ck.n_regs, n_spills=ck.n_spills,
-                                     shared=md.shared, num_warps=md.num_warps,
-                                     num_stages=md.num_stages,
-                                     ptx_counts={k: ptx.count(k) for k in (
-                                         "mma.sync", "wgmma", "cp.async", "ld.global.v4",
-                                         "ld.global.nc.v4", "ld.shared", "ldmatrix", "cvt.rn")}))
+                    info.append(
+                        dict(
+                            kernel=kname,
+                            n_regs=ck.n_regs,
+                            n_spills=ck.n_spills,
+                            shared=md.shared,
+                            num_warps=md.num_warps,
+                            num_stages=md.num_stages,
+                            ptx_counts={
+                                k: ptx.count(k)
+                                for k in (
+                                    "mma.sync",
+                                    "wgmma",
+                                    "cp.async",
+                                    "ld.global.v4",
+                                    "ld.global.nc.v4",
+                                    "ld.shared",
+                                    "ldmatrix",
+                                    "cvt.rn",
+                                )
+                            },
+                        )
+                    )
         except Exception as ex:  # noqa: BLE001  (diagnostics only)
             info.append(dict(kernel=kname, error=repr(ex)))
     return info
@@ -128,14 +161,15 @@ def main():
     t_start = time.time()
     bx = load_bench_xqa(Path(a.bundle).resolve()) if a.baselines else None
     if bx is not None:
-        bx.setup_env(SimpleNamespace(run_dir=os.environ.get("FI_RUN_DIR", "/tmp/fi_run"),
-                                     compile_only=False))
+        bx.setup_env(
+            SimpleNamespace(run_dir=os.environ.get("FI_RUN_DIR", "/tmp/fi_run"), compile_only=False)
+        )
     import torch
     import triton
-    from kvzip_formats import get_format
-    from kvzip_formats.ops import PagedLayout
 
     import kvzip_kernels
+    from kvzip_formats import get_format
+    from kvzip_formats.ops import PagedLayout
     from kvzip_kernels import DecodeConfig, paged_decode
 
     dev = torch.device("cuda")
@@ -146,17 +180,22 @@ def main():
         print(msg, flush=True)
         log.append(msg)
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "triton": triton.__version__,
-                "kvzip_kernels": kvzip_kernels.__version__}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "kvzip_kernels": kvzip_kernels.__version__,
+    }
     if bx is not None:
         import flashinfer
         from flashinfer.decode import BatchDecodeWithPagedKVCacheWrapper
         from flashinfer.xqa import xqa
 
         versions["flashinfer"] = flashinfer.__version__
-        jit_args = SimpleNamespace(models=a.shapes, page_sizes=[a.block_size],
-                                   backends=[b for b in a.baselines])
+        jit_args = SimpleNamespace(
+            models=a.shapes, page_sizes=[a.block_size], backends=[b for b in a.baselines]
+        )
         say(f"[jit] flashinfer modules built in {bx.build_all(bx.jit_specs(jit_args, torch)):.1f}s")
     say(f"[env] {prop.name}, {prop.multi_processor_count} SMs; {versions}")
     configs = parse_configs(a.sweep, DecodeConfig)
@@ -172,8 +211,10 @@ def main():
             for _ in range(warmup):
                 fn()
             torch.cuda.synchronize()
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(iters)]
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(iters)
+            ]
             for s, e in ev:
                 s.record()
                 fn()
@@ -184,7 +225,9 @@ def main():
 
     xqa_scratch = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     xqa_sem = torch.zeros(2 << 20, dtype=torch.int32, device=dev).view(torch.uint32)
-    fi_ws = torch.zeros(512 << 20, dtype=torch.uint8, device=dev) if "fi_tc" in a.baselines else None
+    fi_ws = (
+        torch.zeros(512 << 20, dtype=torch.uint8, device=dev) if "fi_tc" in a.baselines else None
+    )
     stop = False
     for shape in a.shapes:
         hq, hkv, d = SHAPES[shape]
@@ -217,7 +260,11 @@ def main():
                     say(f"!! time budget reached, skipping {shape} ctx {ctx} B {B}")
                     stop = True
                     break
-                bt = torch.randperm(P, device=dev, generator=gen)[: B * pps].view(B, pps).to(torch.int32)
+                bt = (
+                    torch.randperm(P, device=dev, generator=gen)[: B * pps]
+                    .view(B, pps)
+                    .to(torch.int32)
+                )
                 sl = torch.full((B,), ctx, dtype=torch.int32, device=dev)
                 q = torch.randn(B, hq, d, device=dev, generator=gen, dtype=torch.bfloat16)
                 res = {}
@@ -225,25 +272,59 @@ def main():
                 if "xqa" in a.baselines:
                     o = torch.empty(B, 1, hq, d, dtype=torch.bfloat16, device=dev)
                     su = sl.view(B, 1).view(torch.uint32)
-                    fn = lambda o=o, su=su: xqa(q.view(B, 1, hq, d), kv5[:, 0], kv5[:, 1], bt, su, o,
-                                                xqa_scratch, xqa_sem, hkv, ps, q_scale=1.0,
-                                                kv_scale=1.0, sm_count=prop.multi_processor_count)
+                    fn = lambda o=o, su=su: xqa(
+                        q.view(B, 1, hq, d),
+                        kv5[:, 0],
+                        kv5[:, 1],
+                        bt,
+                        su,
+                        o,
+                        xqa_scratch,
+                        xqa_sem,
+                        hkv,
+                        ps,
+                        q_scale=1.0,
+                        kv_scale=1.0,
+                        sm_count=prop.multi_processor_count,
+                    )
                     res["xqa"] = bench(torch, fn, a.iters, a.warmup)[0]
                     outs["xqa"] = o.view(B, hq, d)
                 if "fi_tc" in a.baselines:
                     w = BatchDecodeWithPagedKVCacheWrapper(fi_ws, "NHD", use_tensor_cores=True)
                     indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pps
                     last = torch.full((B,), ps, dtype=torch.int32, device=dev)
-                    w.plan(indptr, bt.view(-1), last, hq, hkv, d, ps, q_data_type=torch.bfloat16,
-                           kv_data_type=torch.float8_e4m3fn, o_data_type=torch.bfloat16)
+                    w.plan(
+                        indptr,
+                        bt.view(-1),
+                        last,
+                        hq,
+                        hkv,
+                        d,
+                        ps,
+                        q_data_type=torch.bfloat16,
+                        kv_data_type=torch.float8_e4m3fn,
+                        o_data_type=torch.bfloat16,
+                    )
                     o = torch.empty(B, hq, d, dtype=torch.bfloat16, device=dev)
-                    res["fi_tc"] = bench(torch, lambda w=w, o=o: w.run(q, kv5, out=o), a.iters, a.warmup)[0]
+                    res["fi_tc"] = bench(
+                        torch, lambda w=w, o=o: w.run(q, kv5, out=o), a.iters, a.warmup
+                    )[0]
                     outs["fi_tc"] = o
                 for name, (fmt, lay, (kp, vp)) in pools.items():
                     for label, cfg in configs:
                         o = torch.empty_like(q)
                         fn = lambda fmt=fmt, kp=kp, vp=vp, o=o, cfg=cfg: paged_decode(
-                            fmt, q, kp, vp, bt, sl, block_size=ps, max_seq_len=ctx, out=o, config=cfg)
+                            fmt,
+                            q,
+                            kp,
+                            vp,
+                            bt,
+                            sl,
+                            block_size=ps,
+                            max_seq_len=ctx,
+                            out=o,
+                            config=cfg,
+                        )
                         key = f"ours-{name}" + ("" if len(configs) == 1 else f"@{label}")
                         res[key] = bench(torch, fn, a.iters, a.warmup)[0]
                         outs[key] = o
@@ -253,21 +334,38 @@ def main():
                     thb = pools[name][1].token_head_bytes if name in pools else d
                     nbytes = B * ctx * hkv * thb * 2
                     gbps = nbytes / (us * 1e-6) / 1e9
-                    row = dict(shape=shape, batch=B, context=ctx, format=key, us=round(us, 2),
-                               gbps=round(gbps, 1), pct_hbm=round(100 * gbps * 1e9 / PEAK, 1),
-                               speedup_vs_best_fp8=round(best / us, 3), cache_bytes=nbytes)
+                    row = dict(
+                        shape=shape,
+                        batch=B,
+                        context=ctx,
+                        format=key,
+                        us=round(us, 2),
+                        gbps=round(gbps, 1),
+                        pct_hbm=round(100 * gbps * 1e9 / PEAK, 1),
+                        speedup_vs_best_fp8=round(best / us, 3),
+                        cache_bytes=nbytes,
+                    )
                     rows.append(row)
                     finite = bool(torch.isfinite(outs[key]).all())
-                    say(f"{shape:8s} B={B:3d} ctx={ctx:6d} {key:22s} {us:9.1f} us {gbps:7.0f} GB/s "
+                    say(
+                        f"{shape:8s} B={B:3d} ctx={ctx:6d} {key:22s} {us:9.1f} us {gbps:7.0f} GB/s "
                         f"{row['pct_hbm']:5.1f}%  x{row['speedup_vs_best_fp8']:.2f} vs best fp8"
-                        + ("" if finite else "  NON-FINITE OUTPUT"))
+                        + ("" if finite else "  NON-FINITE OUTPUT")
+                    )
                 fp8_ours = [k for k in outs if k.startswith("ours-fp8")]
                 for base in ("xqa", "fi_tc"):
                     if base in outs and fp8_ours:
                         o1, o2 = outs[fp8_ours[0]].float(), outs[base].float()
                         e = ((o1 - o2).norm() / o2.norm()).item()
-                        checks.append(dict(shape=shape, batch=B, context=ctx, pair=f"{fp8_ours[0]}~{base}",
-                                           rel_l2=e))
+                        checks.append(
+                            dict(
+                                shape=shape,
+                                batch=B,
+                                context=ctx,
+                                pair=f"{fp8_ours[0]}~{base}",
+                                rel_l2=e,
+                            )
+                        )
                         say(f"[check] rel L2 {fp8_ours[0]} vs {base}: {e:.4f}")
             del pools, kv5
             torch.cuda.empty_cache()
@@ -278,23 +376,38 @@ def main():
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(kernels=kernel_info(),device=prop.name, sms=prop.multi_processor_count,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                versions=versions, command=" ".join([Path(sys.executable).name] + sys.argv),
-                iters=a.iters, warmup=a.warmup, block_size=ps, peak_bytes_per_s=PEAK,
-                configs={k: vars(c) if hasattr(c, "__dict__") else str(c) for k, c in configs},
-                elapsed_s=round(time.time() - t_start, 1))
+    meta = dict(
+        kernels=kernel_info(),
+        device=prop.name,
+        sms=prop.multi_processor_count,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        versions=versions,
+        command=" ".join([Path(sys.executable).name] + sys.argv),
+        iters=a.iters,
+        warmup=a.warmup,
+        block_size=ps,
+        peak_bytes_per_s=PEAK,
+        configs={k: vars(c) if hasattr(c, "__dict__") else str(c) for k, c in configs},
+        elapsed_s=round(time.time() - t_start, 1),
+    )
     tag = f"_{a.tag}" if a.tag else ""
     (out / f"bench_paged_decode{tag}.json").write_text(
-        json.dumps(dict(meta, rows=rows, checks=checks), indent=1, default=str))
-    md = [f"# Paged decode attention, {prop.name}", "",
-          f"{meta['date']}; {versions}; page size {ps}; median of {a.iters} CUDA-event timings.",
-          f"Command: `{meta['command']}`", "",
-          "| shape | batch | context | format | us | GB/s | % of 4.3 TB/s | speedup vs best fp8 |",
-          "|---|---|---|---|---|---|---|---|"]
+        json.dumps(dict(meta, rows=rows, checks=checks), indent=1, default=str)
+    )
+    md = [
+        f"# Paged decode attention, {prop.name}",
+        "",
+        f"{meta['date']}; {versions}; page size {ps}; median of {a.iters} CUDA-event timings.",
+        f"Command: `{meta['command']}`",
+        "",
+        "| shape | batch | context | format | us | GB/s | % of 4.3 TB/s | speedup vs best fp8 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        md.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['format']} | {r['us']} | "
-                  f"{r['gbps']} | {r['pct_hbm']} | {r['speedup_vs_best_fp8']} |")
+        md.append(
+            f"| {r['shape']} | {r['batch']} | {r['context']} | {r['format']} | {r['us']} | "
+            f"{r['gbps']} | {r['pct_hbm']} | {r['speedup_vs_best_fp8']} |"
+        )
     (out / f"bench_paged_decode{tag}.md").write_text("\n".join(md) + "\n")
     say(f"wrote {out}/bench_paged_decode{tag}.json/.md in {time.time() - t_start:.0f}s")
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+
 from kvzip_formats import FormatError, get_format
 from kvzip_formats.ops import PagedLayout, new_paged_cache
 from kvzip_formats.ops import cache_write as ref_cache_write
-
 from kvzip_kernels import cache_write
 
 
@@ -15,10 +15,14 @@ def _diff_report(got: torch.Tensor, want: torch.Tensor, lay: PagedLayout) -> str
     lines = [f"{len(bad)} bytes differ"]
     for blk, head, off in bad[:8].tolist():
         region = "code" if off < lay.meta_offset else "meta"
-        tok = off // lay.code_bytes if region == "code" else (off - lay.meta_offset) // lay.meta_bytes
+        tok = (
+            off // lay.code_bytes if region == "code" else (off - lay.meta_offset) // lay.meta_bytes
+        )
         g, w = int(got[blk, head, off]), int(want[blk, head, off])
-        lines.append(f"block {blk} head {head} byte {off} ({region}, token {tok}): got {g:08b} "
-                     f"want {w:08b} (bits {g ^ w:08b})")
+        lines.append(
+            f"block {blk} head {head} byte {off} ({region}, token {tok}): got {g:08b} "
+            f"want {w:08b} (bits {g ^ w:08b})"
+        )
     return "\n".join(lines)
 
 
@@ -34,7 +38,9 @@ def _write_both(name, x, num_blocks, block_size, slots, device, kind="k"):
 
 
 @pytest.mark.parametrize("name", ["int4", "fp8", "int4-rot"])
-@pytest.mark.parametrize(("heads", "head_dim", "block_size"), [(3, 64, 16), (8, 128, 64), (1, 128, 16)])
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "block_size"), [(3, 64, 16), (8, 128, 64), (1, 128, 16)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_bit_exact_random(name, heads, head_dim, block_size, dtype, device):
     if name == "int4-rot" and device == "cuda":
@@ -55,8 +61,23 @@ def test_bit_exact_edge_values(name, device):
         torch.full((64,), 3.25),
         torch.linspace(-1, 1, 64) * 6e4,
         torch.linspace(-1e-6, 1e-6, 64),
-        torch.tensor([127.75, -124.3, 448.0, 500.0, -1e4, 2**-7, 2**-10, 3 * 2**-10, 0.0156,
-                      1.0625, 1.1875, -0.0], dtype=torch.float32).repeat(6)[:64],
+        torch.tensor(
+            [
+                127.75,
+                -124.3,
+                448.0,
+                500.0,
+                -1e4,
+                2**-7,
+                2**-10,
+                3 * 2**-10,
+                0.0156,
+                1.0625,
+                1.1875,
+                -0.0,
+            ],
+            dtype=torch.float32,
+        ).repeat(6)[:64],
     ]
     x = torch.stack(rows).view(len(rows), 1, 64)
     _write_both(name, x, 1, 16, torch.arange(len(rows)), device)
@@ -73,7 +94,9 @@ def test_bad_inputs(device):
     with pytest.raises(FormatError, match="slot_mapping holds slot 40"):
         cache_write(fmt, x, cache, torch.tensor([0, 1, 40], device=device), kind="k", block_size=16)
     with pytest.raises(FormatError, match="KV heads, expected 3"):
-        cache_write(fmt, torch.randn(3, 3, 64, device=device), cache, slots, kind="k", block_size=16)
+        cache_write(
+            fmt, torch.randn(3, 3, 64, device=device), cache, slots, kind="k", block_size=16
+        )
     with pytest.raises(FormatError, match="uint8"):
         cache_write(fmt, x, cache.float(), slots, kind="k", block_size=16)
     with pytest.raises(FormatError, match="dtype"):
@@ -83,7 +106,9 @@ def test_bad_inputs(device):
     with pytest.raises(FormatError, match="no kvzip_kernels implementation"):
         cache_write("turbo4", x, cache, slots, kind="k", block_size=16)
     with pytest.raises(FormatError, match="head_dim"):
-        cache_write(fmt, torch.randn(3, 2, 96, device=device), cache, slots, kind="k", block_size=16)
+        cache_write(
+            fmt, torch.randn(3, 2, 96, device=device), cache, slots, kind="k", block_size=16
+        )
 
 
 @pytest.mark.gpu
@@ -95,3 +120,14 @@ def test_gpu_bit_exact_many_tokens():
     slots = torch.randperm(300 * 16, generator=g)[:4099]
     for name in ("int4", "fp8"):
         _write_both(name, x, 300, 16, slots, "cuda", kind="v")
+
+
+def test_block_strided_cache(device):
+    fmt = get_format("int4")
+    x = torch.randn(9, 2, 64).to(device)
+    slots = torch.randperm(48)[:9].to(device)
+    want = new_paged_cache(fmt, 3, 2, 16, 64, device=device)
+    cache_write(fmt, x, want, slots, kind="v", block_size=16)
+    kv = torch.zeros(3, 2, 2, want.shape[2], dtype=torch.uint8, device=device)
+    cache_write(fmt, x, kv[:, 1], slots, kind="v", block_size=16, block_stride=kv.stride(0))
+    assert torch.equal(kv[:, 1], want) and not kv[:, 0].any()

@@ -6,11 +6,11 @@ be at most twice that of plain torch doing the same attention in bf16, plus 1e-3
 
 import pytest
 import torch
-from kvzip_formats import FormatError, get_format
-from kvzip_formats.ops import new_paged_cache
-from kvzip_formats.ops import cache_write as ref_cache_write
-from kvzip_formats.ops import paged_decode as ref_paged_decode
 
+from kvzip_formats import FormatError, get_format
+from kvzip_formats.ops import cache_write as ref_cache_write
+from kvzip_formats.ops import new_paged_cache
+from kvzip_formats.ops import paged_decode as ref_paged_decode
 from kvzip_kernels import DecodeConfig, paged_decode
 
 
@@ -33,8 +33,9 @@ def make_case(name, hq, hkv, d, block_size, lens, seed, device, extra_blocks=3):
         slots = bt[i, tok // block_size].long() * block_size + tok % block_size
         k = torch.randn(n, hkv, d, generator=g) * 2 + torch.randn(1, hkv, d, generator=g)
         ref_cache_write(fmt, k, kc, slots, kind="k", block_size=block_size)
-        ref_cache_write(fmt, torch.randn(n, hkv, d, generator=g), vc, slots, kind="v",
-                        block_size=block_size)
+        ref_cache_write(
+            fmt, torch.randn(n, hkv, d, generator=g), vc, slots, kind="v", block_size=block_size
+        )
     q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16)
     sl = torch.tensor(lens, dtype=torch.int32)
     host = (fmt, q, kc, vc, bt, sl)
@@ -45,8 +46,9 @@ def make_case(name, hq, hkv, d, block_size, lens, seed, device, extra_blocks=3):
 def check(name, hq, hkv, d, block_size, lens, device, config=None, seed=0):
     (fmt, q, kc, vc, bt, sl), dq = make_case(name, hq, hkv, d, block_size, lens, seed, device)
     ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=block_size)
-    plain = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=block_size,
-                             compute_dtype=torch.bfloat16)
+    plain = ref_paged_decode(
+        fmt, q, kc, vc, bt, sl, block_size=block_size, compute_dtype=torch.bfloat16
+    )
     out = paged_decode(name, *dq, block_size=block_size, config=config)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     assert torch.isfinite(out).all()
@@ -110,3 +112,27 @@ def test_bad_inputs(device):
 def test_gpu_long_context(name, hq, hkv):
     """The compiled kernels with the benchmark's defaults on 8B/70B-TP8 shapes, long lengths."""
     check(name, hq, hkv, 128, 16, [4099, 1000, 37, 8192], "cuda", seed=3)
+
+
+def test_block_strided_caches(device):
+    """vLLM keeps K and V of a block side by side: kv[:, 0] / kv[:, 1] with block_stride."""
+    (fmt, q, kc, vc, bt, sl), (dq, dkc, dvc, dbt, dsl) = make_case(
+        "int4", 4, 2, 64, 16, [40], 0, device
+    )
+    kv = torch.stack((dkc, dvc), 1)  # [blocks, 2, heads, page_bytes]
+    cfg = DecodeConfig(block_n=16, num_splits=2)
+    want = paged_decode("int4", dq, dkc, dvc, dbt, dsl, block_size=16, config=cfg)
+    got = paged_decode(
+        "int4",
+        dq,
+        kv[:, 0],
+        kv[:, 1],
+        dbt,
+        dsl,
+        block_size=16,
+        config=cfg,
+        block_stride=kv.stride(0),
+    )
+    assert torch.equal(got, want)
+    with pytest.raises(FormatError, match="block_stride"):
+        paged_decode("int4", dq, kv[:, 0], kv[:, 1], dbt, dsl, block_size=16, block_stride=7)

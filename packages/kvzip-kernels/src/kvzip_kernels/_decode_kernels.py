@@ -89,12 +89,30 @@ def _meta2(w):
 
 @triton.jit
 def _int4_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, bt_ptr, sl_ptr, o_ptr, lse_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    kw_ptr,
+    vw_ptr,
+    bt_ptr,
+    sl_ptr,
+    o_ptr,
+    lse_ptr,
     qk_scale,  # sm_scale * log2(e)
-    stride_qb, stride_qh, stride_btb, num_kv_heads, page_bytes, blk_stride, tokens_per_split,
+    stride_qb,
+    stride_qh,
+    stride_btb,
+    num_kv_heads,
+    page_bytes,
+    blk_stride,
+    tokens_per_split,
     num_splits,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -135,8 +153,12 @@ def _int4_split_kernel(
         # the two products then reads 4 consecutive bytes per 32-bit shared-memory load.
         # Codes are read by whole pages (a page is always allocated whole): a per-token mask
         # would stop the 16-byte vector loads of V; tokens past the end get p = 0 instead.
-        kc = tl.load(kc_ptr + (base + t * HALF)[:, None] + j[None, :], mask=in_page[:, None], other=0)
-        vc = tl.load(vc_ptr + (base + t)[:, None] + (j * PS)[None, :], mask=in_page[:, None], other=0)
+        kc = tl.load(
+            kc_ptr + (base + t * HALF)[:, None] + j[None, :], mask=in_page[:, None], other=0
+        )
+        vc = tl.load(
+            vc_ptr + (base + t)[:, None] + (j * PS)[None, :], mask=in_page[:, None], other=0
+        )
         ks, kz = _meta2(tl.load(kw_ptr + meta, mask=valid, other=0))
         vs, vz = _meta2(tl.load(vw_ptr + meta, mask=valid, other=0))
 
@@ -162,18 +184,37 @@ def _int4_split_kernel(
     orow = o_ptr + (rows.to(tl.int64) * num_splits + split) * D
     omask = (m < G)[:, None]
     tl.store(orow[:, None] + 2 * j[None, :], (acc_ev + acc_c[:, None]) * inv[:, None], mask=omask)
-    tl.store(orow[:, None] + 2 * j[None, :] + 1, (acc_od + acc_c[:, None]) * inv[:, None], mask=omask)
+    tl.store(
+        orow[:, None] + 2 * j[None, :] + 1, (acc_od + acc_c[:, None]) * inv[:, None], mask=omask
+    )
     tl.store(lse_ptr + rows * num_splits + split, lse, mask=m < G)
 
 
 @triton.jit
 def _fp8_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr, lse_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    sl_ptr,
+    o_ptr,
+    lse_ptr,
     qk_scale,  # sm_scale * log2(e) * k_scale
-    v_scale, stride_qb, stride_qh, stride_btb, num_kv_heads, page_bytes, blk_stride,
-    tokens_per_split, num_splits,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    v_scale,
+    stride_qb,
+    stride_qh,
+    stride_btb,
+    num_kv_heads,
+    page_bytes,
+    blk_stride,
+    tokens_per_split,
+    num_splits,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -204,7 +245,9 @@ def _fp8_split_kernel(
         base = tl.max_constancy(tl.multiple_of(blk * blk_stride + head_off, 16), PS)
         t = tok % PS
         k = tl.load(kc_ptr + (base + t * D)[:, None] + d[None, :], mask=in_page[:, None], other=0.0)
-        v = tl.load(vc_ptr + (base + t)[:, None] + (d * PS)[None, :], mask=in_page[:, None], other=0.0)
+        v = tl.load(
+            vc_ptr + (base + t)[:, None] + (d * PS)[None, :], mask=in_page[:, None], other=0.0
+        )
         s = tl.dot(q, tl.trans(k.to(tl.float16))) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -224,8 +267,15 @@ def _fp8_split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    o_ptr, lse_ptr, out_ptr, num_splits, S_P: tl.constexpr, CH: tl.constexpr, D: tl.constexpr,
-    OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    S_P: tl.constexpr,
+    CH: tl.constexpr,
+    D: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """out[row] = sum_s 2**(lse_s - lse) o_s over the splits of one (batch, q head) row."""
     row = tl.program_id(0).to(tl.int64)
@@ -240,8 +290,11 @@ def _merge_kernel(
         sc = s0 + c
         lc = tl.load(lse_ptr + row * num_splits + sc, mask=sc < num_splits, other=float("-inf"))
         w = tl.where(lc > float("-inf"), tl.exp2(lc - mx), 0.0)
-        o = tl.load(o_ptr + (row * num_splits + sc)[:, None] * D + d[None, :],
-                    mask=(sc < num_splits)[:, None], other=0.0)
+        o = tl.load(
+            o_ptr + (row * num_splits + sc)[:, None] * D + d[None, :],
+            mask=(sc < num_splits)[:, None],
+            other=0.0,
+        )
         acc += tl.sum(o * w[:, None], 0)
     if OUT_BF16:
         tl.store(out_ptr + row * D + d, _to_bf16(acc / den, INTERPRET))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvzip_formats import FormatError, KVFormat, get_format
 from kvzip_formats.ops import PagedLayout
 from kvzip_formats.rotation import hadamard
@@ -48,3 +49,37 @@ def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
     raise FormatError(
         f"format {fmt.name!r} has no kvzip_kernels implementation; supported: {', '.join(SUPPORTED)}"
     )
+
+
+def check_strided_cache(
+    cache: torch.Tensor, lay, num_kv_heads: int | None, block_stride: int | None, name: str
+) -> int:
+    """Validate a paged cache; returns its block stride in bytes.
+
+    ``block_stride=None``: the cache must be contiguous ``[num_blocks, num_kv_heads,
+    page_bytes]``. Otherwise dimension 0 may be strided (vLLM keeps K and V of a block side by
+    side: ``kv[:, 0]`` and ``kv[:, 1]`` of a ``[num_blocks, 2, heads, page_bytes]`` tensor),
+    with ``cache.stride() == (block_stride, page_bytes, 1)``.
+    """
+    from kvzip_formats.ops import check_paged_cache
+
+    if block_stride is None:
+        check_paged_cache(cache, lay, num_kv_heads=num_kv_heads, name=name)
+        return cache.shape[1] * lay.page_bytes
+    check_paged_cache(
+        cache[:1].contiguous() if cache.shape[0] else cache,
+        lay,
+        num_kv_heads=num_kv_heads,
+        name=name,
+    )
+    want = (block_stride, lay.page_bytes, 1)
+    if (
+        cache.stride() != want
+        or block_stride < cache.shape[1] * lay.page_bytes
+        or block_stride % 16
+    ):
+        raise FormatError(
+            f"{name} with block_stride={block_stride} must have strides {want} (block_stride a "
+            f"multiple of 16, >= num_kv_heads * page_bytes), got {cache.stride()}"
+        )
+    return block_stride

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvzip_formats import FormatError, KVFormat
-from kvzip_formats.ops.cache_write import check_paged_cache, check_slot_mapping
 
-from kvzip_kernels._formats import kernel_spec, resolve
+from kvzip_formats import FormatError, KVFormat
+from kvzip_formats.ops.cache_write import check_slot_mapping
+from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
+
 
 @triton.jit
 def _rne(v):
@@ -25,8 +26,19 @@ def _rne(v):
 
 @triton.jit
 def _int4_write_kernel(
-    x_ptr, cache_ptr, cache16_ptr, slot_ptr, stride_xt, stride_xh, num_kv_heads, page_bytes,
-    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
+    x_ptr,
+    cache_ptr,
+    cache16_ptr,
+    slot_ptr,
+    stride_xt,
+    stride_xh,
+    num_kv_heads,
+    page_bytes,
+    blk_stride,
+    H_P: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -51,7 +63,7 @@ def _int4_write_kernel(
     co = tl.minimum(tl.maximum(_rne(tl.math.div_rn(xo - z[:, None], safe)), 0.0), 15.0)
     ce = tl.where(s[:, None] > 0, ce, 0.0).to(tl.uint8)
     co = tl.where(s[:, None] > 0, co, 0.0).to(tl.uint8)
-    base = blk * num_kv_heads * page_bytes + h * page_bytes  # int64 [H_P]
+    base = blk * blk_stride + h * page_bytes  # int64 [H_P]
     if CHANNEL_MAJOR:  # V pages: byte j of token t at j * PS + t
         code = base[:, None] + j[None, :] * PS + t
     else:  # K pages: at t * code_bytes + j
@@ -82,8 +94,19 @@ def _e4m3_bits(y):
 
 @triton.jit
 def _fp8_write_kernel(
-    x_ptr, cache_ptr, slot_ptr, stride_xt, stride_xh, num_kv_heads, page_bytes, scale,
-    H_P: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
+    x_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_xt,
+    stride_xh,
+    num_kv_heads,
+    page_bytes,
+    blk_stride,
+    scale,
+    H_P: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -94,11 +117,12 @@ def _fp8_write_kernel(
     h = tl.arange(0, H_P)
     d = tl.arange(0, D)
     hm = h < num_kv_heads
-    x = tl.load(x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :], mask=hm[:, None],
-                other=0.0).to(tl.float32)
+    x = tl.load(
+        x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :], mask=hm[:, None], other=0.0
+    ).to(tl.float32)
     y = tl.math.div_rn(x, scale)
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
-    base = blk * num_kv_heads * page_bytes + h * page_bytes
+    base = blk * blk_stride + h * page_bytes
     if CHANNEL_MAJOR:
         code = base[:, None] + d[None, :] * PS + t
     else:
@@ -107,15 +131,24 @@ def _fp8_write_kernel(
 
 
 def cache_write(
-    fmt: KVFormat | str, x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-    kind: str, block_size: int, layer: int = 0, check_slots: bool = True,
+    fmt: KVFormat | str,
+    x: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kind: str,
+    block_size: int,
+    layer: int = 0,
+    check_slots: bool = True,
+    block_stride: int | None = None,
 ) -> None:
     """Write ``x`` ``[num_tokens, num_kv_heads, head_dim]`` (bf16/fp16/fp32) into ``cache``
     ``[num_blocks, num_kv_heads, block_size * token_head_bytes]`` (uint8) at ``slot_mapping``
     ``[num_tokens]`` (int32/int64; ``-1`` skips a token).
 
     ``check_slots=False`` skips the range check of the slots (it reads them on the host, a
-    device sync): for callers such as vLLM that guarantee valid slots.
+    device sync): for callers such as vLLM that guarantee valid slots. ``block_stride``
+    (bytes) admits a cache strided in its block dimension (see ``check_strided_cache``).
 
     Example::
 
@@ -126,16 +159,20 @@ def cache_write(
     if kind not in ("k", "v"):
         raise FormatError(f"kind must be 'k' or 'v', got {kind!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise FormatError(f"x must be [num_tokens, num_kv_heads, head_dim], got {getattr(x, 'shape', x)}")
+        raise FormatError(
+            f"x must be [num_tokens, num_kv_heads, head_dim], got {getattr(x, 'shape', x)}"
+        )
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise FormatError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
     n, h, d = x.shape
     spec = kernel_spec(f, d, block_size)
     lay = spec.layout
-    check_paged_cache(cache, lay, num_kv_heads=h)
+    blk_stride = check_strided_cache(cache, lay, h, block_stride, "cache")
     if x.device != cache.device or slot_mapping.device != cache.device:
-        raise FormatError(f"x ({x.device}), slot_mapping ({slot_mapping.device}) and cache "
-                          f"({cache.device}) must be on one device")
+        raise FormatError(
+            f"x ({x.device}), slot_mapping ({slot_mapping.device}) and cache "
+            f"({cache.device}) must be on one device"
+        )
     if check_slots:
         check_slot_mapping(slot_mapping, n, cache.shape[0] * block_size)
     elif slot_mapping.shape != (n,):
@@ -149,12 +186,36 @@ def cache_write(
         if spec.rotation is not None:
             x = x.float() @ spec.rotation.to(x.device)  # same op as the reference encode
         _int4_write_kernel[(n,)](
-            x, cache, cache.view(torch.float16), slot_mapping, x.stride(0), x.stride(1), h,
-            lay.page_bytes, H_P=hp, D=d, PS=block_size, CHANNEL_MAJOR=kind == "v", num_warps=2,
+            x,
+            cache,
+            cache.view(torch.float16),
+            slot_mapping,
+            x.stride(0),
+            x.stride(1),
+            h,
+            lay.page_bytes,
+            blk_stride,
+            H_P=hp,
+            D=d,
+            PS=block_size,
+            CHANNEL_MAJOR=kind == "v",
+            num_warps=2,
         )
     else:
         scale = spec.k_scale if kind == "k" else spec.v_scale
         _fp8_write_kernel[(n,)](
-            x, cache, slot_mapping, x.stride(0), x.stride(1), h, lay.page_bytes, scale,
-            H_P=hp, D=d, PS=block_size, CHANNEL_MAJOR=kind == "v", num_warps=2,
+            x,
+            cache,
+            slot_mapping,
+            x.stride(0),
+            x.stride(1),
+            h,
+            lay.page_bytes,
+            blk_stride,
+            scale,
+            H_P=hp,
+            D=d,
+            PS=block_size,
+            CHANNEL_MAJOR=kind == "v",
+            num_warps=2,
         )

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 import triton
+
 from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops import check_decode_inputs
-
 from kvzip_kernels._decode_kernels import _fp8_split_kernel, _int4_split_kernel, _merge_kernel
-from kvzip_kernels._formats import kernel_spec, resolve
+from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
 
 LOG2E = 1.4426950408889634
 
@@ -41,18 +41,35 @@ def _num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: DecodeConfi
     """Splits of ~``split_tokens`` tokens: many short programs keep the last wave's idle
     share small (9 splits of 14.5k tokens ran 1.09 waves and cost ~25% at 8B, batch 8);
     shorter splits, down to 512 tokens, while there are fewer than 4 programs per SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
     tokens = max(cfg.split_tokens, cfg.block_n)
-    while tokens > max(512, cfg.block_n) and batch * num_kv_heads * math.ceil(max_tokens / tokens) < 4 * sms:
+    while (
+        tokens > max(512, cfg.block_n)
+        and batch * num_kv_heads * math.ceil(max_tokens / tokens) < 4 * sms
+    ):
         tokens //= 2
     return int(min(max(1, math.ceil(max_tokens / tokens)), 1024))
 
 
 def paged_decode(
-    fmt: KVFormat | str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_table: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, layer: int = 0,
-    sm_scale: float | None = None, max_seq_len: int | None = None, out: torch.Tensor | None = None,
+    fmt: KVFormat | str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    block_size: int,
+    layer: int = 0,
+    sm_scale: float | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    block_stride: int | None = None,
 ) -> torch.Tensor:
     """Decode attention for one new token per sequence.
 
@@ -61,6 +78,8 @@ def paged_decode(
     seq_lens int32 ``[batch]`` (each >= 1). Returns ``out`` ``[batch, num_q_heads, head_dim]``
     bf16. ``max_seq_len`` (an upper bound of seq_lens) avoids reading seq_lens on the host.
     Rotated formats (``int4-rot``) get the query rotated before and the output after.
+    ``block_stride`` (bytes) admits caches strided in their block dimension, such as vLLM's
+    ``kv[:, 0]`` / ``kv[:, 1]`` (see ``check_strided_cache``).
 
     Example::
 
@@ -72,7 +91,15 @@ def paged_decode(
     if q.dtype != torch.bfloat16:
         raise FormatError(f"q must be bfloat16 [batch, num_q_heads, head_dim], got {q.dtype}")
     spec = kernel_spec(f, q.shape[2], block_size)
-    check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens, spec.layout)
+    blk_stride = check_strided_cache(k_cache, spec.layout, None, block_stride, "k_cache")
+    check_strided_cache(v_cache, spec.layout, None, block_stride, "v_cache")
+    check_decode_inputs(
+        q, k_cache[:1].contiguous(), v_cache[:1].contiguous(), block_table, seq_lens, spec.layout
+    )
+    if v_cache.shape != k_cache.shape:
+        raise FormatError(
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
     devs = {t.device for t in (q, k_cache, v_cache, block_table, seq_lens)}
     if len(devs) != 1:
         raise FormatError(f"q, caches, block_table and seq_lens must share one device, got {devs}")
@@ -87,13 +114,17 @@ def paged_decode(
         if int(seq_lens.min()) < 1:
             raise FormatError(f"seq_lens must be >= 1, got min {int(seq_lens.min())}")
     if max_seq_len > block_table.shape[1] * block_size:
-        raise FormatError(f"max_seq_len {max_seq_len} exceeds block_table capacity "
-                          f"{block_table.shape[1]} blocks x {block_size}")
+        raise FormatError(
+            f"max_seq_len {max_seq_len} exceeds block_table capacity "
+            f"{block_table.shape[1]} blocks x {block_size}"
+        )
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise FormatError(f"out must be a contiguous bf16 tensor of shape {tuple(q.shape)}, "
-                          f"got {out.dtype} {tuple(out.shape)}")
+        raise FormatError(
+            f"out must be a contiguous bf16 tensor of shape {tuple(q.shape)}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     if q.stride(2) != 1:
         q = q.contiguous()
     if spec.rotation is not None:  # K and V are stored as x @ R: rotate q the same way
@@ -108,27 +139,78 @@ def paged_decode(
     lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
     block_m = max(16, triton.next_power_of_2(g))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    common = dict(INTERPRET=interpret, G=g, BLOCK_M=block_m, D=d, PS=block_size, BLOCK_N=cfg.block_n,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(
+        INTERPRET=interpret,
+        G=g,
+        BLOCK_M=block_m,
+        D=d,
+        PS=block_size,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     grid = (b * hkv, splits)
     page_bytes = spec.layout.page_bytes
     if spec.family == "int4":
         _int4_split_kernel[grid](
-            q, k_cache, v_cache, k_cache.view(torch.int32), v_cache.view(torch.int32),
-            block_table, seq_lens, o_part, lse, scale * LOG2E, q.stride(0), q.stride(1),
-            block_table.stride(0), hkv, page_bytes, hkv * page_bytes, per_split, splits, **common,
+            q,
+            k_cache,
+            v_cache,
+            k_cache.view(torch.int32),
+            v_cache.view(torch.int32),
+            block_table,
+            seq_lens,
+            o_part,
+            lse,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            block_table.stride(0),
+            hkv,
+            page_bytes,
+            blk_stride,
+            per_split,
+            splits,
+            **common,
         )
     else:
         _fp8_split_kernel[grid](
-            q, k_cache.view(torch.float8_e4m3fn), v_cache.view(torch.float8_e4m3fn), block_table,
-            seq_lens, o_part, lse, scale * LOG2E * spec.k_scale, spec.v_scale, q.stride(0),
-            q.stride(1), block_table.stride(0), hkv, page_bytes, hkv * page_bytes, per_split, splits, **common,
+            q,
+            k_cache.view(torch.float8_e4m3fn),
+            v_cache.view(torch.float8_e4m3fn),
+            block_table,
+            seq_lens,
+            o_part,
+            lse,
+            scale * LOG2E * spec.k_scale,
+            spec.v_scale,
+            q.stride(0),
+            q.stride(1),
+            block_table.stride(0),
+            hkv,
+            page_bytes,
+            blk_stride,
+            per_split,
+            splits,
+            **common,
         )
-    target = out if spec.rotation is None else torch.empty(b, hq, d, dtype=torch.float32,
-                                                           device=q.device)
-    _merge_kernel[(b * hq,)](o_part, lse, target, splits, S_P=triton.next_power_of_2(splits),
-                             CH=16, D=d, OUT_BF16=spec.rotation is None,
-                             INTERPRET=interpret, num_warps=4)
+    target = (
+        out
+        if spec.rotation is None
+        else torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
+    )
+    _merge_kernel[(b * hq,)](
+        o_part,
+        lse,
+        target,
+        splits,
+        S_P=triton.next_power_of_2(splits),
+        CH=16,
+        D=d,
+        OUT_BF16=spec.rotation is None,
+        INTERPRET=interpret,
+        num_warps=4,
+    )
     if spec.rotation is not None:
         out.copy_(target @ spec.rotation.to(q.device))
     return out
