@@ -68,6 +68,8 @@ class CompactFormat(KVFormat):
     """Reference codec of one compact format, bound to a calibration (or to none, for accounting)."""
 
     needs_calibration = True
+    #: Step 2's least-squares refit of the token scale (switched off only by the ablation).
+    refit_scale = True
 
     def __init__(self, spec: CompactSpec, calibration: Calibration | str | None = None):
         self.spec = spec
@@ -146,12 +148,15 @@ class CompactFormat(KVFormat):
         lv = torch.empty(y.shape, dtype=torch.float32)
         for (start, n, bits) in _spans(layout):
             seg = u[..., start : start + n].contiguous()
-            c = torch.bucketize(seg, codebook.edges(bits), right=False)
+            c = torch.bucketize(seg, self.edges(bits), right=False)
             codes[..., start : start + n] = c
-            lv[..., start : start + n] = codebook.levels(bits)[c]
-        fit = (y * lv).sum(-1, keepdim=True) / (lv * lv).sum(-1, keepdim=True)
-        s = fit.to(torch.float16).float()
-        s = torch.where((s > 0) & torch.isfinite(s), s, s0)
+            lv[..., start : start + n] = self.levels(bits)[c]
+        if self.refit_scale:
+            fit = (y * lv).sum(-1, keepdim=True) / (lv * lv).sum(-1, keepdim=True)
+            s = fit.to(torch.float16).float()
+            s = torch.where((s > 0) & torch.isfinite(s), s, s0)
+        else:
+            s = s0
         return torch.cat((layout.pack(codes), f16_to_bytes(s.squeeze(-1))), -1)
 
     def dequantize(self, packed: torch.Tensor, *, kind: str, head_dim: int) -> torch.Tensor:
@@ -162,8 +167,15 @@ class CompactFormat(KVFormat):
         s = bytes_to_f16(packed[..., layout.code_bytes :]).float().unsqueeze(-1)
         lv = torch.empty(codes.shape, dtype=torch.float32)
         for (start, n, bits) in _spans(layout):
-            lv[..., start : start + n] = codebook.levels(bits)[codes[..., start : start + n]]
+            lv[..., start : start + n] = self.levels(bits)[codes[..., start : start + n]]
         return s * lv
+
+    def levels(self, bits: int) -> torch.Tensor:
+        """The ``2**bits`` levels of a ``bits``-wide channel (spec section 7)."""
+        return codebook.levels(bits)
+
+    def edges(self, bits: int) -> torch.Tensor:
+        return codebook.edges(bits)
 
     def encode(self, x, *, kind, layer):
         return self.quantize(self.transform(x, kind=kind, layer=layer), kind=kind)

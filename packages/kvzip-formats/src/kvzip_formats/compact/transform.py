@@ -46,10 +46,13 @@ class Transform:
     decode: torch.Tensor
 
 
-def derive(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, groups) -> Transform:
+def derive(
+    mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, groups, *, rotate: bool = True
+) -> Transform:
     """Build the transform of one layer and kind from calibration statistics ``[H, d]``.
 
     ``groups`` is the row layout's ``((channels, bits), ...)`` in transformed order.
+    ``rotate=False`` (identity instead of ``H_g``) exists for the ablation only.
     """
     mean, var, weight = (t.double() for t in (mean, var, weight))
     H, d = var.shape
@@ -66,7 +69,7 @@ def derive(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, groups) 
             idx = perm[start : start + n]
             gamma = 1.0 / (a[h, idx] ** 2 * var[h, idx]).mean().sqrt()
             scale = a[h, idx] * gamma
-            rot = hadamard(n).double()
+            rot = hadamard(n).double() if rotate else torch.eye(n, dtype=torch.float64)
             enc[h, start : start + n, idx] = rot * scale[None, :]
             dec[h, idx, start : start + n] = rot.T / scale[:, None]
             start += n
