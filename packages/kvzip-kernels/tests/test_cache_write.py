@@ -7,6 +7,7 @@ from kvzip_formats import FormatError, get_format
 from kvzip_formats.ops import PagedLayout, new_paged_cache
 from kvzip_formats.ops import cache_write as ref_cache_write
 from kvzip_kernels import cache_write
+from kvzip_kernels.testing import synthetic_calibration
 
 
 def _diff_report(got: torch.Tensor, want: torch.Tensor, lay: PagedLayout) -> str:
@@ -27,12 +28,13 @@ def _diff_report(got: torch.Tensor, want: torch.Tensor, lay: PagedLayout) -> str
 
 
 def _write_both(name, x, num_blocks, block_size, slots, device, kind="k"):
-    fmt = get_format(name)
-    lay = PagedLayout.of(fmt, x.shape[2], block_size)
-    want = new_paged_cache(fmt, num_blocks, x.shape[1], block_size, x.shape[2])
+    cal = synthetic_calibration(x.shape[1], x.shape[2]) if name[0].isdigit() else None
+    fmt = get_format(name, calibration=cal)
+    lay = PagedLayout.of(fmt, x.shape[2], block_size, kind)
+    want = new_paged_cache(fmt, num_blocks, x.shape[1], block_size, x.shape[2], kind=kind)
     got = torch.full_like(want, 0).to(device)
     ref_cache_write(fmt, x, want, slots, kind=kind, block_size=block_size)
-    cache_write(name, x.to(device), got, slots.to(device), kind=kind, block_size=block_size)
+    cache_write(fmt, x.to(device), got, slots.to(device), kind=kind, block_size=block_size)
     got = got.cpu()
     assert torch.equal(got, want), _diff_report(got, want, lay)
 
@@ -51,6 +53,17 @@ def test_bit_exact_random(name, heads, head_dim, block_size, dtype, device):
     slots = torch.randperm(blocks * block_size, generator=g)[:n]
     slots[[2, 11]] = -1  # vLLM's padding tokens are skipped
     _write_both(name, x, blocks, block_size, slots, device)
+
+
+@pytest.mark.parametrize("name", ["3.5bit", "3bit"])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_compact_rows_scatter(name, kind, device):
+    """Compact formats: the reference encode, scattered into K (token-major) and V
+    (channel-major) pages of their own row sizes."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 2, 64, generator=g)
+    slots = torch.randperm(48, generator=g)[:19]
+    _write_both(name, x, 3, 16, slots, device, kind=kind)
 
 
 @pytest.mark.parametrize("name", ["int4", "fp8"])

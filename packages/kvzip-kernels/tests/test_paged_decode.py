@@ -12,6 +12,7 @@ from kvzip_formats.ops import cache_write as ref_cache_write
 from kvzip_formats.ops import new_paged_cache
 from kvzip_formats.ops import paged_decode as ref_paged_decode
 from kvzip_kernels import DecodeConfig, paged_decode
+from kvzip_kernels.testing import synthetic_calibration
 
 
 def _rel(a, b):
@@ -21,12 +22,13 @@ def _rel(a, b):
 def make_case(name, hq, hkv, d, block_size, lens, seed, device, extra_blocks=3):
     """A paged cache holding random K/V for sequences of ``lens`` tokens, scattered pages."""
     g = torch.Generator().manual_seed(seed)
-    fmt = get_format(name)
+    compact = name in ("4bit", "3.5bit", "3bit")
+    fmt = get_format(name, calibration=synthetic_calibration(hkv, d) if compact else None)
     b = len(lens)
     max_blocks = max(-(-n // block_size) for n in lens) + 1  # one unused column
     nb = b * max_blocks + extra_blocks
-    kc = new_paged_cache(fmt, nb, hkv, block_size, d)
-    vc = new_paged_cache(fmt, nb, hkv, block_size, d)
+    kc = new_paged_cache(fmt, nb, hkv, block_size, d, kind="k")
+    vc = new_paged_cache(fmt, nb, hkv, block_size, d, kind="v")
     bt = torch.randperm(nb, generator=g)[: b * max_blocks].view(b, max_blocks).to(torch.int32)
     for i, n in enumerate(lens):
         tok = torch.arange(n)
@@ -49,7 +51,7 @@ def check(name, hq, hkv, d, block_size, lens, device, config=None, seed=0):
     plain = ref_paged_decode(
         fmt, q, kc, vc, bt, sl, block_size=block_size, compute_dtype=torch.bfloat16
     )
-    out = paged_decode(name, *dq, block_size=block_size, config=config)
+    out = paged_decode(fmt, *dq, block_size=block_size, config=config)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     assert torch.isfinite(out).all()
     err, tol = _rel(out, ref), 2 * _rel(plain, ref) + 1e-3
@@ -69,6 +71,13 @@ CASES = [
 @pytest.mark.parametrize("name", ["int4", "fp8"])
 @pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), CASES)
 def test_matches_reference(name, hq, hkv, d, block_size, lens, config, device):
+    check(name, hq, hkv, d, block_size, lens, device, config)
+
+
+@pytest.mark.parametrize("name", ["4bit", "3.5bit", "3bit"])
+@pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), [CASES[1], CASES[3]])
+def test_compact_formats(name, hq, hkv, d, block_size, lens, config, device):
+    """Codebook codes, fp16 token scales and the calibrated transforms folded into q and o."""
     check(name, hq, hkv, d, block_size, lens, device, config)
 
 

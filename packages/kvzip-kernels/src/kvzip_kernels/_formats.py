@@ -18,11 +18,20 @@ from kvzip_formats.rotation import hadamard
 
 @dataclass(frozen=True)
 class KernelSpec:
-    family: str  # "int4" (affine 4-bit codes, fp16 scale + zero) or "fp8" (e4m3, tensor scale)
-    layout: PagedLayout
+    # "int4" (affine 4-bit codes, fp16 scale + zero), "fp8" (e4m3, tensor scale) or
+    # "codebook" (the compact formats: Lloyd-Max codes, fp16 token scale, calibrated transform)
+    family: str
+    layout: PagedLayout  # K's pages
     k_scale: float = 1.0
     v_scale: float = 1.0
     rotation: torch.Tensor | None = None  # [D, D] float32; stored = x @ R, R symmetric orthonormal
+    v_layout: PagedLayout | None = None  # V's pages where they differ from K's
+    k_bits: int = 0  # codebook family: code bits of K and V rows
+    v_bits: int = 0
+
+    @property
+    def vlay(self) -> PagedLayout:
+        return self.v_layout or self.layout
 
 
 def resolve(fmt: KVFormat | str) -> KVFormat:
@@ -33,19 +42,33 @@ def resolve(fmt: KVFormat | str) -> KVFormat:
     return fmt
 
 
-SUPPORTED = ("fp8", "int4", "int4-rot")
+SUPPORTED = ("fp8", "int4", "int4-rot", "4bit", "3.5bit", "3bit")
 
 
 def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
     """The kernel-facing description of ``fmt``; FormatError for formats without kernels."""
     if head_dim not in (64, 128):
         raise FormatError(f"kvzip_kernels supports head_dim 64 and 128, got {head_dim}")
-    lay = PagedLayout.of(fmt, head_dim, block_size)
+    if fmt.name in ("fp8", "int4", "int4-rot"):
+        lay = PagedLayout.of(fmt, head_dim, block_size)
     if fmt.name == "fp8":
         return KernelSpec("fp8", lay, fmt.scales["k"], fmt.scales["v"])
     if fmt.name in ("int4", "int4-rot"):
         rot = hadamard(head_dim) if fmt.name == "int4-rot" else None
         return KernelSpec("int4", lay, rotation=rot)
+    spec = getattr(fmt, "spec", None)
+    if spec is not None and hasattr(spec, "k_groups"):
+        bits = {}
+        for kind, groups in (("k", spec.k_groups), ("v", spec.v_groups)):
+            if len(groups) != 1 or groups[0][1] not in (3, 4):
+                raise FormatError(
+                    f"format {fmt.name!r}: kvzip_kernels decodes one group of 3- or 4-bit codes "
+                    f"per row, got {kind} groups {groups}"
+                )
+            bits[kind] = groups[0][1]
+        return KernelSpec("codebook", PagedLayout.of(fmt, head_dim, block_size, "k"),
+                          v_layout=PagedLayout.of(fmt, head_dim, block_size, "v"),
+                          k_bits=bits["k"], v_bits=bits["v"])
     raise FormatError(
         f"format {fmt.name!r} has no kvzip_kernels implementation; supported: {', '.join(SUPPORTED)}"
     )

@@ -166,7 +166,7 @@ def cache_write(
         raise FormatError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
     n, h, d = x.shape
     spec = kernel_spec(f, d, block_size)
-    lay = spec.layout
+    lay = spec.layout if kind == "k" else spec.vlay
     blk_stride = check_strided_cache(cache, lay, h, block_stride, "cache")
     if x.device != cache.device or slot_mapping.device != cache.device:
         raise FormatError(
@@ -182,7 +182,9 @@ def cache_write(
     if x.stride(2) != 1:
         x = x.contiguous()
     hp = triton.next_power_of_2(h)
-    if spec.family == "int4":
+    if spec.family == "codebook":
+        _codebook_write(f, x, cache, slot_mapping, lay, kind, layer)
+    elif spec.family == "int4":
         if spec.rotation is not None:
             x = x.float() @ spec.rotation.to(x.device)  # same op as the reference encode
         _int4_write_kernel[(n,)](
@@ -219,3 +221,15 @@ def cache_write(
             CHANNEL_MAJOR=kind == "v",
             num_warps=2,
         )
+
+
+def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer) -> None:
+    """The compact formats' write: the reference encode (float64 transform, as spec/4bit.md
+    defines y) on the host, then the paged scatter on the cache's device. Not a kernel yet:
+    correct for any device, but a host round trip per call (NOTES.md)."""
+    keep = (slot_mapping >= 0).cpu()
+    rows = f.encode(x.detach().cpu()[keep], kind=kind, layer=layer).to(cache.device)
+    slots = slot_mapping.cpu()[keep].to(device=cache.device, dtype=torch.int64)
+    blk, off = slots // lay.block_size, slots % lay.block_size
+    lay.codes_view(cache, kind)[blk, :, off] = rows[..., : lay.code_bytes]
+    lay.meta_view(cache)[blk, :, off] = rows[..., lay.code_bytes :]

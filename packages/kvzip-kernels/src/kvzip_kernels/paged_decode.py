@@ -16,6 +16,7 @@ import triton
 
 from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops import check_decode_inputs
+from kvzip_kernels._decode_codebook import _codebook_split_kernel
 from kvzip_kernels._decode_kernels import _fp8_split_kernel, _int4_split_kernel, _merge_kernel
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
 
@@ -92,13 +93,13 @@ def paged_decode(
         raise FormatError(f"q must be bfloat16 [batch, num_q_heads, head_dim], got {q.dtype}")
     spec = kernel_spec(f, q.shape[2], block_size)
     blk_stride = check_strided_cache(k_cache, spec.layout, None, block_stride, "k_cache")
-    check_strided_cache(v_cache, spec.layout, None, block_stride, "v_cache")
-    check_decode_inputs(
-        q, k_cache[:1].contiguous(), v_cache[:1].contiguous(), block_table, seq_lens, spec.layout
-    )
-    if v_cache.shape != k_cache.shape:
+    v_blk_stride = check_strided_cache(v_cache, spec.vlay, None, block_stride, "v_cache")
+    check_decode_inputs(q, k_cache[:1].contiguous(), v_cache[:1].contiguous(), block_table,
+                        seq_lens, spec.layout, spec.vlay)
+    if v_cache.shape[:2] != k_cache.shape[:2]:
         raise FormatError(
-            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+            f"v_cache shape {tuple(v_cache.shape)} and k_cache shape {tuple(k_cache.shape)} "
+            "differ in blocks or heads"
         )
     devs = {t.device for t in (q, k_cache, v_cache, block_table, seq_lens)}
     if len(devs) != 1:
@@ -151,7 +152,12 @@ def paged_decode(
     )
     grid = (b * hkv, splits)
     page_bytes = spec.layout.page_bytes
-    if spec.family == "int4":
+    post = None
+    if spec.family == "codebook":
+        q, post = _codebook_launch(f, spec, q, k_cache, v_cache, block_table, seq_lens, o_part,
+                                   lse, scale, layer, blk_stride, v_blk_stride, per_split,
+                                   splits, grid, common)
+    elif spec.family == "int4":
         _int4_split_kernel[grid](
             q,
             k_cache,
@@ -196,7 +202,7 @@ def paged_decode(
         )
     target = (
         out
-        if spec.rotation is None
+        if spec.rotation is None and post is None
         else torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     )
     _merge_kernel[(b * hq,)](
@@ -207,10 +213,53 @@ def paged_decode(
         S_P=triton.next_power_of_2(splits),
         CH=16,
         D=d,
-        OUT_BF16=spec.rotation is None,
+        OUT_BF16=spec.rotation is None and post is None,
         INTERPRET=interpret,
         num_warps=4,
     )
     if spec.rotation is not None:
         out.copy_(target @ spec.rotation.to(q.device))
+    if post is not None:
+        out.copy_(post(target))
     return out
+
+
+def _codebook_launch(f, spec, q, k_cache, v_cache, block_table, seq_lens, o_part, lse, scale,
+                     layer, k_blk_stride, v_blk_stride, per_split, splits, grid, common):
+    """The compact formats: fold the calibrated transforms into q and the output.
+
+    ``score = q . (B_k y_k + mean_k) = (B_k^T q) . y_k + const`` (the constant is the same for
+    every key and drops out of the softmax); ``o = B_v y + mean_v`` since the probabilities
+    sum to 1. ``q'`` is scaled per row by a power of two into fp16's range (exact), the kernel
+    undoes it in the scores. Returns the fp16 ``q'`` and the output transform.
+    """
+    from kvzip_formats.compact import codebook
+
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    tk, tv = f.transform_of("k", layer), f.transform_of("v", layer)
+    dev = q.device
+    qp = torch.einsum("bhgd,hde->bhge", q.float().view(b, hkv, hq // hkv, d), tk.decode.to(dev))
+    amax = qp.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    pow2 = torch.exp2(torch.floor(torch.log2(16384.0 / amax)))  # max |q'| in [2**13, 2**14)
+    q16 = (qp * pow2).to(torch.float16).reshape(b, hq, d).contiguous()
+    qs = (1.0 / pow2).reshape(b * hq).contiguous()
+    lut = torch.zeros(16, dtype=torch.float32)
+    for i, bits in enumerate((spec.k_bits, spec.v_bits)):
+        lv = codebook.POSITIVE_LEVELS[bits]
+        lut[8 * i : 8 * i + len(lv)] = torch.tensor(lv, dtype=torch.float32)
+    _codebook_split_kernel[grid](
+        q16, qs, k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16),
+        lut.to(dev), block_table, seq_lens, o_part, lse, scale * LOG2E, block_table.stride(0),
+        hkv, spec.layout.page_bytes, spec.vlay.page_bytes, k_blk_stride, v_blk_stride, per_split,
+        splits, 0, KBITS=spec.k_bits, VBITS=spec.v_bits, KCB=spec.layout.code_bytes,
+        VCB=spec.vlay.code_bytes, **common,
+    )
+    bv, mv = tv.decode.to(dev), tv.mean.to(dev)
+
+    def post(y):  # [b, hq, d] float32 in the transformed domain -> bf16 output
+        y = y.view(b, hkv, hq // hkv, d)
+        o = torch.einsum("bhge,hde->bhgd", y, bv) + mv[None, :, None, :]
+        return o.reshape(b, hq, d).to(torch.bfloat16)
+
+    return q16, post

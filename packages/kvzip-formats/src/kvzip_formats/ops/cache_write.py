@@ -10,6 +10,7 @@ that each operand of the decode kernel's two matrix products reads consecutive b
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,13 @@ class PagedLayout:
     meta_bytes: int
 
     @classmethod
-    def of(cls, fmt: KVFormat, head_dim: int, block_size: int) -> PagedLayout:
+    def of(cls, fmt: KVFormat, head_dim: int, block_size: int, kind: str | None = None) -> PagedLayout:
+        """The page geometry of ``fmt``'s K (``kind="k"``) or V rows; formats whose K and V
+        rows differ (the compact ``3.5bit``) need ``kind``."""
         if block_size not in BLOCK_SIZES:
             raise FormatError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-        return cls(block_size, head_dim, fmt.code_bytes(head_dim), fmt.meta_bytes(head_dim))
+        return cls(block_size, head_dim, _row_part(fmt, "code_bytes", head_dim, kind),
+                   _row_part(fmt, "meta_bytes", head_dim, kind))
 
     @property
     def token_head_bytes(self) -> int:
@@ -63,6 +67,13 @@ class PagedLayout:
         return cache[..., self.meta_offset :].unflatten(-1, (self.block_size, self.meta_bytes))
 
 
+def _row_part(fmt: KVFormat, what: str, head_dim: int, kind: str | None) -> int:
+    fn = getattr(fmt, what)
+    if kind is not None and "kind" in inspect.signature(fn).parameters:
+        return fn(head_dim, kind)
+    return fn(head_dim)
+
+
 def new_paged_cache(
     fmt: KVFormat,
     num_blocks: int,
@@ -71,9 +82,10 @@ def new_paged_cache(
     head_dim: int,
     *,
     device: torch.device | str = "cpu",
+    kind: str | None = None,
 ) -> torch.Tensor:
-    """A zero-filled paged cache for one layer's K or V."""
-    lay = PagedLayout.of(fmt, head_dim, block_size)
+    """A zero-filled paged cache for one layer's K or V (``kind`` where their rows differ)."""
+    lay = PagedLayout.of(fmt, head_dim, block_size, kind)
     return torch.zeros(num_blocks, num_kv_heads, lay.page_bytes, dtype=torch.uint8, device=device)
 
 
@@ -138,7 +150,7 @@ def cache_write(
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise FormatError(f"x must be [tokens, kv_heads, head_dim], got {getattr(x, 'shape', x)}")
     t, h, d = x.shape
-    lay = PagedLayout.of(fmt, d, block_size)
+    lay = PagedLayout.of(fmt, d, block_size, kind)
     check_paged_cache(cache, lay, num_kv_heads=h)
     check_slot_mapping(slot_mapping, t, cache.shape[0] * block_size)
     keep = slot_mapping >= 0

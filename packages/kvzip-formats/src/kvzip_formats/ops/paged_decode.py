@@ -23,16 +23,18 @@ def check_decode_inputs(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     lay: PagedLayout,
+    v_lay: PagedLayout | None = None,
 ) -> None:
-    """Shapes and dtypes of a paged decode call; raises FormatError naming the argument."""
+    """Shapes and dtypes of a paged decode call; raises FormatError naming the argument.
+    ``v_lay``: V's page geometry where it differs from K's (``lay``)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise FormatError(f"q must be [batch, num_q_heads, head_dim], got {getattr(q, 'shape', q)}")
     b, hq, d = q.shape
     if d != lay.head_dim:
         raise FormatError(f"q has head_dim {d}, the cache layout has {lay.head_dim}")
     check_paged_cache(k_cache, lay, name="k_cache")
-    check_paged_cache(v_cache, lay, name="v_cache")
-    if v_cache.shape != k_cache.shape:
+    check_paged_cache(v_cache, v_lay or lay, name="v_cache")
+    if v_cache.shape[:2] != k_cache.shape[:2]:
         raise FormatError(
             f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
         )
@@ -72,8 +74,9 @@ def paged_decode(
     torch does it in bf16 (K, V, q, scores, probabilities and output rounded to bf16), whose
     error against the reference sets a kernel's earned tolerance.
     """
-    lay = PagedLayout.of(fmt, q.shape[-1], block_size)
-    check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens, lay)
+    lay = PagedLayout.of(fmt, q.shape[-1], block_size, "k")
+    v_lay = PagedLayout.of(fmt, q.shape[-1], block_size, "v")
+    check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens, lay, v_lay)
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -86,7 +89,7 @@ def paged_decode(
             gather_rows(k_cache, lay, block_table[i], n, "k"), kind="k", layer=layer, head_dim=d
         )
         v = fmt.decode(
-            gather_rows(v_cache, lay, block_table[i], n, "v"), kind="v", layer=layer, head_dim=d
+            gather_rows(v_cache, v_lay, block_table[i], n, "v"), kind="v", layer=layer, head_dim=d
         )
         k = k.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
         v = v.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)
