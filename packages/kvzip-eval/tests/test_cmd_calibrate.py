@@ -1,0 +1,56 @@
+"""``kvzip calibrate``: the artifact it writes matches the model's own K/V, and errors are clear."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from click.testing import CliRunner
+
+from kvzip_eval.cmd_calibrate import command
+
+
+def test_calibrate_writes_artifact_matching_capture_kv(loaded, tmp_path):
+    from kvzip_formats import get_format
+    from kvzip_formats.calibration import Calibration
+
+    from kvzip_eval.corpus import token_windows
+    from kvzip_eval.model import capture_kv
+
+    out = tmp_path / "cal"
+    res = CliRunner().invoke(command, ["--out", str(out), "--windows", "1", "--length", "48"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "calibration.json").read_text())
+    assert doc["kvzip_calibration_version"] == 1
+    assert doc["model"]["identity"] == loaded.info.identity
+    assert doc["fit"]["split"] == "calib" and doc["fit"]["tokens_per_layer"] == 47
+    cal = Calibration.load(out)
+    cal.check_model(loaded.info)
+    # the hook saw exactly the K/V a cache stores: compare with capture_kv on the same window
+    ids = token_windows(loaded.tokenizer, 1, 48, split="calib", seed=0)
+    kv = capture_kv(loaded, ids)
+    for layer in (0, 17, 29):
+        k, v = (t[1:].double() for t in kv[layer])
+        mean, var, weight = cal.stats("k", layer)
+        assert torch.allclose(mean.double(), k.mean(0), rtol=1e-4, atol=1e-4)
+        assert torch.allclose(var.double(), k.var(0, unbiased=False), rtol=1e-3, atol=1e-3)
+        assert (weight > 0).all()
+        assert torch.allclose(cal.stats("v", layer)[0].double(), v.mean(0), rtol=1e-4, atol=1e-4)
+    # and the formats run on it
+    x = kv[3][0][:5]
+    for name in ("4bit", "3.5bit", "3bit"):
+        r = get_format(name, calibration=out).roundtrip(x, kind="k", layer=3)
+        assert r.shape == x.shape and torch.equal(r[0], x[0])
+
+
+def test_calibrate_text_too_short(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words here")
+    res = CliRunner().invoke(command, ["--out", str(tmp_path / "c"), "--text-file", str(short)])
+    assert res.exit_code == 2 and "text too short" in res.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_calibrate_bad_model_path(tmp_path):
+    res = CliRunner().invoke(command, ["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "does not exist" in res.output
