@@ -35,7 +35,7 @@ def _impl(fmt, heads, kv_heads, d, block_size):
     impl.fmt, impl.block_size = fmt, block_size
     impl.layout = PagedLayout.of(fmt, d, block_size)
     impl.sink_tokens = int(getattr(getattr(fmt, "spec", None), "sink_tokens", 0))
-    impl._sinks, impl._layer_index = None, {}
+    impl._sinks, impl._layer_index, impl._no_kernels = None, {}, None
     return impl
 
 

@@ -1,4 +1,5 @@
-"""The tier's store without vLLM: bit-exact round trips, byte budget, LRU order, damage."""
+"""The tier's store without vLLM: bit-exact round trips, byte budget, LRU order, damage,
+the per-model table set."""
 
 from __future__ import annotations
 
@@ -8,67 +9,107 @@ import torch
 import kvzip_lossless
 from kvzip_vllm.store import BlockStore, block_key, namespace
 
+LAYERS, N, H, D = 3, 32, 3, 64
 
-def _block(seed: int, layers: int = 3, heads: int = 3, n: int = 32, d: int = 64):
+
+def _block(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V) bf16 [N, H, D], KV-like: a per-channel offset plus noise."""
     g = torch.Generator().manual_seed(seed)
-    # KV-like: a per-channel offset plus noise, bf16
-    base = torch.randn(1, 1, 1, d, generator=g) * 2
-    k = (base + torch.randn(layers, heads, n, d, generator=g)).to(torch.bfloat16)
-    v = torch.randn(layers, heads, n, d, generator=g).to(torch.bfloat16)
-    return [k, v]
+    out = []
+    for _ in range(LAYERS):
+        base = torch.randn(1, 1, D, generator=g) * 2
+        k = (base + torch.randn(N, H, D, generator=g)).to(torch.bfloat16)
+        v = torch.randn(N, H, D, generator=g).to(torch.bfloat16)
+        out.append((k, v))
+    return out
 
 
-def test_roundtrip_bit_exact():
-    store = BlockStore(64 << 20)
-    blocks = {bytes([i]) * 32: _block(i) for i in range(3)}
-    for key, tensors in blocks.items():
-        nbytes, evicted = store.put(key, tensors)
+def _outs():
+    return [torch.empty(N, H, D, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+
+
+def _assert_same(outs, block, key):
+    want = [t for kv in block for t in kv]
+    for i, (got, w) in enumerate(zip(outs, want, strict=True)):
+        diff = (got.view(torch.int16) != w.view(torch.int16)).nonzero()
+        assert diff.numel() == 0, f"block {key[:1].hex()} tensor {i} differs at {diff[:5].tolist()}"
+
+
+def _blob_bytes(block) -> int:
+    return sum(len(kvzip_lossless.compress(t)) for kv in block for t in kv)
+
+
+@pytest.mark.parametrize("fit_tokens", [0, 2 * N], ids=["embedded-tables", "fitted-set"])
+def test_roundtrip_bit_exact(fit_tokens):
+    store = BlockStore(64 << 20, fit_tokens=fit_tokens)
+    blocks = {bytes([i]) * 32: _block(i) for i in range(4)}
+    for key, block in blocks.items():
+        nbytes, evicted = store.put(key, block)
         assert nbytes > 0 and evicted == []
-    for key, (k, v) in blocks.items():
-        outs = [torch.empty_like(k), torch.empty_like(v)]
+    # with fit_tokens, blocks 0-1 embed their tables; the set is fitted from them, 2-3 use it
+    assert (store.tables is not None) == bool(fit_tokens)
+    for key, block in blocks.items():
+        outs = _outs()
         assert store.get(key, outs)
-        for got, want in zip(outs, (k, v), strict=True):
-            diff = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
-            assert diff.numel() == 0, f"block {key[:1].hex()} differs at {diff[:5].tolist()}"
+        _assert_same(outs, block, key)
     s = store.stats
-    assert s.blocks_held == 3 and s.raw_bytes_held == 3 * 2 * _block(0)[0].numel() * 2
+    assert s.blocks_held == 4 and s.raw_bytes_held == 4 * 2 * LAYERS * N * H * D * 2
     assert s.bytes_saved == s.raw_bytes_held - s.bytes_held
+    assert s.table_bytes == (store.tables.nbytes if fit_tokens else 0)
+    assert s.table_fit_tokens == fit_tokens
+
+
+def test_loaded_table_set_is_used_and_required():
+    tables = kvzip_lossless.build_kv_tables([_block(10), _block(11)])
+    store = BlockStore(64 << 20, tables=tables)
+    key, block = b"t" * 32, _block(1)
+    store.put(key, block)
+    blob = store._entries[key].blobs[0]
+    with pytest.raises(kvzip_lossless.CorruptBlobError, match="table set"):
+        kvzip_lossless.decompress(blob)  # references the set: not decodable without it
+    outs = _outs()
+    assert store.get(key, outs)
+    _assert_same(outs, block, key)
+    assert store.stats.table_bytes == tables.nbytes
 
 
 def test_budget_and_lru_order():
-    one = sum(len(kvzip_lossless.compress(t)) for t in _block(0))
-    store = BlockStore(int(one * 2.5))  # room for two blocks
+    one = _blob_bytes(_block(0))
+    store = BlockStore(int(one * 2.5), fit_tokens=0)  # room for two blocks
     a, b, c = (bytes([i]) * 32 for i in range(3))
     store.put(a, _block(0))
     store.put(b, _block(1))
-    outs = [torch.empty_like(t) for t in _block(0)]
-    assert store.get(a, outs)  # a is now the most recently used: b goes first
+    assert store.get(a, _outs())  # a is now the most recently used: b goes first
     _, evicted = store.put(c, _block(2))
     assert evicted == [b]
     assert a in store and c in store and b not in store
-    assert not store.get(b, outs)  # never served after eviction
+    assert not store.get(b, _outs())  # never served after eviction
     assert store.stats.evictions == 1 and store.stats.bytes_held <= store.budget_bytes
 
 
 def test_block_larger_than_budget_is_skipped():
-    store = BlockStore(100)
+    store = BlockStore(100, fit_tokens=0)
     nbytes, evicted = store.put(b"k" * 32, _block(0))
     assert nbytes == 0 and evicted == [] and len(store) == 0
     assert store.stats.blocks_skipped == 1
 
 
-def test_damaged_entry_is_dropped_not_served():
-    store = BlockStore(64 << 20)
-    key = b"x" * 32
-    k, v = _block(0)
-    store.put(key, [k, v])
-    blobs = store._entries[key].blobs
-    bad = bytearray(blobs[0])
-    bad[len(bad) // 2] ^= 0xFF
-    store._entries[key].blobs = (bytes(bad), blobs[1])
-    outs = [torch.zeros_like(k), torch.zeros_like(v)]
-    assert not store.get(key, outs)
-    assert key not in store
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_entry_is_dropped_not_served(damage):
+    store = BlockStore(64 << 20, fit_tokens=0)
+    key, block = b"x" * 32, _block(0)
+    store.put(key, block)
+    blobs = list(store._entries[key].blobs)
+    if damage == "flip":
+        bad = bytearray(blobs[3])
+        bad[len(bad) // 2] ^= 0x10
+        blobs[3] = bytes(bad)
+    else:
+        blobs[3] = blobs[3][: len(blobs[3]) // 2]
+    store._entries[key].blobs = tuple(blobs)
+    outs = [torch.zeros(N, H, D, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+    assert not store.get(key, outs) and key not in store
+    assert all(int(o.view(torch.int16).abs().sum()) == 0 for o in outs), "wrote before checking"
 
 
 def test_keys_depend_on_model_layout_and_prefix():

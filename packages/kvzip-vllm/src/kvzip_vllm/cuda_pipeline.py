@@ -57,10 +57,12 @@ class CudaTierPipeline:
                 continue
             try:
                 with torch.cuda.stream(stream):
-                    k, v = (kvzip_lossless.decompress(b, device=self.device) for b in blobs)
                     for layer, (kd, vd) in enumerate(self.block_views(block_id)):
-                        kd.copy_(k[layer], non_blocking=True)
-                        vd.copy_(v[layer], non_blocking=True)
+                        for blob, dst in zip(blobs[2 * layer: 2 * layer + 2], (kd, vd),
+                                             strict=True):
+                            t = kvzip_lossless.decompress(blob, tables=self.store.tables,
+                                                          device=self.device)
+                            dst.copy_(t.permute(1, 0, 2), non_blocking=True)
             except kvzip_lossless.CorruptBlobError:
                 self.store.drop(key)
                 failed.add(block_id)
@@ -87,25 +89,22 @@ class CudaTierPipeline:
     # -- stores -------------------------------------------------------------------------
     def start_stores(self, stores) -> None:
         for key, block_id in stores:
-            views = self.block_views(block_id)
-            k = torch.stack([kd for kd, _ in views])  # D2D copy on the compute stream
-            v = torch.stack([vd for _, vd in views])
+            # D2D copies on the compute stream: the block may be freed once this returns
+            layers = [(kd.permute(1, 0, 2).contiguous(), vd.permute(1, 0, 2).contiguous())
+                      for kd, vd in self.block_views(block_id)]
             event = torch.cuda.Event()
             event.record()
-            self._jobs.put((key, k, v, event))
+            self._jobs.put((key, layers, event))
 
     def _store_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            key, k, v, event = job
-            t0 = time.perf_counter()
+            key, layers, event = job
             with torch.cuda.stream(self.store_stream):
                 self.store_stream.wait_event(event)
-                blobs = (kvzip_lossless.compress(k), kvzip_lossless.compress(v))
-            raw = 2 * k.numel() * k.element_size()
-            nbytes, evicted = self.store.put_blobs(key, blobs, raw, time.perf_counter() - t0)
+                nbytes, evicted = self.store.put(key, layers)  # GPU encoder for CUDA tensors
             self._done.put((key, nbytes, evicted))
 
     def collect(self) -> tuple[list[bytes], list[bytes]]:
