@@ -97,3 +97,21 @@ def test_unsupported_head_dim_refused(loaded):
 
     with pytest.raises(FormatError, match=r"cannot handle model SmolLM2.*head_dim 64"):
         check_formats(loaded, {"h128": NeedsHead128()})
+
+
+def test_calibrated_formats_need_calibration(loaded, tmp_path, monkeypatch):
+    import click
+
+    from kvzip_eval import model
+    from kvzip_eval.cmd_eval import resolve_formats
+    from kvzip_formats import get_format, list_formats
+
+    needs = [n for n in list_formats() if get_format(n).needs_calibration]
+    if not needs:
+        pytest.skip("no registered format needs a calibration")
+    monkeypatch.setattr(model, "cache_dir", lambda: tmp_path)  # no default calibration there
+    with pytest.raises(click.UsageError, match=f"format '{needs[0]}' needs a calibration"):
+        resolve_formats(["int4", needs[0]], None, loaded.info)
+    # Asked for every format by default: skipped with a note instead.
+    got = resolve_formats(["int4", needs[0]], None, loaded.info, explicit=False)
+    assert list(got) == ["int4"]

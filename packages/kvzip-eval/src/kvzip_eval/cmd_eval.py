@@ -31,35 +31,55 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
-def resolve_formats(names: list[str], calibration, info) -> dict:
-    """Instantiate the formats; calibrated ones take ``calibration`` (a directory)."""
+def resolve_formats(names: list[str], calibration, info, *, explicit: bool = True) -> dict:
+    """Instantiate the formats; calibrated ones take ``calibration`` (a directory), or the
+    default ``<cache>/calibration/<model identity>`` that `kvzip calibrate` writes.
+
+    A format that needs a calibration and has none is an error when named (``explicit``);
+    when every registered format was asked for by default, it is skipped with a note.
+    """
     from kvzip_eval.model import cache_dir
     from kvzip_formats import FormatError, get_format, list_formats
 
     known = list_formats()
-    out = {}
+    default = cache_dir() / "calibration" / info.identity
+    calib = calibration if calibration is not None else (default if default.is_dir() else None)
+    out, skipped = {}, []
     for name in names:
         if name not in known:
             raise click.BadParameter(
                 f"unknown format {name!r}; registered: {', '.join(known)}", param_hint="--formats"
             )
-        calib = calibration
-        if calib is None:
-            default = cache_dir() / "calibration" / info.identity
-            calib = default if default.is_dir() else None
         try:
             fmt = get_format(name, calibration=calib)
-        except (FormatError, FileNotFoundError) as e:
-            raise click.UsageError(
-                f"format {name!r} could not be set up ({e}); formats that need a calibration "
-                f"take it from --calibration DIR (made by `kvzip calibrate` for this model)"
-            ) from e
-        if getattr(fmt, "needs_calibration", False) and calib is None:
-            raise click.UsageError(
-                f"format {name!r} needs a calibration for model {info.name}: run `kvzip "
-                f"calibrate` and pass --calibration DIR"
-            )
+        except (FormatError, OSError) as e:
+            raise click.UsageError(f"format {name!r} could not be set up: {e}") from e
+        if getattr(fmt, "needs_calibration", False):
+            if calib is None:
+                if explicit:
+                    raise click.UsageError(
+                        f"format {name!r} needs a calibration for model {info.name} and none "
+                        f"was found (looked in {default}): run `kvzip calibrate` or pass "
+                        "--calibration DIR"
+                    )
+                skipped.append(name)
+                continue
+            made_for = getattr(getattr(fmt, "calibration", None), "model", {}) or {}
+            if made_for.get("identity") not in (None, info.identity):
+                raise click.UsageError(
+                    f"the calibration in {calib} was made for model "
+                    f"{made_for.get('name')!r} (identity {made_for.get('identity')}), not for "
+                    f"{info.name} (identity {info.identity}); run `kvzip calibrate` for it"
+                )
         out[name] = fmt
+    if skipped:
+        click.echo(
+            f"note: skipping {', '.join(skipped)}: no calibration for {info.name} "
+            f"(run `kvzip calibrate`, or pass --calibration DIR)",
+            err=True,
+        )
+    if not out:
+        raise click.UsageError("no format left to evaluate")
     return out
 
 
@@ -190,7 +210,7 @@ def command(
     except ModelError as e:
         raise click.UsageError(str(e)) from e
     names = [f.strip() for f in formats.split(",") if f.strip()] if formats else list_formats()
-    fmts = resolve_formats(names, calibration, loaded.info)
+    fmts = resolve_formats(names, calibration, loaded.info, explicit=bool(formats))
     try:
         body, used = run_suite(
             loaded,

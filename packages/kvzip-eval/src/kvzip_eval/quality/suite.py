@@ -3,10 +3,11 @@
 Settings presets (times measured on the 2-core development machine while other jobs shared
 it, see results/quality/): ``quick`` for tests and checks, ``default`` for a first look,
 ``full`` for published numbers. design.md's protocol asks for windows of the model's full
-context; on 2 CPU cores an 8,192-token forward of SmolLM2-135M takes ~1-2 minutes (attention
-is quadratic: 2,048 tokens take ~8-15 s), so ``default`` uses shorter windows and ``full``
-is sized to finish in ~40 minutes for the five baselines; every count can be raised with
-the command's options (on a GPU, the whole protocol takes minutes).
+context; on 2 shared CPU cores an 8,192-token forward of SmolLM2-135M took 128 s (attention
+is quadratic: 2,048 tokens take ~15-25 s), so ``default`` uses shorter windows and ``full``
+is sized to finish in ~40 minutes for the five baselines, well short of the protocol
+(``PROTOCOL``: 8 windows, 32 prompts x 256 tokens, 50 samples up to 8,192 tokens, which
+would take days there). Every count can be raised with the command's options.
 """
 
 from __future__ import annotations
@@ -60,10 +61,14 @@ PRESETS = {
         passage_tokens=128,
         new_tokens=64,
         retrieval_lengths=(512, 1024),
-        retrieval_samples=2,
+        retrieval_samples=1,
     ),
+    # Sized from one run per stage on the shared 2-core machine (int4-rot, ~40% of the
+    # cores free): an 8,192-token window 128 s + 16 s of logits; 8 prompts x 128 new tokens
+    # 69 s; 2 MK3 samples at 2,048 tokens 44 s. For the 5 baselines (bf16 reuses the
+    # reference) that is ~12 + 6 + 17 minutes.
     "full": Settings(
-        kl_windows=2,
+        kl_windows=1,
         kl_length=0,
         prompts=8,
         passage_tokens=192,
