@@ -41,8 +41,19 @@ def _level(c, BITS: tl.constexpr, m0, m1, m2, m3, m4, m5, m6, m7):
 
 
 @triton.jit
-def _class_codes(ptr, base, t, i, r: tl.constexpr, BITS: tl.constexpr, CB: tl.constexpr,
-                 D: tl.constexpr, PS: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, mask):
+def _class_codes(
+    ptr,
+    base,
+    t,
+    i,
+    r: tl.constexpr,
+    BITS: tl.constexpr,
+    CB: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
+    mask,
+):
     """Codes of channel class r ([BLOCK_N, D // R]) of one page-set of rows.
 
     4 bits: class r = channels 2i + r (nibble r of byte i). 3 bits: class r = channels 4i + r
@@ -67,12 +78,37 @@ def _class_codes(ptr, base, t, i, r: tl.constexpr, BITS: tl.constexpr, CB: tl.co
 
 @triton.jit
 def _codebook_split_kernel(
-    q_ptr, qs_ptr, kc_ptr, vc_ptr, kh_ptr, vh_ptr, lut_ptr, bt_ptr, sl_ptr, o_ptr, lse_ptr,
-    qk_scale, stride_btb, num_kv_heads, k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride,
-    tokens_per_split, num_splits, skip,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    BLOCK_N: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KCB: tl.constexpr,
-    VCB: tl.constexpr, INTERPRET: tl.constexpr,
+    q_ptr,
+    qs_ptr,
+    kc_ptr,
+    vc_ptr,
+    kh_ptr,
+    vh_ptr,
+    lut_ptr,
+    bt_ptr,
+    sl_ptr,
+    o_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_btb,
+    num_kv_heads,
+    k_page_bytes,
+    v_page_bytes,
+    k_blk_stride,
+    v_blk_stride,
+    tokens_per_split,
+    num_splits,
+    skip,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KBITS: tl.constexpr,
+    VBITS: tl.constexpr,
+    KCB: tl.constexpr,
+    VCB: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -87,10 +123,30 @@ def _codebook_split_kernel(
     KW: tl.constexpr = D // KR
     VW: tl.constexpr = D // VR
     # codebook magnitudes: lut[0:8] for K's bit width, lut[8:16] for V's
-    k0, k1, k2, k3 = tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
-    k4, k5, k6, k7 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
-    v0, v1, v2, v3 = tl.load(lut_ptr + 8), tl.load(lut_ptr + 9), tl.load(lut_ptr + 10), tl.load(lut_ptr + 11)
-    v4, v5, v6, v7 = tl.load(lut_ptr + 12), tl.load(lut_ptr + 13), tl.load(lut_ptr + 14), tl.load(lut_ptr + 15)
+    k0, k1, k2, k3 = (
+        tl.load(lut_ptr),
+        tl.load(lut_ptr + 1),
+        tl.load(lut_ptr + 2),
+        tl.load(lut_ptr + 3),
+    )
+    k4, k5, k6, k7 = (
+        tl.load(lut_ptr + 4),
+        tl.load(lut_ptr + 5),
+        tl.load(lut_ptr + 6),
+        tl.load(lut_ptr + 7),
+    )
+    v0, v1, v2, v3 = (
+        tl.load(lut_ptr + 8),
+        tl.load(lut_ptr + 9),
+        tl.load(lut_ptr + 10),
+        tl.load(lut_ptr + 11),
+    )
+    v4, v5, v6, v7 = (
+        tl.load(lut_ptr + 12),
+        tl.load(lut_ptr + 13),
+        tl.load(lut_ptr + 14),
+        tl.load(lut_ptr + 15),
+    )
 
     m = tl.arange(0, BLOCK_M)
     n = tl.arange(0, BLOCK_N)
@@ -149,14 +205,22 @@ def _codebook_split_kernel(
         # out of fp16's subnormal range; token scales up to ~1000 stay finite.
         pw = (p * (vs * 64.0)[None, :]).to(tl.float16)
         c = _class_codes(vc_ptr, vb, t, vi, 0, VBITS, VCB, D, PS, True, in_page)
-        a0 = _dot(pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a0 * alpha[:, None], INTERPRET)
+        a0 = _dot(
+            pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a0 * alpha[:, None], INTERPRET
+        )
         c = _class_codes(vc_ptr, vb, t, vi, 1, VBITS, VCB, D, PS, True, in_page)
-        a1 = _dot(pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a1 * alpha[:, None], INTERPRET)
+        a1 = _dot(
+            pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a1 * alpha[:, None], INTERPRET
+        )
         if VR == 4:
             c = _class_codes(vc_ptr, vb, t, vi, 2, VBITS, VCB, D, PS, True, in_page)
-            a2 = _dot(pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a2 * alpha[:, None], INTERPRET)
+            a2 = _dot(
+                pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a2 * alpha[:, None], INTERPRET
+            )
             c = _class_codes(vc_ptr, vb, t, vi, 3, VBITS, VCB, D, PS, True, in_page)
-            a3 = _dot(pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a3 * alpha[:, None], INTERPRET)
+            a3 = _dot(
+                pw, _level(c, VBITS, v0, v1, v2, v3, v4, v5, v6, v7), a3 * alpha[:, None], INTERPRET
+            )
         m_i = m_new
 
     inv = tl.where(l_i > 0, 1.0 / (64.0 * l_i), 0.0)

@@ -66,9 +66,13 @@ def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
                     f"per row, got {kind} groups {groups}"
                 )
             bits[kind] = groups[0][1]
-        return KernelSpec("codebook", PagedLayout.of(fmt, head_dim, block_size, "k"),
-                          v_layout=PagedLayout.of(fmt, head_dim, block_size, "v"),
-                          k_bits=bits["k"], v_bits=bits["v"])
+        return KernelSpec(
+            "codebook",
+            PagedLayout.of(fmt, head_dim, block_size, "k"),
+            v_layout=PagedLayout.of(fmt, head_dim, block_size, "v"),
+            k_bits=bits["k"],
+            v_bits=bits["v"],
+        )
     raise FormatError(
         f"format {fmt.name!r} has no kvzip_kernels implementation; supported: {', '.join(SUPPORTED)}"
     )

@@ -94,8 +94,15 @@ def paged_decode(
     spec = kernel_spec(f, q.shape[2], block_size)
     blk_stride = check_strided_cache(k_cache, spec.layout, None, block_stride, "k_cache")
     v_blk_stride = check_strided_cache(v_cache, spec.vlay, None, block_stride, "v_cache")
-    check_decode_inputs(q, k_cache[:1].contiguous(), v_cache[:1].contiguous(), block_table,
-                        seq_lens, spec.layout, spec.vlay)
+    check_decode_inputs(
+        q,
+        k_cache[:1].contiguous(),
+        v_cache[:1].contiguous(),
+        block_table,
+        seq_lens,
+        spec.layout,
+        spec.vlay,
+    )
     if v_cache.shape[:2] != k_cache.shape[:2]:
         raise FormatError(
             f"v_cache shape {tuple(v_cache.shape)} and k_cache shape {tuple(k_cache.shape)} "
@@ -154,9 +161,25 @@ def paged_decode(
     page_bytes = spec.layout.page_bytes
     post = None
     if spec.family == "codebook":
-        q, post = _codebook_launch(f, spec, q, k_cache, v_cache, block_table, seq_lens, o_part,
-                                   lse, scale, layer, blk_stride, v_blk_stride, per_split,
-                                   splits, grid, common)
+        q, post = _codebook_launch(
+            f,
+            spec,
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            o_part,
+            lse,
+            scale,
+            layer,
+            blk_stride,
+            v_blk_stride,
+            per_split,
+            splits,
+            grid,
+            common,
+        )
     elif spec.family == "int4":
         _int4_split_kernel[grid](
             q,
@@ -224,8 +247,25 @@ def paged_decode(
     return out
 
 
-def _codebook_launch(f, spec, q, k_cache, v_cache, block_table, seq_lens, o_part, lse, scale,
-                     layer, k_blk_stride, v_blk_stride, per_split, splits, grid, common):
+def _codebook_launch(
+    f,
+    spec,
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    o_part,
+    lse,
+    scale,
+    layer,
+    k_blk_stride,
+    v_blk_stride,
+    per_split,
+    splits,
+    grid,
+    common,
+):
     """The compact formats: fold the calibrated transforms into q and the output.
 
     ``score = q . (B_k y_k + mean_k) = (B_k^T q) . y_k + const`` (the constant is the same for
@@ -249,11 +289,32 @@ def _codebook_launch(f, spec, q, k_cache, v_cache, block_table, seq_lens, o_part
         lv = codebook.POSITIVE_LEVELS[bits]
         lut[8 * i : 8 * i + len(lv)] = torch.tensor(lv, dtype=torch.float32)
     _codebook_split_kernel[grid](
-        q16, qs, k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16),
-        lut.to(dev), block_table, seq_lens, o_part, lse, scale * LOG2E, block_table.stride(0),
-        hkv, spec.layout.page_bytes, spec.vlay.page_bytes, k_blk_stride, v_blk_stride, per_split,
-        splits, 0, KBITS=spec.k_bits, VBITS=spec.v_bits, KCB=spec.layout.code_bytes,
-        VCB=spec.vlay.code_bytes, **common,
+        q16,
+        qs,
+        k_cache,
+        v_cache,
+        k_cache.view(torch.float16),
+        v_cache.view(torch.float16),
+        lut.to(dev),
+        block_table,
+        seq_lens,
+        o_part,
+        lse,
+        scale * LOG2E,
+        block_table.stride(0),
+        hkv,
+        spec.layout.page_bytes,
+        spec.vlay.page_bytes,
+        k_blk_stride,
+        v_blk_stride,
+        per_split,
+        splits,
+        0,
+        KBITS=spec.k_bits,
+        VBITS=spec.v_bits,
+        KCB=spec.layout.code_bytes,
+        VCB=spec.vlay.code_bytes,
+        **common,
     )
     bv, mv = tv.decode.to(dev), tv.mean.to(dev)
 

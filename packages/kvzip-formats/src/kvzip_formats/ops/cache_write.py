@@ -32,13 +32,19 @@ class PagedLayout:
     meta_bytes: int
 
     @classmethod
-    def of(cls, fmt: KVFormat, head_dim: int, block_size: int, kind: str | None = None) -> PagedLayout:
+    def of(
+        cls, fmt: KVFormat, head_dim: int, block_size: int, kind: str | None = None
+    ) -> PagedLayout:
         """The page geometry of ``fmt``'s K (``kind="k"``) or V rows; formats whose K and V
         rows differ (the compact ``3.5bit``) need ``kind``."""
         if block_size not in BLOCK_SIZES:
             raise FormatError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-        return cls(block_size, head_dim, _row_part(fmt, "code_bytes", head_dim, kind),
-                   _row_part(fmt, "meta_bytes", head_dim, kind))
+        return cls(
+            block_size,
+            head_dim,
+            _row_part(fmt, "code_bytes", head_dim, kind),
+            _row_part(fmt, "meta_bytes", head_dim, kind),
+        )
 
     @property
     def token_head_bytes(self) -> int:
