@@ -76,6 +76,31 @@ def retrieval_rows(result: dict) -> list[dict]:
     return rows
 
 
+def _protocol_note(s: dict) -> list[str]:
+    """Say so when a run used less than design.md's protocol asks for."""
+    from kvzip_eval.quality.suite import PROTOCOL
+
+    short = []
+    if s["kl_windows"] < PROTOCOL.kl_windows:
+        short.append(f"KL windows {s['kl_windows']} (protocol {PROTOCOL.kl_windows})")
+    if s["prompts"] < PROTOCOL.prompts or s["new_tokens"] < PROTOCOL.new_tokens:
+        short.append(
+            f"{s['prompts']} prompts x {s['new_tokens']} tokens (protocol "
+            f"{PROTOCOL.prompts} x {PROTOCOL.new_tokens})"
+        )
+    if s["retrieval_samples"] < PROTOCOL.retrieval_samples:
+        short.append(
+            f"{s['retrieval_samples']} retrieval samples per task and length (protocol "
+            f"{PROTOCOL.retrieval_samples}, lengths up to the model's context)"
+        )
+    if not short:
+        return []
+    return [
+        "- **smaller than design.md's protocol**: " + "; ".join(short) + ". Small samples: "
+        "retrieval accuracies and words-changed shares here are coarse."
+    ]
+
+
 def write_report(result: dict, out_dir: str | Path, formats: dict | None = None) -> Path:
     """``report.md`` plus ``kl.png``, ``capacity.png`` and ``retrieval.png`` in ``out_dir``."""
     import matplotlib
@@ -173,6 +198,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         f"retrieval {', '.join(s['tasks'])} at {', '.join(map(str, s['retrieval_lengths']))} "
         f"tokens, {s['retrieval_samples']} samples each; seed {s['seed']}",
         f"- stage wall times on this machine (s): {result.get('timings_s')}",
+        *_protocol_note(s),
         "",
         "bits: effective bits per element by design.md's accounting (Llama-3.1-8B shape). "
         "KL: KL(P_bf16 || P_format) over the full vocabulary at every position. "
@@ -215,3 +241,18 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
     path = out / "report.md"
     path.write_text("\n".join(md))
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvzip_eval.quality.report RESULT.json OUT_DIR``: rebuild a report."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        raise SystemExit("usage: python -m kvzip_eval.quality.report RESULT.json OUT_DIR")
+    print(write_report(json.loads(Path(args[0]).read_text()), args[1]))
+
+
+if __name__ == "__main__":
+    main()
