@@ -56,7 +56,9 @@ def test_bits_within_budget(name):
     for d in (64, 128):
         k, v = fmt.token_head_bytes(d, "k"), fmt.token_head_bytes(d, "v")
         assert fmt.token_head_bytes(d) * 2 == k + v
-        assert fmt.code_bytes(d, "k") % 8 == 0 and fmt.meta_bytes(d, "k") == 2
+        for kind in "kv":
+            bits = SPECS[name].layout(d, kind).channel_bits()
+            assert fmt.code_bytes(d, kind) * 8 == int(bits.sum()) and fmt.meta_bytes(d, kind) == 2
 
 
 def test_capacity_sessions():

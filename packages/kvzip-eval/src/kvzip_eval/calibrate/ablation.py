@@ -67,13 +67,24 @@ def make_format(variant: Variant, calibration):
             return self._transforms[key]
 
         def levels(self, bits):
-            return super().levels(bits) if variant.lloyd else _uniform_levels(bits)
+            return _lloyd_levels(bits) if variant.lloyd else _uniform_levels(bits)
 
         def edges(self, bits):
             lv = self.levels(bits)
             return (lv[1:] + lv[:-1]) * 0.5
 
     return Ablated(spec, cal)
+
+
+@functools.cache
+def _lloyd_levels(bits: int) -> torch.Tensor:
+    """The frozen codebook, or (5 bits, ablation only) Lloyd-Max levels rounded to fp16."""
+    from kvzip_formats.compact import codebook
+    from kvzip_formats.lloyd_max import gaussian_codebook
+
+    if bits in codebook.POSITIVE_LEVELS:
+        return codebook.levels(bits)
+    return torch.tensor(gaussian_codebook(bits), dtype=torch.float16).float()
 
 
 @functools.cache
@@ -84,6 +95,7 @@ def _uniform_levels(bits: int) -> torch.Tensor:
 
 def variants() -> list[Variant]:
     four = (((1.0, 4),), ((1.0, 4),))
+    three = (((0.5, 4), (0.5, 3)), ((0.5, 3), (0.5, 2)))
     base = dict(center=False, smooth=False, sink=0, lloyd=False, refit=False)
     rows = [
         Variant("Hadamard + uniform grid, RMS scale", "4bit", *four, **base),
@@ -95,12 +107,13 @@ def variants() -> list[Variant]:
         Variant("4bit without rotation", "4bit", *four, rotate=False),
         Variant("4bit without centring", "4bit", *four, center=False),
         Variant("4bit without smoothing", "4bit", *four, smooth=False),
-        Variant("K 5 bits, V 3 bits", "4bit", ((1.0, 5),), ((1.0, 3),), lloyd=False),
+        Variant("K 5 bits, V 3 bits", "4bit", ((1.0, 5),), ((1.0, 3),)),
         Variant("channel split 4/3 bits for K and V", "3.5bit", ((0.5, 4), (0.5, 3)), ((0.5, 4), (0.5, 3))),
         Variant("K 4 bits, V 3 bits (= 3.5bit)", "3.5bit", ((1.0, 4),), ((1.0, 3),)),
-        Variant("3bit with a uniform grid", "3bit", ((1.0, 3),), ((1.0, 3),), lloyd=False),
         Variant("K 4 bits, V 2 bits", "3bit", ((1.0, 4),), ((1.0, 2),)),
-        Variant("K and V 3 bits (= 3bit)", "3bit", ((1.0, 3),), ((1.0, 3),)),
+        Variant("K and V 3 bits", "3bit", ((1.0, 3),), ((1.0, 3),)),
+        Variant("split rows with a uniform grid", "3bit", *three, lloyd=False),
+        Variant("K 4/3-bit, V 3/2-bit split rows (= 3bit)", "3bit", *three),
     ]
     return rows
 
