@@ -10,6 +10,8 @@ x's dtype), prefill chunks and decode alike, for a scattered block table.
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +22,8 @@ pytest.importorskip("vllm")
 import kvzip_formats  # noqa: E402
 from kvzip_formats.ops import PagedLayout  # noqa: E402
 from kvzip_vllm.backend import KvzipAttentionImpl, KvzipAttentionMetadata  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 class _Int4WithSink(type(kvzip_formats.get_format("int4"))):
@@ -33,7 +37,7 @@ def _impl(fmt, heads, kv_heads, d, block_size):
     impl.num_heads, impl.head_size, impl.num_kv_heads = heads, d, kv_heads
     impl.scale = 1 / math.sqrt(d)
     impl.fmt, impl.block_size = fmt, block_size
-    impl.layout = PagedLayout.of(fmt, d, block_size)
+    impl.layouts = {kind: PagedLayout.of(fmt, d, block_size, kind) for kind in "kv"}
     impl.sink_tokens = int(getattr(getattr(fmt, "spec", None), "sink_tokens", 0))
     impl._sinks, impl._layer_index, impl._no_kernels = None, {}, None
     return impl
@@ -54,16 +58,29 @@ def _reference(fmt, q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vr)
 
 
-@pytest.mark.parametrize("fmt", [kvzip_formats.get_format("int4"), _Int4WithSink()],
-                         ids=["int4", "int4+sink"])
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 1, 128)])
+def _compact(name):
+    from calibration_cache import calibration
+
+    return kvzip_formats.get_format(name, calibration=calibration(name))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "heads", "kv_heads", "d"),
+    [(kvzip_formats.get_format("int4"), 9, 3, 64), (kvzip_formats.get_format("int4"), 4, 1, 128),
+     (_Int4WithSink(), 9, 3, 64), (_Int4WithSink(), 4, 1, 128),
+     # compact formats, calibrated for the embedded model (3 KV heads, d 64): 3.5bit's K and V
+     # rows differ in size, all three keep a bf16 sink token
+     ("4bit", 9, 3, 64), ("3.5bit", 9, 3, 64)],
+    ids=["int4-d64", "int4-d128", "int4+sink-d64", "int4+sink-d128", "4bit", "3.5bit"])
 def test_paged_prefill_then_decode_matches_roundtrip_attention(fmt, heads, kv_heads, d):
+    if isinstance(fmt, str):
+        fmt = _compact(fmt)
     torch.manual_seed(0)
     bs, nblocks, n_prefill = 16, 12, 37  # 3 blocks, the last one partial
     layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
     impl = _impl(fmt, heads, kv_heads, d, bs)
-    tbh = fmt.token_head_bytes(d)
-    cache = torch.zeros(nblocks, kv_heads, bs, 2 * tbh, dtype=torch.uint8)
+    tbh = sum(lay.token_head_bytes for lay in impl.layouts.values())
+    cache = torch.zeros(nblocks, kv_heads, bs, tbh, dtype=torch.uint8)
     table = torch.tensor([[7, 2, 9, 4]])
     total = n_prefill + 1
     k = torch.randn(total, kv_heads, d).to(torch.bfloat16)

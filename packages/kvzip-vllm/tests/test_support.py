@@ -78,9 +78,9 @@ def test_backend_spec_uses_format_bytes(monkeypatch):
     monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
     spec = FullAttentionSpec(block_size=32, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     custom = KvzipAttentionBackend.customize_spec(spec)
-    tbh = kvzip_formats.get_format("int4").token_head_bytes(64)
-    assert custom.page_size_bytes == 32 * 3 * 2 * tbh
-    assert spec.page_size_bytes / custom.page_size_bytes == 256 / (2 * tbh)
+    tbh = kvzip_formats.get_format("int4").token_head_bytes(64)  # 32 codes + 4 scale/zero
+    assert custom.page_size_bytes == 32 * 3 * 2 * tbh == 6912
+    assert spec.page_size_bytes / custom.page_size_bytes == 256 / 72
 
 
 @pytest.mark.parametrize(

