@@ -172,7 +172,7 @@ def main():
     import triton
 
     import kvzip_kernels
-    from kvzip_formats import get_format
+    from kvzip_formats import FormatError, get_format
     from kvzip_formats.ops import PagedLayout
     from kvzip_kernels import DecodeConfig, paged_decode
     from kvzip_kernels.testing import synthetic_calibration
@@ -336,7 +336,11 @@ def main():
                             config=cfg,
                         )
                         key = f"ours-{name}" + ("" if len(configs) == 1 else f"@{label}")
-                        res[key] = bench(torch, fn, a.iters, a.warmup)[0]
+                        try:
+                            res[key] = bench(torch, fn, a.iters, a.warmup)[0]
+                        except FormatError as ex:  # a format without a decode kernel
+                            say(f"!! {key}: {ex}")
+                            continue
                         outs[key] = o
                 best = min([res[k] for k in ("xqa", "fi_tc") if k in res], default=float("nan"))
                 for key, us in res.items():

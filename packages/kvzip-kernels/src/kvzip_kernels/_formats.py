@@ -58,14 +58,12 @@ def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
         return KernelSpec("int4", lay, rotation=rot)
     spec = getattr(fmt, "spec", None)
     if spec is not None and hasattr(spec, "k_groups"):
+        # The decode kernel reads rows of one group of 3- or 4-bit codes; other layouts get
+        # k_bits/v_bits 0 (cache-write still works: it is the reference encode).
         bits = {}
         for kind, groups in (("k", spec.k_groups), ("v", spec.v_groups)):
-            if len(groups) != 1 or groups[0][1] not in (3, 4):
-                raise FormatError(
-                    f"format {fmt.name!r}: kvzip_kernels decodes one group of 3- or 4-bit codes "
-                    f"per row, got {kind} groups {groups}"
-                )
-            bits[kind] = groups[0][1]
+            one = len(groups) == 1 and groups[0][1] in (3, 4)
+            bits[kind] = groups[0][1] if one else 0
         return KernelSpec(
             "codebook",
             PagedLayout.of(fmt, head_dim, block_size, "k"),

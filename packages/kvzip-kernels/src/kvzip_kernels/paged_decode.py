@@ -161,6 +161,12 @@ def paged_decode(
     page_bytes = spec.layout.page_bytes
     post = None
     if spec.family == "codebook":
+        if not (spec.k_bits and spec.v_bits):
+            raise FormatError(
+                f"format {f.name!r}: the decode kernel reads rows of one group of 3- or 4-bit "
+                f"codes; this format's rows have groups K {f.spec.k_groups}, V "
+                f"{f.spec.v_groups} (mixed-width rows: not implemented yet)"
+            )
         q, post = _codebook_launch(
             f,
             spec,
