@@ -11,11 +11,10 @@ from kvzip_eval.cmd_calibrate import command
 
 
 def test_calibrate_writes_artifact_matching_capture_kv(loaded, tmp_path):
-    from kvzip_formats import get_format
-    from kvzip_formats.calibration import Calibration
-
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import capture_kv
+    from kvzip_formats import get_format
+    from kvzip_formats.calibration import Calibration
 
     out = tmp_path / "cal"
     res = CliRunner().invoke(command, ["--out", str(out), "--windows", "1", "--length", "48"])
@@ -52,5 +51,7 @@ def test_calibrate_text_too_short(tmp_path):
 
 
 def test_calibrate_bad_model_path(tmp_path):
-    res = CliRunner().invoke(command, ["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])
+    res = CliRunner().invoke(
+        command, ["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "c")]
+    )
     assert res.exit_code == 2 and "does not exist" in res.output

@@ -21,7 +21,9 @@ from kvzip_formats.calibration import (
 )
 
 L, HQ, H, D = 3, 6, 2, 16
-MODEL = dict(name="toy", identity="abc123", num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D)
+MODEL = dict(
+    name="toy", identity="abc123", num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D
+)
 
 
 def accumulate(seed=0, windows=3, t=10):

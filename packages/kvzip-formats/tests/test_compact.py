@@ -38,11 +38,18 @@ def test_golden_encode_decode_bit_exact(v, cals):
     fmt = kf.get_format(v["format"], calibration=cals[v["head_dim"]])
     x = torch.tensor(v["x_bf16"], dtype=torch.int16).view(torch.bfloat16).reshape(v["shape"])
     packed = fmt.encode(x, kind=v["kind"], layer=v["layer"])
-    want = torch.tensor(list(bytes.fromhex(v["packed_hex"])), dtype=torch.uint8).reshape(packed.shape)
+    want = torch.tensor(list(bytes.fromhex(v["packed_hex"])), dtype=torch.uint8).reshape(
+        packed.shape
+    )
     diff = (packed != want).nonzero()
-    assert diff.numel() == 0, f"rows differ at [token, head, byte] {diff[:5].tolist()}: got {packed[tuple(diff[0])]:#04x}, want {want[tuple(diff[0])]:#04x}"
+    assert diff.numel() == 0, (
+        f"rows differ at [token, head, byte] {diff[:5].tolist()}: "
+        f"got {packed[tuple(diff[0])]:#04x}, want {want[tuple(diff[0])]:#04x}"
+    )
     dec = fmt.decode(want, kind=v["kind"], layer=v["layer"], head_dim=v["head_dim"])
-    want_dec = torch.tensor(v["decoded_f32"], dtype=torch.int32).view(torch.float32).reshape(dec.shape)
+    want_dec = (
+        torch.tensor(v["decoded_f32"], dtype=torch.int32).view(torch.float32).reshape(dec.shape)
+    )
     assert torch.equal(dec, want_dec)
 
 
@@ -73,7 +80,9 @@ def test_capacity_sessions():
 def _sample(cal, kind, layer, t=33, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     mean, var, _ = cal.stats(kind, layer)
-    return ((torch.randn(t, cal.num_kv_heads, cal.head_dim, generator=g) * var.sqrt() + mean) * scale).to(torch.bfloat16)
+    return (
+        (torch.randn(t, cal.num_kv_heads, cal.head_dim, generator=g) * var.sqrt() + mean) * scale
+    ).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -95,7 +104,7 @@ def test_error_bounded_by_codebook_cells(name, kind, scale, cals):
     start = 0
     err_s0 = torch.zeros(y.shape[:-1])
     for n, bits in layout.groups:
-        lv, ed = codebook.levels(bits), codebook.edges(bits)
+        lv = codebook.levels(bits)
         u = y[..., start : start + n] / s0
         c = codes[..., start : start + n]
         gap = (lv[1:] - lv[:-1]) / 2  # half the distance to each neighbour
@@ -111,7 +120,9 @@ def test_error_bounded_by_codebook_cells(name, kind, scale, cals):
     # and decode maps back through B exactly as spec section 6 says
     t = fmt.transform_of(kind, 1)
     x_hat = fmt.decode(packed, kind=kind, layer=1, head_dim=64)
-    assert torch.allclose(x_hat, torch.einsum("the,hde->thd", y_hat, t.decode) + t.mean, atol=1e-5 * scale + 1e-6)
+    assert torch.allclose(
+        x_hat, torch.einsum("the,hde->thd", y_hat, t.decode) + t.mean, atol=1e-5 * scale + 1e-6
+    )
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -127,7 +138,9 @@ def test_transform_inverse_and_unit_groups(name, cals):
         ms = torch.einsum("hij,hj->hi", t.encode.double() ** 2, var.double())
         start = 0
         for n, _ in SPECS[name].layout(64, kind).groups:
-            assert torch.allclose(ms[:, start : start + n].mean(-1), torch.ones(2, dtype=torch.float64), rtol=1e-5)
+            assert torch.allclose(
+                ms[:, start : start + n].mean(-1), torch.ones(2, dtype=torch.float64), rtol=1e-5
+            )
             start += n
 
 

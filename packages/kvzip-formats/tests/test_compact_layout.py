@@ -18,9 +18,15 @@ def test_spec_table_offsets_d128():
     assert got == [(0, 32, 4, 0, 0), (32, 16, 2, 0, 64), (48, 8, 1, 2, 64)]
     assert (lay.code_bytes, lay.row_bytes) == (56, 58)
     lay3 = RowLayout(((128, 3),))
-    assert [(p.offset, p.nbytes, p.width, p.shift) for p in lay3.planes] == [(0, 32, 2, 0), (32, 16, 1, 2)]
+    assert [(p.offset, p.nbytes, p.width, p.shift) for p in lay3.planes] == [
+        (0, 32, 2, 0),
+        (32, 16, 1, 2),
+    ]
     lay5 = RowLayout(((128, 5),))
-    assert [(p.offset, p.nbytes, p.width, p.shift) for p in lay5.planes] == [(0, 64, 4, 0), (64, 16, 1, 4)]
+    assert [(p.offset, p.nbytes, p.width, p.shift) for p in lay5.planes] == [
+        (0, 64, 4, 0),
+        (64, 16, 1, 4),
+    ]
 
 
 def test_nibble_order_matches_int4():
@@ -39,7 +45,9 @@ def test_three_bit_planes_by_hand():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    groups=st.lists(st.tuples(st.sampled_from([8, 16, 32, 64]), st.integers(1, 7)), min_size=1, max_size=3),
+    groups=st.lists(
+        st.tuples(st.sampled_from([8, 16, 32, 64]), st.integers(1, 7)), min_size=1, max_size=3
+    ),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_pack_unpack_roundtrip(groups, seed):

@@ -16,11 +16,40 @@ DEFAULT_LENGTH = 2048
 
 
 @click.command("calibrate")
-@click.option("--model", "model_path", default=None, help="Llama HF folder or .gguf (default: embedded SmolLM2-135M-Instruct).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Output directory (default: ~/.cache/kvzip/calibration/<model identity>, where `kvzip eval` looks).")
-@click.option("--text-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Calibration text (default: the calibration split of pydoc_data.topics).")
-@click.option("--windows", type=click.IntRange(min=1), default=DEFAULT_WINDOWS, show_default=True, help="Token windows to stream.")
-@click.option("--length", type=click.IntRange(min=16), default=DEFAULT_LENGTH, show_default=True, help="Tokens per window (capped at the model's context).")
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    help="Llama HF folder or .gguf (default: embedded SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output directory (default: ~/.cache/kvzip/calibration/<model identity>, "
+    "where `kvzip eval` looks).",
+)
+@click.option(
+    "--text-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Calibration text (default: the calibration split of pydoc_data.topics).",
+)
+@click.option(
+    "--windows",
+    type=click.IntRange(min=1),
+    default=DEFAULT_WINDOWS,
+    show_default=True,
+    help="Token windows to stream.",
+)
+@click.option(
+    "--length",
+    type=click.IntRange(min=16),
+    default=DEFAULT_LENGTH,
+    show_default=True,
+    help="Tokens per window (capped at the model's context).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 def command(model_path, out_dir, text_file, windows, length, seed) -> None:
     """Stream calibration text through the model; write calibration.json + .safetensors.
@@ -30,12 +59,11 @@ def command(model_path, out_dir, text_file, windows, length, seed) -> None:
     import datetime as dt
     import time
 
-    from kvzip_formats.calibration import CALIBRATION_VERSION
-
     from kvzip_eval.calibrate import fit
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import ModelError, cache_dir, load_model
     from kvzip_eval.results import versions
+    from kvzip_formats.calibration import CALIBRATION_VERSION
 
     t0 = time.perf_counter()
     try:
@@ -45,7 +73,9 @@ def command(model_path, out_dir, text_file, windows, length, seed) -> None:
     info = loaded.info
     length = min(length, info.max_context)
     try:
-        wins = token_windows(loaded.tokenizer, windows, length, text_file=text_file, split="calib", seed=seed)
+        wins = token_windows(
+            loaded.tokenizer, windows, length, text_file=text_file, split="calib", seed=seed
+        )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     record = {

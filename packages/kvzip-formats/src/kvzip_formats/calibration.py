@@ -15,7 +15,6 @@ formats, the reference codecs, the kernels and the vLLM backend alike.
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,7 +82,7 @@ class Calibration:
         return str(self.model["identity"])
 
     def stats(self, kind: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mean, var, weight) of ``kind`` in ``layer``, each float32 ``[num_kv_heads, head_dim]``."""
+        """(mean, var, weight) of ``kind`` in ``layer``, float32 ``[num_kv_heads, head_dim]``."""
         if not 0 <= layer < self.num_layers:
             raise CalibrationError(
                 f"layer {layer} is out of range: this calibration covers {self.num_layers} layers "
@@ -109,7 +108,11 @@ class Calibration:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_file({k: self.tensors[k].contiguous() for k in TENSOR_NAMES}, str(d / TENSORS_NAME))
-        doc = {"kvzip_calibration_version": CALIBRATION_VERSION, "model": self.model, "fit": self.fit}
+        doc = {
+            "kvzip_calibration_version": CALIBRATION_VERSION,
+            "model": self.model,
+            "fit": self.fit,
+        }
         (d / JSON_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return d
 
@@ -150,7 +153,8 @@ def as_calibration(calibration: Calibration | str | Path | None) -> Calibration 
     if isinstance(calibration, (str, Path)):
         return Calibration.load(calibration)
     raise CalibrationError(
-        f"calibration must be a Calibration, a directory path or None, got {type(calibration).__name__}"
+        "calibration must be a Calibration, a directory path or None, "
+        f"got {type(calibration).__name__}"
     )
 
 
@@ -209,12 +213,14 @@ class StatsAccumulator:
             [(w.double() ** 2).sum(0).reshape(H, self.group, d).sum(1) for w in o_proj_weights]
         )
         tensors = {
-            "k_mean": k_mean, "k_var": k_var, "k_weight": self.q_sq / n,
-            "v_mean": v_mean, "v_var": v_var, "v_weight": v_w,
+            "k_mean": k_mean,
+            "k_var": k_var,
+            "k_weight": self.q_sq / n,
+            "v_mean": v_mean,
+            "v_var": v_var,
+            "v_weight": v_w,
         }
         fit = dict(fit, tokens_per_layer=int(self.count[0]))
         return Calibration(
             model=model, tensors={k: t.float().contiguous() for k, t in tensors.items()}, fit=fit
         )
-
-

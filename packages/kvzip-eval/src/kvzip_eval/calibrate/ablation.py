@@ -108,7 +108,12 @@ def variants() -> list[Variant]:
         Variant("4bit without centring", "4bit", *four, center=False),
         Variant("4bit without smoothing", "4bit", *four, smooth=False),
         Variant("K 5 bits, V 3 bits", "4bit", ((1.0, 5),), ((1.0, 3),)),
-        Variant("channel split 4/3 bits for K and V", "3.5bit", ((0.5, 4), (0.5, 3)), ((0.5, 4), (0.5, 3))),
+        Variant(
+            "channel split 4/3 bits for K and V",
+            "3.5bit",
+            ((0.5, 4), (0.5, 3)),
+            ((0.5, 4), (0.5, 3)),
+        ),
         Variant("K 4 bits, V 3 bits (= 3.5bit)", "3.5bit", ((1.0, 4),), ((1.0, 3),)),
         Variant("K 4 bits, V 2 bits", "3bit", ((1.0, 4),), ((1.0, 2),)),
         Variant("K and V 3 bits", "3bit", ((1.0, 3),), ((1.0, 3),)),
@@ -119,19 +124,20 @@ def variants() -> list[Variant]:
 
 
 @click.command()
-@click.option("--calibration", "cal_dir", type=click.Path(exists=True, file_okay=False), required=True)
+@click.option(
+    "--calibration", "cal_dir", type=click.Path(exists=True, file_okay=False), required=True
+)
 @click.option("--windows", type=int, default=2, show_default=True)
 @click.option("--length", type=int, default=2048, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True)
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), required=True)
 def main(cal_dir, windows, length, json_path, md_path):
-    from kvzip_formats import get_format
-    from kvzip_formats.calibration import Calibration
-
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import load_model
     from kvzip_eval.quality.kl import measure_kl
     from kvzip_eval.results import markdown_table, provenance, provenance_markdown, write_json
+    from kvzip_formats import get_format
+    from kvzip_formats.calibration import Calibration
 
     loaded = load_model()
     cal = Calibration.load(cal_dir)
@@ -147,27 +153,51 @@ def main(cal_dir, windows, length, json_path, md_path):
     rows = []
     for name, fmt in formats.items():
         s = stats[name]
-        rows.append({
-            "budget": name.split(":")[0] if ":" in name else "baseline",
-            "variant": name.split(": ", 1)[-1],
-            "bits_d128": round(fmt.bits_per_element(128, 32, num_kv_heads=8), 4),
-            "bits_d64": round(fmt.bits_per_element(info.head_dim, info.num_layers, num_kv_heads=info.num_kv_heads), 4),
-            "kl_mean": round(s.kl_mean, 5),
-            "kl_vs_int4": round(s.kl_mean / int4, 3),
-            "kl_median": round(s.kl_median, 5),
-            "top1_agree": round(s.top1_agree, 4),
-        })
+        rows.append(
+            {
+                "budget": name.split(":")[0] if ":" in name else "baseline",
+                "variant": name.split(": ", 1)[-1],
+                "bits_d128": round(fmt.bits_per_element(128, 32, num_kv_heads=8), 4),
+                "bits_d64": round(
+                    fmt.bits_per_element(
+                        info.head_dim, info.num_layers, num_kv_heads=info.num_kv_heads
+                    ),
+                    4,
+                ),
+                "kl_mean": round(s.kl_mean, 5),
+                "kl_vs_int4": round(s.kl_mean / int4, 3),
+                "kl_median": round(s.kl_median, 5),
+                "top1_agree": round(s.top1_agree, 4),
+            }
+        )
     prov = provenance()
-    setup = {"model": info.name, "identity": info.identity, "windows": windows, "length": length,
-             "split": "eval", "calibration": cal.fit}
+    setup = {
+        "model": info.name,
+        "identity": info.identity,
+        "windows": windows,
+        "length": length,
+        "split": "eval",
+        "calibration": cal.fit,
+    }
     write_json(json_path, {"setup": setup, "rows": rows, "provenance": prov})
-    cols = ["budget", "variant", "bits_d128", "bits_d64", "kl_mean", "kl_vs_int4", "kl_median", "top1_agree"]
+    cols = [
+        "budget",
+        "variant",
+        "bits_d128",
+        "bits_d64",
+        "kl_mean",
+        "kl_vs_int4",
+        "kl_median",
+        "top1_agree",
+    ]
     table = markdown_table(rows, cols)
     with open(md_path, "w") as f:
         f.write("# Ablation of the compact formats (mean KL vs bf16, held-out text)\n\n")
-        f.write(f"{windows} windows x {length} tokens of the eval split of pydoc_data.topics, "
-                f"{info.name}; each row is the shipped codec with ingredients switched off; the rows "
-                "of one budget are cumulative down to the '=' row, then leave-one-out.\n\n")
+        f.write(
+            f"{windows} windows x {length} tokens of the eval split of pydoc_data.topics, "
+            f"{info.name}; each row is the shipped codec with ingredients switched off; the rows "
+            "of one budget are cumulative down to the '=' row, then leave-one-out.\n\n"
+        )
         f.write(provenance_markdown(prov) + "\n" + table + "\n")
     click.echo(table)
 

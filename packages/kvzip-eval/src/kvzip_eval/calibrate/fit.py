@@ -69,5 +69,7 @@ def fit(loaded, windows: torch.Tensor, *, fit_record: dict | None = None, progre
             # logits_to_keep=1: only the attention layers matter here, not the 49k-way head
             model(input_ids=ids.unsqueeze(0), use_cache=False, logits_to_keep=1)
     o_proj = [layer.self_attn.o_proj.weight.detach().float() for layer in model.model.layers]
-    record = dict(fit_record or {}, windows=int(windows.shape[0]), window_tokens=int(windows.shape[1]))
+    record = dict(
+        fit_record or {}, windows=int(windows.shape[0]), window_tokens=int(windows.shape[1])
+    )
     return acc.finalize(o_proj, model_record(info), record)

@@ -22,8 +22,14 @@ POSITIVE_LEVELS: dict[int, tuple[float, ...]] = {
     2: (0.452880859375, 1.5107421875),
     3: (0.2451171875, 0.755859375, 1.34375, 2.15234375),
     4: (
-        0.12841796875, 0.387939453125, 0.65673828125, 0.9423828125,
-        1.255859375, 1.6181640625, 2.068359375, 2.732421875,
+        0.12841796875,
+        0.387939453125,
+        0.65673828125,
+        0.9423828125,
+        1.255859375,
+        1.6181640625,
+        2.068359375,
+        2.732421875,
     ),
 }
 
@@ -39,6 +45,6 @@ def levels(bits: int) -> torch.Tensor:
 
 @functools.cache
 def edges(bits: int) -> torch.Tensor:
-    """``[2**bits - 1]`` float32 decision thresholds: midpoints of adjacent levels (exact in fp32)."""
+    """``[2**bits - 1]`` float32 thresholds: midpoints of adjacent levels (exact in fp32)."""
     lv = levels(bits)
     return (lv[1:] + lv[:-1]) * 0.5

@@ -53,7 +53,8 @@ class CompactSpec:
     def layout(self, head_dim: int, kind: str) -> RowLayout:
         if not isinstance(head_dim, int) or head_dim < 16 or head_dim & (head_dim - 1):
             raise FormatError(
-                f"{self.name} needs head_dim a power of two >= 16 (Hadamard per group), got {head_dim}"
+                f"{self.name} needs head_dim a power of two >= 16 (Hadamard per group), "
+                f"got {head_dim}"
             )
         check_kind(kind)
         return _layout(self.k_groups if kind == "k" else self.v_groups, head_dim)
@@ -65,7 +66,7 @@ def _layout(groups, head_dim: int) -> RowLayout:
 
 
 class CompactFormat(KVFormat):
-    """Reference codec of one compact format, bound to a calibration (or to none, for accounting)."""
+    """Reference codec of one compact format, bound to a calibration (or none: accounting)."""
 
     needs_calibration = True
     #: Step 2's least-squares refit of the token scale (switched off only by the ablation).
@@ -90,7 +91,9 @@ class CompactFormat(KVFormat):
     def token_head_bytes(self, head_dim: int, kind: str | None = None) -> int:
         """Row bytes of K or V per token and KV head; without ``kind``, the mean of the two."""
         if kind is None:
-            return _mean_int(self.token_head_bytes(head_dim, "k"), self.token_head_bytes(head_dim, "v"))
+            return _mean_int(
+                self.token_head_bytes(head_dim, "k"), self.token_head_bytes(head_dim, "v")
+            )
         return self.spec.layout(head_dim, kind).row_bytes
 
     def sequence_extra_bytes(self, head_dim: int, num_layers: int, num_kv_heads: int) -> int:
@@ -146,7 +149,7 @@ class CompactFormat(KVFormat):
         u = torch.where(s0 > 0, y / torch.where(s0 > 0, s0, 1.0), 0.0)
         codes = torch.empty(y.shape, dtype=torch.int64)
         lv = torch.empty(y.shape, dtype=torch.float32)
-        for (start, n, bits) in _spans(layout):
+        for start, n, bits in _spans(layout):
             seg = u[..., start : start + n].contiguous()
             c = torch.bucketize(seg, self.edges(bits), right=False)
             codes[..., start : start + n] = c
@@ -166,7 +169,7 @@ class CompactFormat(KVFormat):
         codes = layout.unpack(packed[..., : layout.code_bytes])
         s = bytes_to_f16(packed[..., layout.code_bytes :]).float().unsqueeze(-1)
         lv = torch.empty(codes.shape, dtype=torch.float32)
-        for (start, n, bits) in _spans(layout):
+        for start, n, bits in _spans(layout):
             lv[..., start : start + n] = self.levels(bits)[codes[..., start : start + n]]
         return s * lv
 

@@ -47,7 +47,9 @@ class RowLayout:
     def __post_init__(self):
         for n, b in self.groups:
             if not 1 <= b <= 7 or n <= 0 or n % 8:
-                raise FormatError(f"group ({n} channels, {b} bits) needs 1..7 bits and channels a multiple of 8")
+                raise FormatError(
+                    f"group ({n} channels, {b} bits) needs 1..7 bits and channels a multiple of 8"
+                )
 
     @property
     def head_dim(self) -> int:

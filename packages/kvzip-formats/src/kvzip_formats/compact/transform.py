@@ -77,7 +77,7 @@ def derive(
 
 
 def apply(x: torch.Tensor, t: Transform) -> torch.Tensor:
-    """``[T, H, d]`` -> ``y = A (x - mean)`` per head, float32 (computed in float64, rounded once)."""
+    """``[T, H, d]`` -> ``y = A (x - mean)`` per head, float32 (float64 math, rounded once)."""
     return torch.einsum("thd,hed->the", x.double() - t.mean.double(), t.encode.double()).float()
 
 

@@ -34,8 +34,14 @@ def synthetic_calibration(head_dim: int, seed: int) -> Calibration:
         "v_var": torch.rand(shape, generator=g) + 0.05,
         "v_weight": torch.rand(shape, generator=g) + 0.5,
     }
-    model = dict(name=f"synthetic-d{d}", identity=f"golden-d{d}", num_layers=L, num_kv_heads=H,
-                 num_q_heads=2 * H, head_dim=d)
+    model = dict(
+        name=f"synthetic-d{d}",
+        identity=f"golden-d{d}",
+        num_layers=L,
+        num_kv_heads=H,
+        num_q_heads=2 * H,
+        head_dim=d,
+    )
     return Calibration(model=model, tensors=t, fit={"synthetic_seed": seed})
 
 
@@ -61,13 +67,18 @@ def main() -> None:
                     x = inputs(cal, kind, layer, seed=100 * seed + 10 * layer + (kind == "v"))
                     packed = fmt.encode(x, kind=kind, layer=layer)
                     dec = fmt.decode(packed, kind=kind, layer=layer, head_dim=d)
-                    vectors.append({
-                        "format": name, "head_dim": d, "layer": layer, "kind": kind,
-                        "shape": list(x.shape),
-                        "x_bf16": x.view(torch.int16).flatten().tolist(),
-                        "packed_hex": bytes(packed.flatten().tolist()).hex(),
-                        "decoded_f32": dec.view(torch.int32).flatten().tolist(),
-                    })
+                    vectors.append(
+                        {
+                            "format": name,
+                            "head_dim": d,
+                            "layer": layer,
+                            "kind": kind,
+                            "shape": list(x.shape),
+                            "x_bf16": x.view(torch.int16).flatten().tolist(),
+                            "packed_hex": bytes(packed.flatten().tolist()).hex(),
+                            "decoded_f32": dec.view(torch.int32).flatten().tolist(),
+                        }
+                    )
     (HERE / "vectors.json").write_text(json.dumps({"spec_version": 1, "vectors": vectors}) + "\n")
     print(f"{len(vectors)} vectors")
 
