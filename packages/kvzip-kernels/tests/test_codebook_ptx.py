@@ -13,7 +13,7 @@ import pytest
 import torch
 from kvzip_formats.compact import codebook
 
-from kvzip_kernels._decode_codebook import _ASM3, _ASM4
+from kvzip_kernels._decode_codebook import _ASM2, _ASM3, _ASM4
 
 M32 = 0xFFFFFFFF
 
@@ -105,3 +105,13 @@ def test_asm3_matches_codebook(seed):
             codes = [((b2[k] >> (2 * cls)) & 3) | (((b1s[k] >> cls) & 1) << 2) for k in range(4)]
             got = _fp16_pairs(r[f"${2 * cls}"], r[f"${2 * cls + 1}"])
             assert torch.equal(got, lv[codes]), (cls, b2, b1s)
+
+
+def test_asm2_matches_codebook():
+    lv = codebook.levels(2)
+    rng = np.random.default_rng(3)
+    for w in [0, M32] + [int(x) for x in rng.integers(0, 2**32, 200)]:
+        r = run_ptx(_ASM2.value, {"$8": w})
+        for cls in range(4):
+            codes = [((w >> (8 * k)) >> (2 * cls)) & 3 for k in range(4)]
+            assert torch.equal(_fp16_pairs(r[f"${2 * cls}"], r[f"${2 * cls + 1}"]), lv[codes])

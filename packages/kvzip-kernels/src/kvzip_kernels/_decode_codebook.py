@@ -95,6 +95,33 @@ def _asm3() -> str:
 _ASM3 = tl.constexpr(_asm3())
 
 
+def _asm2() -> str:
+    """4 bytes of a 2-bit plane ($8) -> classes r = 0..3 (bits 2r..2r+1) in ($0,$1) .. ($6,$7)."""
+    body = "{" + _REGS
+    for r in range(4):
+        body += f"""
+        shr.b32 a, $8, {2 * r};
+        and.b32 x, a, 0x03030303;""" + _lookup_ptx(2, "x", f"${2 * r}", f"${2 * r + 1}")
+    return body + "}"
+
+
+_ASM2 = tl.constexpr(_asm2())
+
+
+@triton.jit
+def _levels2(b2, INTERPRET: tl.constexpr, m0, m1):
+    """2-bit-plane bytes -> levels of classes 0..3 (channel 4i + r in bits 2r..2r+1), fp16."""
+    if INTERPRET:
+        c = b2.to(tl.int32)
+        return (_level(c & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
+                _level((c >> 2) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
+                _level((c >> 4) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
+                _level((c >> 6) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0))
+    return tl.inline_asm_elementwise(
+        asm=_ASM2, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b2],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+
+
 @triton.jit
 def _levels4(c8, INTERPRET: tl.constexpr, m0, m1, m2, m3, m4, m5, m6, m7):
     """Bytes of nibble codes -> (levels of the low nibbles, of the high nibbles), fp16."""
@@ -131,19 +158,30 @@ def _load_bytes(ptr, base, t, j, CB: tl.constexpr, PS: tl.constexpr,
 
 
 @triton.jit
-def _row_levels(ptr, base, t, i, BITS: tl.constexpr, CB: tl.constexpr, D: tl.constexpr,
-                PS: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, mask, INTERPRET: tl.constexpr,
-                m0, m1, m2, m3, m4, m5, m6, m7):
-    """Levels of the R channel classes of a tile of rows (R = 2 for 4 bits, 4 for 3 bits;
-    classes 2 and 3 repeat 0 and 1 at 4 bits)."""
+def _group_levels(ptr, base, t, BITS: tl.constexpr, N: tl.constexpr, OFF: tl.constexpr,
+                  OFF1: tl.constexpr, CB: tl.constexpr, PS: tl.constexpr,
+                  CHANNEL_MAJOR: tl.constexpr, mask, INTERPRET: tl.constexpr,
+                  m0, m1, m2, m3, m4, m5, m6, m7):
+    """Levels of the channel classes of one group of a tile of rows: ``[BLOCK_N, N // R]``
+    each, class r = the group's channels ``R*i + r`` (R = 2 at 4 bits: nibbles; R = 4 at 2 and
+    3 bits: 2-bit fields; at 4 bits classes 2, 3 repeat 0, 1). ``OFF``: byte offset of the
+    group's widest plane in the row, ``OFF1``: of its 1-bit plane (3 bits)."""
+    # one return statement: Triton checks that all returns agree even across constexpr branches
     if BITS == 4:
-        c0, c1 = _levels4(_load_bytes(ptr, base, t, i, CB, PS, CHANNEL_MAJOR, mask), INTERPRET,
-                          m0, m1, m2, m3, m4, m5, m6, m7)
-        return c0, c1, c0, c1
-    b2 = _load_bytes(ptr, base, t, i, CB, PS, CHANNEL_MAJOR, mask)
-    b1 = _load_bytes(ptr, base, t, D // 4 + i // 2, CB, PS, CHANNEL_MAJOR, mask)
-    b1s = (b1 >> ((i % 2) * 4).to(tl.uint8)[None, :]) & 15  # class r's bit -> bit r
-    return _levels3(b2, b1s, INTERPRET, m0, m1, m2, m3)
+        i = tl.arange(0, N // 2)
+        c0, c1 = _levels4(_load_bytes(ptr, base, t, OFF + i, CB, PS, CHANNEL_MAJOR, mask),
+                          INTERPRET, m0, m1, m2, m3, m4, m5, m6, m7)
+        c2, c3 = c0, c1
+    else:
+        i = tl.arange(0, N // 4)
+        b2 = _load_bytes(ptr, base, t, OFF + i, CB, PS, CHANNEL_MAJOR, mask)
+        if BITS == 2:
+            c0, c1, c2, c3 = _levels2(b2, INTERPRET, m0, m1)
+        else:
+            b1 = _load_bytes(ptr, base, t, OFF1 + i // 2, CB, PS, CHANNEL_MAJOR, mask)
+            b1s = (b1 >> ((i % 2) * 4).to(tl.uint8)[None, :]) & 15  # class r's bit -> bit r
+            c0, c1, c2, c3 = _levels3(b2, b1s, INTERPRET, m0, m1, m2, m3)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -162,37 +200,51 @@ def _level(c, BITS: tl.constexpr, m0, m1, m2, m3, m4, m5, m6, m7):
 
 
 @triton.jit
+def _q_classes(qrow, qm, START: tl.constexpr, N: tl.constexpr, R: tl.constexpr):
+    """q' gathered as the R channel classes of a group starting at channel START."""
+    i = tl.arange(0, N // R)
+    q0 = tl.load(qrow + START + R * i[None, :], mask=qm, other=0.0)
+    q1 = tl.load(qrow + START + R * i[None, :] + 1, mask=qm, other=0.0)
+    q2, q3 = q0, q1
+    if R == 4:
+        q2 = tl.load(qrow + START + R * i[None, :] + 2, mask=qm, other=0.0)
+        q3 = tl.load(qrow + START + R * i[None, :] + 3, mask=qm, other=0.0)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _group_scores(s, q0, q1, q2, q3, l0, l1, l2, l3, R: tl.constexpr, INTERPRET: tl.constexpr):
+    s = _dot(q0, tl.trans(l0), s, INTERPRET)
+    s = _dot(q1, tl.trans(l1), s, INTERPRET)
+    if R == 4:
+        s = _dot(q2, tl.trans(l2), s, INTERPRET)
+        s = _dot(q3, tl.trans(l3), s, INTERPRET)
+    return s
+
+
+@triton.jit
+def _store_group(orow, om, a0, a1, a2, a3, inv, START: tl.constexpr, N: tl.constexpr,
+                 R: tl.constexpr):
+    i = tl.arange(0, N // R)
+    tl.store(orow[:, None] + START + R * i[None, :], a0 * inv[:, None], mask=om)
+    tl.store(orow[:, None] + START + R * i[None, :] + 1, a1 * inv[:, None], mask=om)
+    if R == 4:
+        tl.store(orow[:, None] + START + R * i[None, :] + 2, a2 * inv[:, None], mask=om)
+        tl.store(orow[:, None] + START + R * i[None, :] + 3, a3 * inv[:, None], mask=om)
+
+
+@triton.jit
 def _codebook_split_kernel(
-    q_ptr,
-    qs_ptr,
-    kc_ptr,
-    vc_ptr,
-    kh_ptr,
-    vh_ptr,
-    lut_ptr,
-    bt_ptr,
-    sl_ptr,
-    o_ptr,
-    lse_ptr,
-    qk_scale,
-    stride_btb,
-    num_kv_heads,
-    k_page_bytes,
-    v_page_bytes,
-    k_blk_stride,
-    v_blk_stride,
-    tokens_per_split,
-    num_splits,
-    skip,
-    G: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    D: tl.constexpr,
-    PS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    KBITS: tl.constexpr,
-    VBITS: tl.constexpr,
-    KCB: tl.constexpr,
-    VCB: tl.constexpr,
+    q_ptr, qs_ptr, kc_ptr, vc_ptr, kh_ptr, vh_ptr, lut_ptr, bt_ptr, sl_ptr, o_ptr, lse_ptr,
+    qk_scale, stride_btb, num_kv_heads, k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride,
+    tokens_per_split, num_splits, skip,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    BLOCK_N: tl.constexpr, KCB: tl.constexpr, VCB: tl.constexpr,
+    # up to two channel groups per row: bits, channels, widest-plane offset, 1-bit-plane offset
+    KB0: tl.constexpr, KN0: tl.constexpr, KO0: tl.constexpr, KP0: tl.constexpr,
+    KB1: tl.constexpr, KN1: tl.constexpr, KO1: tl.constexpr, KP1: tl.constexpr,
+    VB0: tl.constexpr, VN0: tl.constexpr, VO0: tl.constexpr, VP0: tl.constexpr,
+    VB1: tl.constexpr, VN1: tl.constexpr, VO1: tl.constexpr, VP1: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -203,58 +255,40 @@ def _codebook_split_kernel(
     tok_lo = tl.maximum(split * tokens_per_split, skip)
     tok_hi = tl.minimum(seq_len, split * tokens_per_split + tokens_per_split)
     page_hi = tl.cdiv(tok_hi, PS)
-    KR: tl.constexpr = 2 if KBITS == 4 else 4
-    VR: tl.constexpr = 2 if VBITS == 4 else 4
-    KW: tl.constexpr = D // KR
-    VW: tl.constexpr = D // VR
-    # codebook magnitudes: lut[0:8] for K's bit width, lut[8:16] for V's
-    k0, k1, k2, k3 = (
-        tl.load(lut_ptr),
-        tl.load(lut_ptr + 1),
-        tl.load(lut_ptr + 2),
-        tl.load(lut_ptr + 3),
-    )
-    k4, k5, k6, k7 = (
-        tl.load(lut_ptr + 4),
-        tl.load(lut_ptr + 5),
-        tl.load(lut_ptr + 6),
-        tl.load(lut_ptr + 7),
-    )
-    v0, v1, v2, v3 = (
-        tl.load(lut_ptr + 8),
-        tl.load(lut_ptr + 9),
-        tl.load(lut_ptr + 10),
-        tl.load(lut_ptr + 11),
-    )
-    v4, v5, v6, v7 = (
-        tl.load(lut_ptr + 12),
-        tl.load(lut_ptr + 13),
-        tl.load(lut_ptr + 14),
-        tl.load(lut_ptr + 15),
-    )
+    KR0: tl.constexpr = 2 if KB0 == 4 else 4
+    KR1: tl.constexpr = 2 if KB1 == 4 else 4
+    VR0: tl.constexpr = 2 if VB0 == 4 else 4
+    VR1: tl.constexpr = 2 if VB1 == 4 else 4
+    # codebook magnitudes (interpreter path; the PTX path has them as constants):
+    # lut[0:8] K group 0, [8:16] K group 1, [16:24] V group 0, [24:32] V group 1
+    ka0, ka1, ka2, ka3 = tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
+    ka4, ka5, ka6, ka7 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
+    kb0, kb1, kb2, kb3 = tl.load(lut_ptr + 8), tl.load(lut_ptr + 9), tl.load(lut_ptr + 10), tl.load(lut_ptr + 11)
+    va0, va1, va2, va3 = tl.load(lut_ptr + 16), tl.load(lut_ptr + 17), tl.load(lut_ptr + 18), tl.load(lut_ptr + 19)
+    va4, va5, va6, va7 = tl.load(lut_ptr + 20), tl.load(lut_ptr + 21), tl.load(lut_ptr + 22), tl.load(lut_ptr + 23)
+    vb0, vb1, vb2, vb3 = tl.load(lut_ptr + 24), tl.load(lut_ptr + 25), tl.load(lut_ptr + 26), tl.load(lut_ptr + 27)
 
     m = tl.arange(0, BLOCK_M)
     n = tl.arange(0, BLOCK_N)
-    ki = tl.arange(0, KW)
-    vi = tl.arange(0, VW)
     rows = (b * num_kv_heads + h) * G + m
     qrow = q_ptr + rows[:, None] * D
     qm = (m < G)[:, None]
-    q0 = tl.load(qrow + KR * ki[None, :], mask=qm, other=0.0)
-    q1 = tl.load(qrow + KR * ki[None, :] + 1, mask=qm, other=0.0)
-    q2 = q0
-    q3 = q1
-    if KR == 4:
-        q2 = tl.load(qrow + KR * ki[None, :] + 2, mask=qm, other=0.0)
-        q3 = tl.load(qrow + KR * ki[None, :] + 3, mask=qm, other=0.0)
+    q00, q01, q02, q03 = _q_classes(qrow, qm, 0, KN0, KR0)
+    if KN1 > 0:
+        q10, q11, q12, q13 = _q_classes(qrow, qm, KN0, KN1, KR1)
     row_scale = tl.load(qs_ptr + rows, mask=m < G, other=0.0) * qk_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, VW], tl.float32)
-    a1 = tl.zeros([BLOCK_M, VW], tl.float32)
-    a2 = tl.zeros([BLOCK_M, VW], tl.float32)
-    a3 = tl.zeros([BLOCK_M, VW], tl.float32)
+    a00 = tl.zeros([BLOCK_M, VN0 // VR0], tl.float32)
+    a01 = tl.zeros([BLOCK_M, VN0 // VR0], tl.float32)
+    a02 = tl.zeros([BLOCK_M, VN0 // VR0], tl.float32)
+    a03 = tl.zeros([BLOCK_M, VN0 // VR0], tl.float32)
+    if VN1 > 0:
+        a10 = tl.zeros([BLOCK_M, VN1 // VR1], tl.float32)
+        a11 = tl.zeros([BLOCK_M, VN1 // VR1], tl.float32)
+        a12 = tl.zeros([BLOCK_M, VN1 // VR1], tl.float32)
+        a13 = tl.zeros([BLOCK_M, VN1 // VR1], tl.float32)
     kho = h.to(tl.int64) * k_page_bytes
     vho = h.to(tl.int64) * v_page_bytes
     # the first split starts at the page holding `skip` (sink tokens are attended elsewhere)
@@ -270,14 +304,14 @@ def _codebook_split_kernel(
         ks = tl.load(kh_ptr + (kb + PS * KCB + 2 * t) // 2, mask=valid, other=0.0).to(tl.float32)
         vs = tl.load(vh_ptr + (vb + PS * VCB + 2 * t) // 2, mask=valid, other=0.0).to(tl.float32)
 
-        l0, l1, l2, l3 = _row_levels(kc_ptr, kb, t, ki, KBITS, KCB, D, PS, False, in_page,
-                                     INTERPRET, k0, k1, k2, k3, k4, k5, k6, k7)
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        s = _dot(q0, tl.trans(l0), s, INTERPRET)
-        s = _dot(q1, tl.trans(l1), s, INTERPRET)
-        if KR == 4:
-            s = _dot(q2, tl.trans(l2), s, INTERPRET)
-            s = _dot(q3, tl.trans(l3), s, INTERPRET)
+        l0, l1, l2, l3 = _group_levels(kc_ptr, kb, t, KB0, KN0, KO0, KP0, KCB, PS, False,
+                                       in_page, INTERPRET, ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7)
+        s = _group_scores(s, q00, q01, q02, q03, l0, l1, l2, l3, KR0, INTERPRET)
+        if KN1 > 0:
+            l0, l1, l2, l3 = _group_levels(kc_ptr, kb, t, KB1, KN1, KO1, KP1, KCB, PS, False,
+                                           in_page, INTERPRET, kb0, kb1, kb2, kb3, kb0, kb0, kb0, kb0)
+            s = _group_scores(s, q10, q11, q12, q13, l0, l1, l2, l3, KR1, INTERPRET)
         s = s * ks[None, :] * row_scale[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -287,22 +321,28 @@ def _codebook_split_kernel(
         # p * s scaled by 64 before the fp16 cast: keeps long-context probabilities (~1e-5)
         # out of fp16's subnormal range; token scales up to ~1000 stay finite.
         pw = (p * (vs * 64.0)[None, :]).to(tl.float16)
-        l0, l1, l2, l3 = _row_levels(vc_ptr, vb, t, vi, VBITS, VCB, D, PS, True, in_page,
-                                     INTERPRET, v0, v1, v2, v3, v4, v5, v6, v7)
-        a0 = _dot(pw, l0, a0 * alpha[:, None], INTERPRET)
-        a1 = _dot(pw, l1, a1 * alpha[:, None], INTERPRET)
-        if VR == 4:
-            a2 = _dot(pw, l2, a2 * alpha[:, None], INTERPRET)
-            a3 = _dot(pw, l3, a3 * alpha[:, None], INTERPRET)
+        l0, l1, l2, l3 = _group_levels(vc_ptr, vb, t, VB0, VN0, VO0, VP0, VCB, PS, True,
+                                       in_page, INTERPRET, va0, va1, va2, va3, va4, va5, va6, va7)
+        a00 = _dot(pw, l0, a00 * alpha[:, None], INTERPRET)
+        a01 = _dot(pw, l1, a01 * alpha[:, None], INTERPRET)
+        if VR0 == 4:
+            a02 = _dot(pw, l2, a02 * alpha[:, None], INTERPRET)
+            a03 = _dot(pw, l3, a03 * alpha[:, None], INTERPRET)
+        if VN1 > 0:
+            l0, l1, l2, l3 = _group_levels(vc_ptr, vb, t, VB1, VN1, VO1, VP1, VCB, PS, True,
+                                           in_page, INTERPRET, vb0, vb1, vb2, vb3, vb0, vb0, vb0, vb0)
+            a10 = _dot(pw, l0, a10 * alpha[:, None], INTERPRET)
+            a11 = _dot(pw, l1, a11 * alpha[:, None], INTERPRET)
+            if VR1 == 4:
+                a12 = _dot(pw, l2, a12 * alpha[:, None], INTERPRET)
+                a13 = _dot(pw, l3, a13 * alpha[:, None], INTERPRET)
         m_i = m_new
 
     inv = tl.where(l_i > 0, 1.0 / (64.0 * l_i), 0.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
     orow = o_ptr + (rows.to(tl.int64) * num_splits + split) * D
     om = (m < G)[:, None]
-    tl.store(orow[:, None] + VR * vi[None, :], a0 * inv[:, None], mask=om)
-    tl.store(orow[:, None] + VR * vi[None, :] + 1, a1 * inv[:, None], mask=om)
-    if VR == 4:
-        tl.store(orow[:, None] + VR * vi[None, :] + 2, a2 * inv[:, None], mask=om)
-        tl.store(orow[:, None] + VR * vi[None, :] + 3, a3 * inv[:, None], mask=om)
+    _store_group(orow, om, a00, a01, a02, a03, inv, 0, VN0, VR0)
+    if VN1 > 0:
+        _store_group(orow, om, a10, a11, a12, a13, inv, VN0, VN1, VR1)
     tl.store(lse_ptr + rows * num_splits + split, lse, mask=m < G)

@@ -26,8 +26,10 @@ class KernelSpec:
     v_scale: float = 1.0
     rotation: torch.Tensor | None = None  # [D, D] float32; stored = x @ R, R symmetric orthonormal
     v_layout: PagedLayout | None = None  # V's pages where they differ from K's
-    k_bits: int = 0  # codebook family: code bits of K and V rows
-    v_bits: int = 0
+    # codebook family: per kind, up to two channel groups as (bits, channels, offset of the
+    # widest bit plane, offset of the 1-bit plane); None where the kernel cannot read the rows
+    k_groups: tuple | None = None
+    v_groups: tuple | None = None
 
     @property
     def vlay(self) -> PagedLayout:
@@ -58,22 +60,33 @@ def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
         return KernelSpec("int4", lay, rotation=rot)
     spec = getattr(fmt, "spec", None)
     if spec is not None and hasattr(spec, "k_groups"):
-        # The decode kernel reads rows of one group of 3- or 4-bit codes; other layouts get
-        # k_bits/v_bits 0 (cache-write still works: it is the reference encode).
-        bits = {}
-        for kind, groups in (("k", spec.k_groups), ("v", spec.v_groups)):
-            one = len(groups) == 1 and groups[0][1] in (3, 4)
-            bits[kind] = groups[0][1] if one else 0
+        layouts = {kind: spec.layout(head_dim, kind) for kind in ("k", "v")}
         return KernelSpec(
             "codebook",
             PagedLayout.of(fmt, head_dim, block_size, "k"),
             v_layout=PagedLayout.of(fmt, head_dim, block_size, "v"),
-            k_bits=bits["k"],
-            v_bits=bits["v"],
+            k_groups=_kernel_groups(layouts["k"]),
+            v_groups=_kernel_groups(layouts["v"]),
         )
     raise FormatError(
         f"format {fmt.name!r} has no kvzip_kernels implementation; supported: {', '.join(SUPPORTED)}"
     )
+
+
+def _kernel_groups(layout) -> tuple | None:
+    """A compact row layout as the decode kernel's constants, or None if it cannot read it:
+    at most two groups of 2, 3 or 4 bits, each class of channels >= 16 wide (tl.dot's
+    smallest depth: 4-bit groups of >= 32 channels, 2- and 3-bit groups of >= 64)."""
+    groups = []
+    for g, (n, bits) in enumerate(layout.groups):
+        per_class = n // (2 if bits == 4 else 4)
+        if bits not in (2, 3, 4) or per_class < 16 or per_class & (per_class - 1):
+            return None
+        planes = {p.width: p.offset for p in layout.planes if p.group == g}
+        groups.append((bits, n, planes[4 if bits == 4 else 2], planes.get(1, 0)))
+    if len(groups) > 2:
+        return None
+    return tuple(groups + [(0, 0, 0, 0)] * (2 - len(groups)))
 
 
 def check_strided_cache(

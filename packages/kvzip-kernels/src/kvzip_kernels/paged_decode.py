@@ -161,11 +161,11 @@ def paged_decode(
     page_bytes = spec.layout.page_bytes
     post = None
     if spec.family == "codebook":
-        if not (spec.k_bits and spec.v_bits):
+        if spec.k_groups is None or spec.v_groups is None:
             raise FormatError(
-                f"format {f.name!r}: the decode kernel reads rows of one group of 3- or 4-bit "
-                f"codes; this format's rows have groups K {f.spec.k_groups}, V "
-                f"{f.spec.v_groups} (mixed-width rows: not implemented yet)"
+                f"format {f.name!r}: the decode kernel reads rows of at most two channel groups "
+                f"of 2, 3 or 4 bits with >= 16 channels per class (head_dim 128); this format's "
+                f"rows at head_dim {d} have groups K {f.spec.k_groups}, V {f.spec.v_groups}"
             )
         q, post = _codebook_launch(
             f,
@@ -290,37 +290,20 @@ def _codebook_launch(
     pow2 = torch.exp2(torch.floor(torch.log2(16384.0 / amax)))  # max |q'| in [2**13, 2**14)
     q16 = (qp * pow2).to(torch.float16).reshape(b, hq, d).contiguous()
     qs = (1.0 / pow2).reshape(b * hq).contiguous()
-    lut = torch.zeros(16, dtype=torch.float32)
-    for i, bits in enumerate((spec.k_bits, spec.v_bits)):
-        lv = codebook.POSITIVE_LEVELS[bits]
-        lut[8 * i : 8 * i + len(lv)] = torch.tensor(lv, dtype=torch.float32)
+    lut = torch.zeros(32, dtype=torch.float32)
+    consts = {}
+    for i, (kind, groups) in enumerate((("K", spec.k_groups), ("V", spec.v_groups))):
+        for g, (bits, n, off, off1) in enumerate(groups):
+            if bits:
+                lv = codebook.POSITIVE_LEVELS[bits]
+                lut[16 * i + 8 * g : 16 * i + 8 * g + len(lv)] = torch.tensor(lv)
+            consts.update({f"{kind}B{g}": bits, f"{kind}N{g}": n, f"{kind}O{g}": off,
+                           f"{kind}P{g}": off1})
     _codebook_split_kernel[grid](
-        q16,
-        qs,
-        k_cache,
-        v_cache,
-        k_cache.view(torch.float16),
-        v_cache.view(torch.float16),
-        lut.to(dev),
-        block_table,
-        seq_lens,
-        o_part,
-        lse,
-        scale * LOG2E,
-        block_table.stride(0),
-        hkv,
-        spec.layout.page_bytes,
-        spec.vlay.page_bytes,
-        k_blk_stride,
-        v_blk_stride,
-        per_split,
-        splits,
-        0,
-        KBITS=spec.k_bits,
-        VBITS=spec.v_bits,
-        KCB=spec.layout.code_bytes,
-        VCB=spec.vlay.code_bytes,
-        **common,
+        q16, qs, k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16),
+        lut.to(dev), block_table, seq_lens, o_part, lse, scale * LOG2E, block_table.stride(0),
+        hkv, spec.layout.page_bytes, spec.vlay.page_bytes, k_blk_stride, v_blk_stride, per_split,
+        splits, 0, KCB=spec.layout.code_bytes, VCB=spec.vlay.code_bytes, **consts, **common,
     )
     bv, mv = tv.decode.to(dev), tv.mean.to(dev)
 
