@@ -67,16 +67,17 @@ class Header:
 
 
 def choose_columns(shape: tuple[int, ...]) -> int:
-    """Lanes per row when no table fixes them: the trailing dims' product up to 4,096."""
+    """Lanes per row when no table fixes them (an encoder choice; decoders read the header).
+
+    KV tensors end in ``[..., heads, head_dim]``: a lane per channel, so a lane's previous row
+    is the previous token. Rows (tokens, blocks) are never folded into the columns.
+    """
     numel = math.prod(shape)
-    c = 1
-    for d in reversed(shape):
-        if c * d > 4096:
-            break
-        c *= d
-    if c == 1 and numel > 1:
-        c = math.gcd(numel, 4096)
-    return max(c, 1)
+    for c in (math.prod(shape[-2:]) if len(shape) >= 3 else 0,
+              shape[-1] if len(shape) >= 2 else 0):
+        if 1 <= c <= 4096:
+            return c
+    return max(math.gcd(numel, 1024), 1)
 
 
 def pack_header(shape, columns, rows_per_tile, table_id, table_slot, embedded: bytes | None,

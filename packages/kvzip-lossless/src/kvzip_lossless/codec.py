@@ -139,12 +139,18 @@ def assemble(shape, cols, rows_per_tile, table_id, slot, embedded, parts) -> byt
         modes.append(mode)
         n_exc.append(ne)
         checks.append(p["checksum"])
+    if embedded is not None and all(m == MODE_RAW for m in modes):
+        embedded, table_id, slot = None, 0, 0  # no table needed: table id 0 (spec 2)
     head = pack_header(shape, cols, rows_per_tile, table_id, slot, embedded,
                        [len(t) for t in tiles], modes, n_exc, checks)
     return head + b"".join(tiles)
 
 
-def table_for(h: Header, tables: TableSet | None) -> Table:
+def table_for(h: Header, tables: TableSet | None) -> Table | None:
+    if h.embedded is None and h.table_id == 0:
+        if (h.modes != MODE_RAW).any():
+            raise CorruptBlobError("blob has coded tiles but no table (table id 0)")
+        return None
     if h.embedded is not None:
         return load_embedded(h)
     if tables is None:

@@ -74,6 +74,7 @@ if triton is not None:
         ptr = n_words * 0
         bad = n_words * 0
         acc = tl.zeros([32], tl.uint32)
+        badl = tl.zeros([32], tl.int1)
         golden = tl.full([32], 0x9E3779B1, tl.uint32)
         for t in range(nr):
             b = tl.load(bmap + prev)
@@ -92,7 +93,7 @@ if triton is not None:
             ni = need.to(tl.int32)
             pos = ptr + tl.cumsum(ni, 0) - ni
             okp = pos < n_words
-            bad = bad + tl.sum((need & (pos >= n_words)).to(tl.int32), 0)
+            badl = badl | (need & (pos >= n_words))
             w = tl.load(blob16 + word_off + pos, mask=need & okp, other=0).to(tl.int32) & 0xFFFF
             x = tl.where(need, (x << 16) | w.to(tl.uint32), x)
             ptr = ptr + tl.sum(ni, 0)
@@ -109,7 +110,8 @@ if triton is not None:
             h = _fmix(p.to(tl.uint32) * golden + v.to(tl.uint32))
             acc += tl.where(lm & (es != 0), h, 0)
             prev = s
-        bad = bad + tl.sum(((x != 65536) & lm).to(tl.int32), 0) + (ptr != n_words).to(tl.int32)
+        badl = badl | ((x != 65536) & lm)
+        bad = bad + tl.sum(badl.to(tl.int32), 0) + (ptr != n_words).to(tl.int32)
         tl.atomic_add(sums + tile, tl.sum(acc, 0).to(tl.int32, bitcast=True))
         tl.store(err + pid, bad)
 
@@ -340,6 +342,23 @@ def _tile_checksums_gpu(v, rows, cols, rpt):
         seg = v[t0 * cols:min(rows, t0 + rpt) * cols]
         sums.append(_gpu_checksum(seg) & 0xFFFFFFFF)
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def fit_table_gpu(x: torch.Tensor, cols: int) -> Table:
+    """The embedded table of :func:`kvzip_lossless.codec.prepare_table`, counted on the GPU
+    (identical integer counts, so the identical table)."""
+    from kvzip_lossless.tables import BUCKETS_NONE, NSYM, normalize_counts
+
+    v = x.contiguous().view(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+    col = torch.arange(v.numel(), device=v.device) % cols
+    ecount = torch.bincount(col * 256 + ((v >> 7) & 255), minlength=cols * 256).view(cols, 256)
+    base = torch.argmax(ecount, 1)  # first maximum, as numpy's argmax
+    es = ((v >> 7) & 255) - base[col] + MODE_SLOT
+    es = torch.where((es >= 1) & (es <= 15), es, 0)
+    sym = (v >> 15) * 16 + es
+    counts = torch.bincount(col * NSYM + sym, minlength=cols * NSYM).view(cols, 1, NSYM)
+    return Table(base.to(torch.uint8).cpu().numpy(), BUCKETS_NONE,
+                 normalize_counts(counts.cpu().numpy()))
 
 
 def compress(x: torch.Tensor, *, tables=None, slot=None, rows_per_tile: int) -> bytes:
