@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -282,7 +283,8 @@ def main():
                 if "xqa" in a.baselines:
                     o = torch.empty(B, 1, hq, d, dtype=torch.bfloat16, device=dev)
                     su = sl.view(B, 1).view(torch.uint32)
-                    fn = lambda o=o, su=su: xqa(
+                    fn = functools.partial(
+                        xqa,
                         q.view(B, 1, hq, d),
                         kv5[:, 0],
                         kv5[:, 1],
@@ -316,14 +318,14 @@ def main():
                         o_data_type=torch.bfloat16,
                     )
                     o = torch.empty(B, hq, d, dtype=torch.bfloat16, device=dev)
-                    res["fi_tc"] = bench(
-                        torch, lambda w=w, o=o: w.run(q, kv5, out=o), a.iters, a.warmup
-                    )[0]
+                    fn = functools.partial(w.run, q, kv5, out=o)
+                    res["fi_tc"] = bench(torch, fn, a.iters, a.warmup)[0]
                     outs["fi_tc"] = o
                 for name, (fmt, _, (kp, vp)) in pools.items():
                     for label, cfg in configs:
                         o = torch.empty_like(q)
-                        fn = lambda fmt=fmt, kp=kp, vp=vp, o=o, cfg=cfg: paged_decode(
+                        fn = functools.partial(
+                            paged_decode,
                             fmt,
                             q,
                             kp,
@@ -381,7 +383,7 @@ def main():
                             )
                         )
                         say(f"[check] rel L2 {fp8_ours[0]} vs {base}: {e:.4f}")
-            del pools, kv5
+            pools = kv5 = None  # free the pools before the next context
             torch.cuda.empty_cache()
             if stop:
                 break

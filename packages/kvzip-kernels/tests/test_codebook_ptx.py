@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from kvzip_formats.compact import codebook
 
+from kvzip_formats.compact import codebook
 from kvzip_kernels._decode_codebook import _ASM2, _ASM3, _ASM4
 
 M32 = 0xFFFFFFFF

@@ -157,3 +157,32 @@ def test_block_strided_caches(device):
     assert torch.equal(got, want)
     with pytest.raises(FormatError, match="block_stride"):
         paged_decode("int4", dq, kv[:, 0], kv[:, 1], dbt, dsl, block_size=16, block_stride=7)
+
+
+@pytest.mark.parametrize("name", ["4bit", "3bit"])
+def test_compact_sink_tokens(name, device):
+    """The first token read from its bf16 copy (spec/4bit.md section 8), merged by log-sum-exp;
+    a sequence of one token is all sink."""
+    (fmt, q, kc, vc, bt, sl), dev = make_case(name, 8, 2, 128, 16, [37, 1], 4, device)
+    g = torch.Generator().manual_seed(9)
+    sinks = tuple((torch.randn(2, 1, 2, 128, generator=g) * 2).bfloat16() for _ in range(2))
+    ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, sinks=sinks)
+    plain = ref_paged_decode(
+        fmt, q, kc, vc, bt, sl, block_size=16, sinks=sinks, compute_dtype=torch.bfloat16
+    )
+    out = paged_decode(
+        fmt,
+        *dev,
+        block_size=16,
+        config=DecodeConfig(block_n=16, num_splits=2),
+        sinks=tuple(t.to(device) for t in sinks),
+    )
+    err, tol = _rel(out, ref), 2 * _rel(plain, ref) + 1e-3
+    assert err <= tol, f"{name} with sinks: {err:.2e} > {tol:.2e}"
+    # and the sink changes the answer (the test would not notice a kernel ignoring it)
+    without = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16)
+    assert _rel(without, ref) > 10 * tol
+    with pytest.raises(FormatError, match="sinks"):
+        paged_decode(
+            "int4", *make_case("int4", 4, 1, 64, 16, [5], 0, device)[1], block_size=16, sinks=sinks
+        )

@@ -28,6 +28,7 @@ from kvzip_kernels._decode_kernels import _dot
 def _tables(bits: int) -> tuple[int, int, int, int]:
     """Low and high bytes of the 8 (or 4) positive fp16 levels, 4 per 32-bit word, for PRMT."""
     import torch
+
     from kvzip_formats.compact import codebook
 
     m = torch.tensor(codebook.POSITIVE_LEVELS[bits], dtype=torch.float16).view(torch.int16)
@@ -72,10 +73,18 @@ def _lookup_ptx(bits: int, x: str, out0: str, out1: str) -> str:
 
 _REGS = ".reg .b32 x, n, xm, y, sel, ml, mh, sg, ta, tb, a, b;"
 #: 4 bytes of nibble codes -> low-nibble class ($0,$1) and high-nibble class ($2,$3)
-_ASM4 = tl.constexpr("{" + _REGS + """
-        and.b32 x, $4, 0x0F0F0F0F;""" + _lookup_ptx(4, "x", "$0", "$1") + """
+_ASM4 = tl.constexpr(
+    "{"
+    + _REGS
+    + """
+        and.b32 x, $4, 0x0F0F0F0F;"""
+    + _lookup_ptx(4, "x", "$0", "$1")
+    + """
         shr.b32 x, $4, 4;
-        and.b32 x, x, 0x0F0F0F0F;""" + _lookup_ptx(4, "x", "$2", "$3") + "}")
+        and.b32 x, x, 0x0F0F0F0F;"""
+    + _lookup_ptx(4, "x", "$2", "$3")
+    + "}"
+)
 
 
 def _asm3() -> str:
@@ -113,13 +122,20 @@ def _levels2(b2, INTERPRET: tl.constexpr, m0, m1):
     """2-bit-plane bytes -> levels of classes 0..3 (channel 4i + r in bits 2r..2r+1), fp16."""
     if INTERPRET:
         c = b2.to(tl.int32)
-        return (_level(c & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
-                _level((c >> 2) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
-                _level((c >> 4) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
-                _level((c >> 6) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0))
+        return (
+            _level(c & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
+            _level((c >> 2) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
+            _level((c >> 4) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
+            _level((c >> 6) & 3, 2, m0, m1, m0, m0, m0, m0, m0, m0),
+        )
     return tl.inline_asm_elementwise(
-        asm=_ASM2, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b2],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+        asm=_ASM2,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+        args=[b2],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -127,10 +143,18 @@ def _levels4(c8, INTERPRET: tl.constexpr, m0, m1, m2, m3, m4, m5, m6, m7):
     """Bytes of nibble codes -> (levels of the low nibbles, of the high nibbles), fp16."""
     if INTERPRET:
         c = c8.to(tl.int32)
-        return (_level(c & 15, 4, m0, m1, m2, m3, m4, m5, m6, m7),
-                _level(c >> 4, 4, m0, m1, m2, m3, m4, m5, m6, m7))
-    return tl.inline_asm_elementwise(asm=_ASM4, constraints="=r,=r,=r,=r,r", args=[c8],
-                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        return (
+            _level(c & 15, 4, m0, m1, m2, m3, m4, m5, m6, m7),
+            _level(c >> 4, 4, m0, m1, m2, m3, m4, m5, m6, m7),
+        )
+    return tl.inline_asm_elementwise(
+        asm=_ASM4,
+        constraints="=r,=r,=r,=r,r",
+        args=[c8],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -139,18 +163,26 @@ def _levels3(b2, b1s, INTERPRET: tl.constexpr, m0, m1, m2, m3):
     if INTERPRET:
         lo = b2.to(tl.int32)
         hi = b1s.to(tl.int32)
-        return (_level((lo & 3) | ((hi & 1) << 2), 3, m0, m1, m2, m3, m0, m0, m0, m0),
-                _level(((lo >> 2) & 3) | ((hi & 2) << 1), 3, m0, m1, m2, m3, m0, m0, m0, m0),
-                _level(((lo >> 4) & 3) | (hi & 4), 3, m0, m1, m2, m3, m0, m0, m0, m0),
-                _level(((lo >> 6) & 3) | ((hi >> 1) & 4), 3, m0, m1, m2, m3, m0, m0, m0, m0))
+        return (
+            _level((lo & 3) | ((hi & 1) << 2), 3, m0, m1, m2, m3, m0, m0, m0, m0),
+            _level(((lo >> 2) & 3) | ((hi & 2) << 1), 3, m0, m1, m2, m3, m0, m0, m0, m0),
+            _level(((lo >> 4) & 3) | (hi & 4), 3, m0, m1, m2, m3, m0, m0, m0, m0),
+            _level(((lo >> 6) & 3) | ((hi >> 1) & 4), 3, m0, m1, m2, m3, m0, m0, m0, m0),
+        )
     return tl.inline_asm_elementwise(
-        asm=_ASM3, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[b2, b1s],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+        asm=_ASM3,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+        args=[b2, b1s],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
-def _load_bytes(ptr, base, t, j, CB: tl.constexpr, PS: tl.constexpr,
-                CHANNEL_MAJOR: tl.constexpr, mask):
+def _load_bytes(
+    ptr, base, t, j, CB: tl.constexpr, PS: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, mask
+):
     """Bytes j ([W]) of the rows of tokens t: [BLOCK_N, W] uint8."""
     if CHANNEL_MAJOR:  # byte j of token t at j * PS + t
         return tl.load(ptr + (base + t)[:, None] + (j * PS)[None, :], mask=mask[:, None], other=0)
@@ -158,10 +190,28 @@ def _load_bytes(ptr, base, t, j, CB: tl.constexpr, PS: tl.constexpr,
 
 
 @triton.jit
-def _group_levels(ptr, base, t, BITS: tl.constexpr, N: tl.constexpr, OFF: tl.constexpr,
-                  OFF1: tl.constexpr, CB: tl.constexpr, PS: tl.constexpr,
-                  CHANNEL_MAJOR: tl.constexpr, mask, INTERPRET: tl.constexpr,
-                  m0, m1, m2, m3, m4, m5, m6, m7):
+def _group_levels(
+    ptr,
+    base,
+    t,
+    BITS: tl.constexpr,
+    N: tl.constexpr,
+    OFF: tl.constexpr,
+    OFF1: tl.constexpr,
+    CB: tl.constexpr,
+    PS: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
+    mask,
+    INTERPRET: tl.constexpr,
+    m0,
+    m1,
+    m2,
+    m3,
+    m4,
+    m5,
+    m6,
+    m7,
+):
     """Levels of the channel classes of one group of a tile of rows: ``[BLOCK_N, N // R]``
     each, class r = the group's channels ``R*i + r`` (R = 2 at 4 bits: nibbles; R = 4 at 2 and
     3 bits: 2-bit fields; at 4 bits classes 2, 3 repeat 0, 1). ``OFF``: byte offset of the
@@ -169,8 +219,18 @@ def _group_levels(ptr, base, t, BITS: tl.constexpr, N: tl.constexpr, OFF: tl.con
     # one return statement: Triton checks that all returns agree even across constexpr branches
     if BITS == 4:
         i = tl.arange(0, N // 2)
-        c0, c1 = _levels4(_load_bytes(ptr, base, t, OFF + i, CB, PS, CHANNEL_MAJOR, mask),
-                          INTERPRET, m0, m1, m2, m3, m4, m5, m6, m7)
+        c0, c1 = _levels4(
+            _load_bytes(ptr, base, t, OFF + i, CB, PS, CHANNEL_MAJOR, mask),
+            INTERPRET,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+        )
         c2, c3 = c0, c1
     else:
         i = tl.arange(0, N // 4)
@@ -223,8 +283,9 @@ def _group_scores(s, q0, q1, q2, q3, l0, l1, l2, l3, R: tl.constexpr, INTERPRET:
 
 
 @triton.jit
-def _store_group(orow, om, a0, a1, a2, a3, inv, START: tl.constexpr, N: tl.constexpr,
-                 R: tl.constexpr):
+def _store_group(
+    orow, om, a0, a1, a2, a3, inv, START: tl.constexpr, N: tl.constexpr, R: tl.constexpr
+):
     i = tl.arange(0, N // R)
     tl.store(orow[:, None] + START + R * i[None, :], a0 * inv[:, None], mask=om)
     tl.store(orow[:, None] + START + R * i[None, :] + 1, a1 * inv[:, None], mask=om)
@@ -235,16 +296,51 @@ def _store_group(orow, om, a0, a1, a2, a3, inv, START: tl.constexpr, N: tl.const
 
 @triton.jit
 def _codebook_split_kernel(
-    q_ptr, qs_ptr, kc_ptr, vc_ptr, kh_ptr, vh_ptr, lut_ptr, bt_ptr, sl_ptr, o_ptr, lse_ptr,
-    qk_scale, stride_btb, num_kv_heads, k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride,
-    tokens_per_split, num_splits, skip,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    BLOCK_N: tl.constexpr, KCB: tl.constexpr, VCB: tl.constexpr,
+    q_ptr,
+    qs_ptr,
+    kc_ptr,
+    vc_ptr,
+    kh_ptr,
+    vh_ptr,
+    lut_ptr,
+    bt_ptr,
+    sl_ptr,
+    o_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_btb,
+    num_kv_heads,
+    k_page_bytes,
+    v_page_bytes,
+    k_blk_stride,
+    v_blk_stride,
+    tokens_per_split,
+    num_splits,
+    skip,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KCB: tl.constexpr,
+    VCB: tl.constexpr,
     # up to two channel groups per row: bits, channels, widest-plane offset, 1-bit-plane offset
-    KB0: tl.constexpr, KN0: tl.constexpr, KO0: tl.constexpr, KP0: tl.constexpr,
-    KB1: tl.constexpr, KN1: tl.constexpr, KO1: tl.constexpr, KP1: tl.constexpr,
-    VB0: tl.constexpr, VN0: tl.constexpr, VO0: tl.constexpr, VP0: tl.constexpr,
-    VB1: tl.constexpr, VN1: tl.constexpr, VO1: tl.constexpr, VP1: tl.constexpr,
+    KB0: tl.constexpr,
+    KN0: tl.constexpr,
+    KO0: tl.constexpr,
+    KP0: tl.constexpr,
+    KB1: tl.constexpr,
+    KN1: tl.constexpr,
+    KO1: tl.constexpr,
+    KP1: tl.constexpr,
+    VB0: tl.constexpr,
+    VN0: tl.constexpr,
+    VO0: tl.constexpr,
+    VP0: tl.constexpr,
+    VB1: tl.constexpr,
+    VN1: tl.constexpr,
+    VO1: tl.constexpr,
+    VP1: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -261,12 +357,42 @@ def _codebook_split_kernel(
     VR1: tl.constexpr = 2 if VB1 == 4 else 4
     # codebook magnitudes (interpreter path; the PTX path has them as constants):
     # lut[0:8] K group 0, [8:16] K group 1, [16:24] V group 0, [24:32] V group 1
-    ka0, ka1, ka2, ka3 = tl.load(lut_ptr), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
-    ka4, ka5, ka6, ka7 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
-    kb0, kb1, kb2, kb3 = tl.load(lut_ptr + 8), tl.load(lut_ptr + 9), tl.load(lut_ptr + 10), tl.load(lut_ptr + 11)
-    va0, va1, va2, va3 = tl.load(lut_ptr + 16), tl.load(lut_ptr + 17), tl.load(lut_ptr + 18), tl.load(lut_ptr + 19)
-    va4, va5, va6, va7 = tl.load(lut_ptr + 20), tl.load(lut_ptr + 21), tl.load(lut_ptr + 22), tl.load(lut_ptr + 23)
-    vb0, vb1, vb2, vb3 = tl.load(lut_ptr + 24), tl.load(lut_ptr + 25), tl.load(lut_ptr + 26), tl.load(lut_ptr + 27)
+    ka0, ka1, ka2, ka3 = (
+        tl.load(lut_ptr),
+        tl.load(lut_ptr + 1),
+        tl.load(lut_ptr + 2),
+        tl.load(lut_ptr + 3),
+    )
+    ka4, ka5, ka6, ka7 = (
+        tl.load(lut_ptr + 4),
+        tl.load(lut_ptr + 5),
+        tl.load(lut_ptr + 6),
+        tl.load(lut_ptr + 7),
+    )
+    kb0, kb1, kb2, kb3 = (
+        tl.load(lut_ptr + 8),
+        tl.load(lut_ptr + 9),
+        tl.load(lut_ptr + 10),
+        tl.load(lut_ptr + 11),
+    )
+    va0, va1, va2, va3 = (
+        tl.load(lut_ptr + 16),
+        tl.load(lut_ptr + 17),
+        tl.load(lut_ptr + 18),
+        tl.load(lut_ptr + 19),
+    )
+    va4, va5, va6, va7 = (
+        tl.load(lut_ptr + 20),
+        tl.load(lut_ptr + 21),
+        tl.load(lut_ptr + 22),
+        tl.load(lut_ptr + 23),
+    )
+    vb0, vb1, vb2, vb3 = (
+        tl.load(lut_ptr + 24),
+        tl.load(lut_ptr + 25),
+        tl.load(lut_ptr + 26),
+        tl.load(lut_ptr + 27),
+    )
 
     m = tl.arange(0, BLOCK_M)
     n = tl.arange(0, BLOCK_N)
@@ -305,12 +431,52 @@ def _codebook_split_kernel(
         vs = tl.load(vh_ptr + (vb + PS * VCB + 2 * t) // 2, mask=valid, other=0.0).to(tl.float32)
 
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        l0, l1, l2, l3 = _group_levels(kc_ptr, kb, t, KB0, KN0, KO0, KP0, KCB, PS, False,
-                                       in_page, INTERPRET, ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7)
+        l0, l1, l2, l3 = _group_levels(
+            kc_ptr,
+            kb,
+            t,
+            KB0,
+            KN0,
+            KO0,
+            KP0,
+            KCB,
+            PS,
+            False,
+            in_page,
+            INTERPRET,
+            ka0,
+            ka1,
+            ka2,
+            ka3,
+            ka4,
+            ka5,
+            ka6,
+            ka7,
+        )
         s = _group_scores(s, q00, q01, q02, q03, l0, l1, l2, l3, KR0, INTERPRET)
         if KN1 > 0:
-            l0, l1, l2, l3 = _group_levels(kc_ptr, kb, t, KB1, KN1, KO1, KP1, KCB, PS, False,
-                                           in_page, INTERPRET, kb0, kb1, kb2, kb3, kb0, kb0, kb0, kb0)
+            l0, l1, l2, l3 = _group_levels(
+                kc_ptr,
+                kb,
+                t,
+                KB1,
+                KN1,
+                KO1,
+                KP1,
+                KCB,
+                PS,
+                False,
+                in_page,
+                INTERPRET,
+                kb0,
+                kb1,
+                kb2,
+                kb3,
+                kb0,
+                kb0,
+                kb0,
+                kb0,
+            )
             s = _group_scores(s, q10, q11, q12, q13, l0, l1, l2, l3, KR1, INTERPRET)
         s = s * ks[None, :] * row_scale[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -321,16 +487,56 @@ def _codebook_split_kernel(
         # p * s scaled by 64 before the fp16 cast: keeps long-context probabilities (~1e-5)
         # out of fp16's subnormal range; token scales up to ~1000 stay finite.
         pw = (p * (vs * 64.0)[None, :]).to(tl.float16)
-        l0, l1, l2, l3 = _group_levels(vc_ptr, vb, t, VB0, VN0, VO0, VP0, VCB, PS, True,
-                                       in_page, INTERPRET, va0, va1, va2, va3, va4, va5, va6, va7)
+        l0, l1, l2, l3 = _group_levels(
+            vc_ptr,
+            vb,
+            t,
+            VB0,
+            VN0,
+            VO0,
+            VP0,
+            VCB,
+            PS,
+            True,
+            in_page,
+            INTERPRET,
+            va0,
+            va1,
+            va2,
+            va3,
+            va4,
+            va5,
+            va6,
+            va7,
+        )
         a00 = _dot(pw, l0, a00 * alpha[:, None], INTERPRET)
         a01 = _dot(pw, l1, a01 * alpha[:, None], INTERPRET)
         if VR0 == 4:
             a02 = _dot(pw, l2, a02 * alpha[:, None], INTERPRET)
             a03 = _dot(pw, l3, a03 * alpha[:, None], INTERPRET)
         if VN1 > 0:
-            l0, l1, l2, l3 = _group_levels(vc_ptr, vb, t, VB1, VN1, VO1, VP1, VCB, PS, True,
-                                           in_page, INTERPRET, vb0, vb1, vb2, vb3, vb0, vb0, vb0, vb0)
+            l0, l1, l2, l3 = _group_levels(
+                vc_ptr,
+                vb,
+                t,
+                VB1,
+                VN1,
+                VO1,
+                VP1,
+                VCB,
+                PS,
+                True,
+                in_page,
+                INTERPRET,
+                vb0,
+                vb1,
+                vb2,
+                vb3,
+                vb0,
+                vb0,
+                vb0,
+                vb0,
+            )
             a10 = _dot(pw, l0, a10 * alpha[:, None], INTERPRET)
             a11 = _dot(pw, l1, a11 * alpha[:, None], INTERPRET)
             if VR1 == 4:

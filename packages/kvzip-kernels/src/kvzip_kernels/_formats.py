@@ -69,7 +69,8 @@ def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
             v_groups=_kernel_groups(layouts["v"]),
         )
     raise FormatError(
-        f"format {fmt.name!r} has no kvzip_kernels implementation; supported: {', '.join(SUPPORTED)}"
+        f"format {fmt.name!r} has no kvzip_kernels implementation; "
+        f"supported: {', '.join(SUPPORTED)}"
     )
 
 

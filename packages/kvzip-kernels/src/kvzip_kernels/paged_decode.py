@@ -71,6 +71,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     block_stride: int | None = None,
+    sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention for one new token per sequence.
 
@@ -80,7 +81,9 @@ def paged_decode(
     bf16. ``max_seq_len`` (an upper bound of seq_lens) avoids reading seq_lens on the host.
     Rotated formats (``int4-rot``) get the query rotated before and the output after.
     ``block_stride`` (bytes) admits caches strided in their block dimension, such as vLLM's
-    ``kv[:, 0]`` / ``kv[:, 1]`` (see ``check_strided_cache``).
+    ``kv[:, 0]`` / ``kv[:, 1]`` (see ``check_strided_cache``). ``sinks``: for the compact
+    formats, the bf16 copies ``(k, v)`` ``[batch, n_sink, num_kv_heads, head_dim]`` of each
+    sequence's first tokens, attended instead of their rows (spec/4bit.md sections 6 and 8).
 
     Example::
 
@@ -160,6 +163,8 @@ def paged_decode(
     grid = (b * hkv, splits)
     page_bytes = spec.layout.page_bytes
     post = None
+    if sinks is not None:
+        _check_sinks(sinks, spec, q, k_cache.shape[1])
     if spec.family == "codebook":
         if spec.k_groups is None or spec.v_groups is None:
             raise FormatError(
@@ -185,6 +190,7 @@ def paged_decode(
             splits,
             grid,
             common,
+            sinks,
         )
     elif spec.family == "int4":
         _int4_split_kernel[grid](
@@ -271,13 +277,17 @@ def _codebook_launch(
     splits,
     grid,
     common,
+    sinks=None,
 ):
     """The compact formats: fold the calibrated transforms into q and the output.
 
     ``score = q . (B_k y_k + mean_k) = (B_k^T q) . y_k + const`` (the constant is the same for
     every key and drops out of the softmax); ``o = B_v y + mean_v`` since the probabilities
     sum to 1. ``q'`` is scaled per row by a power of two into fp16's range (exact), the kernel
-    undoes it in the scores. Returns the fp16 ``q'`` and the output transform.
+    undoes it in the scores. With ``sinks`` the kernel skips the sink positions and the
+    output merges their exact bf16 K/V by log-sum-exp; then ``q . mean_k`` no longer cancels
+    and shifts the rows' log-sum-exp (spec/4bit.md section 6). Returns the fp16 ``q'`` and the
+    output transform.
     """
     from kvzip_formats.compact import codebook
 
@@ -297,19 +307,92 @@ def _codebook_launch(
             if bits:
                 lv = codebook.POSITIVE_LEVELS[bits]
                 lut[16 * i + 8 * g : 16 * i + 8 * g + len(lv)] = torch.tensor(lv)
-            consts.update({f"{kind}B{g}": bits, f"{kind}N{g}": n, f"{kind}O{g}": off,
-                           f"{kind}P{g}": off1})
+            consts.update(
+                {f"{kind}B{g}": bits, f"{kind}N{g}": n, f"{kind}O{g}": off, f"{kind}P{g}": off1}
+            )
     _codebook_split_kernel[grid](
-        q16, qs, k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16),
-        lut.to(dev), block_table, seq_lens, o_part, lse, scale * LOG2E, block_table.stride(0),
-        hkv, spec.layout.page_bytes, spec.vlay.page_bytes, k_blk_stride, v_blk_stride, per_split,
-        splits, 0, KCB=spec.layout.code_bytes, VCB=spec.vlay.code_bytes, **consts, **common,
+        q16,
+        qs,
+        k_cache,
+        v_cache,
+        k_cache.view(torch.float16),
+        v_cache.view(torch.float16),
+        lut.to(dev),
+        block_table,
+        seq_lens,
+        o_part,
+        lse,
+        scale * LOG2E,
+        block_table.stride(0),
+        hkv,
+        spec.layout.page_bytes,
+        spec.vlay.page_bytes,
+        k_blk_stride,
+        v_blk_stride,
+        per_split,
+        splits,
+        0 if sinks is None else sinks[0].shape[1],
+        KCB=spec.layout.code_bytes,
+        VCB=spec.vlay.code_bytes,
+        **consts,
+        **common,
     )
     bv, mv = tv.decode.to(dev), tv.mean.to(dev)
 
     def post(y):  # [b, hq, d] float32 in the transformed domain -> bf16 output
         y = y.view(b, hkv, hq // hkv, d)
         o = torch.einsum("bhge,hde->bhgd", y, bv) + mv[None, :, None, :]
+        if sinks is not None:
+            o = _merge_sinks(
+                o, q, sinks, lse.view(b, hkv, hq // hkv, splits), tk.mean.to(dev), scale
+            )
         return o.reshape(b, hq, d).to(torch.bfloat16)
 
     return q16, post
+
+
+def _merge_sinks(o, q, sinks, lse, mean_k, scale):
+    """Merge attention over the rows (``o`` ``[b, hkv, g, d]``, log-sum-exp per split ``lse``,
+    base 2, scores without ``q . mean_k``) with attention over the bf16 sink tokens."""
+    b, hkv, g, d = o.shape
+    qf = q.float().view(b, hkv, g, d)
+    ln2 = 0.6931471805599453
+    lse_rows = torch.logsumexp(lse * ln2, dim=-1) / ln2  # [b, hkv, g]
+    lse_rows = lse_rows + torch.einsum("bhgd,hd->bhg", qf, mean_k) * scale * LOG2E
+    ks, vs = sinks[0].float(), sinks[1].float()  # [b, n, hkv, d]
+    s_sink = torch.einsum("bhgd,bnhd->bhgn", qf, ks) * scale * LOG2E
+    top = torch.maximum(lse_rows, s_sink.amax(-1))
+    w_rows = torch.exp2(lse_rows - top)  # 0 where a sequence is all sinks (lse -inf)
+    w_sink = torch.exp2(s_sink - top[..., None])
+    num = torch.where(w_rows[..., None] > 0, o, 0.0) * w_rows[..., None]
+    num = num + torch.einsum("bhgn,bnhd->bhgd", w_sink, vs)
+    return num / (w_rows + w_sink.sum(-1))[..., None]
+
+
+def _check_sinks(sinks, spec, q, num_kv_heads) -> None:
+    if spec.family != "codebook":
+        raise FormatError(
+            "sinks= is for the compact formats (bf16 sink tokens); this format has none"
+        )
+    b, _, d = q.shape
+    if not (isinstance(sinks, tuple) and len(sinks) == 2):
+        raise FormatError(
+            "sinks must be a tuple (k, v) of [batch, n_sink, num_kv_heads, head_dim] tensors"
+        )
+    for name, t in zip(("k", "v"), sinks, strict=True):
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dim() != 4
+            or t.shape[0] != b
+            or t.shape[2:] != (num_kv_heads, d)
+            or t.device != q.device
+        ):
+            raise FormatError(
+                f"sinks {name} must be [batch={b}, n_sink, num_kv_heads={num_kv_heads}, "
+                f"head_dim={d}] on {q.device}, got {getattr(t, 'shape', t)}"
+            )
+    if sinks[0].shape != sinks[1].shape or sinks[0].shape[1] < 1:
+        raise FormatError(
+            f"sinks k {tuple(sinks[0].shape)} and v {tuple(sinks[1].shape)} must "
+            "match and hold >= 1 token"
+        )

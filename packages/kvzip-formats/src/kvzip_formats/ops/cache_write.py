@@ -111,7 +111,8 @@ def check_paged_cache(
         raise FormatError(f"{name} must have shape {want}, got {tuple(cache.shape)}")
     if num_kv_heads is not None and cache.shape[1] != num_kv_heads:
         raise FormatError(
-            f"{name} has {cache.shape[1]} KV heads, expected {num_kv_heads}: shape {tuple(cache.shape)}"
+            f"{name} has {cache.shape[1]} KV heads, expected {num_kv_heads}: "
+            f"shape {tuple(cache.shape)}"
         )
     if not cache.is_contiguous():
         raise FormatError(f"{name} must be contiguous, got strides {cache.stride()}")
@@ -126,7 +127,8 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots: i
         raise FormatError(f"slot_mapping must be an int32 or int64 tensor, got {got}")
     if slot_mapping.shape != (num_tokens,):
         raise FormatError(
-            f"slot_mapping must have shape [num_tokens] = [{num_tokens}], got {tuple(slot_mapping.shape)}"
+            f"slot_mapping must have shape [num_tokens] = [{num_tokens}], "
+            f"got {tuple(slot_mapping.shape)}"
         )
     if num_tokens and int(slot_mapping.max()) >= num_slots:
         raise FormatError(

@@ -67,12 +67,15 @@ def paged_decode(
     layer: int = 0,
     sm_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention, ``[batch, num_q_heads, head_dim]`` in ``compute_dtype``.
 
     ``compute_dtype=torch.float32``: the reference. ``torch.bfloat16``: the same math as plain
     torch does it in bf16 (K, V, q, scores, probabilities and output rounded to bf16), whose
-    error against the reference sets a kernel's earned tolerance.
+    error against the reference sets a kernel's earned tolerance. ``sinks``: the bf16 copies
+    ``(k, v)``, each ``[batch, n_sink, num_kv_heads, head_dim]``, of each sequence's first
+    ``n_sink`` tokens, read instead of their rows (spec/4bit.md section 8).
     """
     lay = PagedLayout.of(fmt, q.shape[-1], block_size, "k")
     v_lay = PagedLayout.of(fmt, q.shape[-1], block_size, "v")
@@ -91,6 +94,12 @@ def paged_decode(
         v = fmt.decode(
             gather_rows(v_cache, v_lay, block_table[i], n, "v"), kind="v", layer=layer, head_dim=d
         )
+        if sinks is not None:
+            j = min(n, sinks[0].shape[1])
+            k[:j], v[:j] = (
+                sinks[0][i, :j].float().to(k.device),
+                sinks[1][i, :j].float().to(v.device),
+            )
         k = k.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
         v = v.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)
         qi = q[i].cpu().to(compute_dtype)
