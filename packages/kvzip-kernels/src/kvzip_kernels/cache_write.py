@@ -183,7 +183,7 @@ def cache_write(
         x = x.contiguous()
     hp = triton.next_power_of_2(h)
     if spec.family == "codebook":
-        _codebook_write(f, x, cache, slot_mapping, lay, kind, layer)
+        _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride)
     elif spec.family == "int4":
         if spec.rotation is not None:
             x = x.float() @ spec.rotation.to(x.device)  # same op as the reference encode
@@ -223,13 +223,56 @@ def cache_write(
         )
 
 
-def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer) -> None:
-    """The compact formats' write: the reference encode (float64 transform, as spec/4bit.md
-    defines y) on the host, then the paged scatter on the cache's device. Not a kernel yet:
-    correct for any device, but a host round trip per call (NOTES.md)."""
-    keep = (slot_mapping >= 0).cpu()
-    rows = f.encode(x.detach().cpu()[keep], kind=kind, layer=layer).to(cache.device)
-    slots = slot_mapping.cpu()[keep].to(device=cache.device, dtype=torch.int64)
-    blk, off = slots // lay.block_size, slots % lay.block_size
-    lay.codes_view(cache, kind)[blk, :, off] = rows[..., : lay.code_bytes]
-    lay.meta_view(cache)[blk, :, off] = rows[..., lay.code_bytes :]
+def codebook_y(f, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
+    """The compact formats' transformed rows ``y = A (x - mean)``, float32, on x's device
+    (one batched matmul; spec/4bit.md section 3 allows float32 here)."""
+    t = f.transform_of(kind, layer)
+    dev = x.device
+    xf = x.float() - t.mean.to(dev)
+    return torch.einsum("thd,hed->the", xf, t.encode.to(dev)).contiguous()
+
+
+def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride) -> None:
+    """The compact formats' write: ``y`` by torch, quantize + pack + scatter by a kernel."""
+    from kvzip_formats.compact import codebook
+    from kvzip_kernels._formats import _kernel_groups
+    from kvzip_kernels._write_codebook import _codebook_write_kernel
+
+    n, h, d = x.shape
+    groups = _kernel_groups(f.spec.layout(d, kind))
+    if groups is None:  # a layout the kernel cannot pack: the reference encode on the host
+        keep = (slot_mapping >= 0).cpu()
+        rows = f.encode(x.detach().cpu()[keep], kind=kind, layer=layer).to(cache.device)
+        slots = slot_mapping.cpu()[keep].to(device=cache.device, dtype=torch.int64)
+        blk, off = slots // lay.block_size, slots % lay.block_size
+        lay.codes_view(cache, kind)[blk, :, off] = rows[..., : lay.code_bytes]
+        lay.meta_view(cache)[blk, :, off] = rows[..., lay.code_bytes :]
+        return
+    edges = torch.full((2, 16), float("inf"))
+    levels = torch.zeros(2, 8)
+    consts = {}
+    for g, (bits, ch, off, off1) in enumerate(groups):
+        if bits:
+            e = codebook.edges(bits)
+            edges[g, : e.numel()] = e
+            pos = codebook.POSITIVE_LEVELS[bits]
+            levels[g, : len(pos)] = torch.tensor(pos)
+        consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
+    _codebook_write_kernel[(n,)](
+        codebook_y(f, x, kind, layer),
+        cache,
+        cache.view(torch.float16),
+        slot_mapping,
+        edges.to(x.device),
+        levels.to(x.device),
+        h,
+        lay.page_bytes,
+        blk_stride,
+        H_P=triton.next_power_of_2(h),
+        D=d,
+        PS=lay.block_size,
+        CB=lay.code_bytes,
+        CHANNEL_MAJOR=kind == "v",
+        num_warps=4,
+        **consts,
+    )
