@@ -43,7 +43,7 @@ def timeit(torch, fn, iters=20, warmup=3):
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", default="2048,8192,32768")
-    p.add_argument("--formats", default="fp8,int4")
+    p.add_argument("--formats", default="fp8,int4,4bit,3.5bit,3bit")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     import torch
@@ -53,6 +53,7 @@ def main():
     from kvzip_formats import get_format
     from kvzip_formats.ops import new_paged_cache
     from kvzip_kernels import cache_write
+    from kvzip_kernels.testing import synthetic_calibration
 
     dev = torch.device("cuda")
     hid, hq, hkv, d, inter, ps = 4096, 32, 8, 128, 14336, 16
@@ -90,9 +91,10 @@ def main():
         nb = T // ps + 8
         slots = torch.randperm(nb * ps, device=dev, generator=g)[:T]
         for name in a.formats.split(","):
-            fmt = get_format(name)
-            kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev)
-            vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev)
+            cal = synthetic_calibration(hkv, d) if name[0].isdigit() else None
+            fmt = get_format(name, calibration=cal)
+            kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="k")
+            vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="v")
 
             def write(fmt=fmt, kc=kc, vc=vc, k=k, v=v, slots=slots):
                 cache_write(fmt, k, kc, slots, kind="k", block_size=ps, check_slots=False)
