@@ -39,6 +39,8 @@ p.add_argument("--nvcomp", default=".carry/nvcomp")
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
 p.add_argument("--smoke", action="store_true")
 p.add_argument("--skip", default="", help="comma list of steps to skip")
+p.add_argument("--backends", default="cuda,triton", help="GPU coders to check and time")
+p.add_argument("--restore-modes", default="calibrated,embedded")
 args = p.parse_args()
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -120,12 +122,22 @@ RPT = 16 if args.smoke else codec.ROWS_PER_TILE
 R["sample"] = {"layers": L, "tokens": T, "kv_heads": H, "head_dim": D, "bytes": 2 * (K.nbytes)}
 
 
-def gpu_blob_bytes(x, tables, slot):
+BACKENDS = [b for b in args.backends.split(",") if b != "cuda" or DEV.type == "cuda"]
+if "cuda" in BACKENDS:
+    from kvzip_lossless import _cuda
+
+    if not _cuda.available():
+        R["cuda_backend_error"] = _cuda._failed
+        BACKENDS.remove("cuda")
+R["backends"] = BACKENDS
+
+
+def gpu_blob_bytes(x, tables, slot, backend):
     shape = tuple(x.shape)
     t = codec._resolve_table(tables, slot, shape, x.numel())
     vals = codec._as_u16(x) if t is None else None
     table, cols, tid, sl, emb = codec.prepare_table(vals, shape, t, tables, slot)
-    parts = gpu.encode_parts(x.to(DEV), table, cols, RPT)
+    parts = gpu.encode_parts(x.to(DEV), table, cols, RPT, backend=backend)
     return gpu.assemble_host(x, parts, shape, cols, RPT, tid, sl, emb), table
 
 
@@ -139,19 +151,30 @@ def check():
             for mode, tables, slot in (("calibrated", TS, kl.kv_slot(layer, kind)),
                                        ("embedded", None, None)):
                 cpu_b = kl.compress(x, tables=tables, slot=slot, rows_per_tile=RPT)
-                gpu_b, table = gpu_blob_bytes(x, tables, slot)
-                res["gpu_encode_equal"] &= cpu_b == gpu_b
                 h = B.parse_header(memoryview(cpu_b))
-                y = gpu.decompress(memoryview(cpu_b), h, table, device=DEV)
-                res["gpu_decode_exact"] &= torch.equal(y.cpu().view(torch.int16), x.view(torch.int16))
-                bad = bytearray(cpu_b)
-                bad[-7] ^= 0x10
-                try:
-                    gpu.decompress(memoryview(bytes(bad)), B.parse_header(memoryview(bytes(bad))),
-                                   table, device=DEV)
-                    res["corruption_caught"] = False
-                except kl.CorruptBlobError:
-                    pass
+                for be in BACKENDS:
+                    gpu_b, table = gpu_blob_bytes(x, tables, slot, be)
+                    res["gpu_encode_equal"] &= cpu_b == gpu_b
+                    res.setdefault(f"encode_equal_{be}", True)
+                    res[f"encode_equal_{be}"] &= cpu_b == gpu_b
+                    gb = gpu.GpuBlob(memoryview(cpu_b), h, table, DEV, backend=be)
+                    dev_b = torch.frombuffer(bytearray(cpu_b), dtype=torch.uint8).to(DEV)
+                    y = torch.empty_like(x, device=DEV)
+                    gb.decode(dev_b, y, check=True)
+                    ok = torch.equal(y.cpu().view(torch.int16), x.view(torch.int16))
+                    res["gpu_decode_exact"] &= ok
+                    res.setdefault(f"decode_exact_{be}", True)
+                    res[f"decode_exact_{be}"] &= ok
+                    bad = bytearray(cpu_b)
+                    bad[-7] ^= 0x10
+                    bb = bytes(bad)
+                    try:
+                        gbb = gpu.GpuBlob(memoryview(bb), B.parse_header(memoryview(bb)), table,
+                                          DEV, backend=be)
+                        gbb.decode(torch.frombuffer(bytearray(bb), dtype=torch.uint8).to(DEV), y)
+                        res["corruption_caught"] = False
+                    except kl.CorruptBlobError:
+                        pass
                 sizes[mode][0] += x.numel() * 2
                 sizes[mode][1] += len(cpu_b)
                 res["tensors"] += 1
@@ -182,36 +205,61 @@ def embedded(x):
     return table, cols, table.table_id(), 0, zlib.compress(table.to_bytes(), 9)
 
 
-BIG_T = 256 if args.smoke else 131072
+def wide_tables(cols):
+    """The sample's calibrated tables (fitted on other text: tokens 60000-62047) widened to the
+    tiled 8B shape: column j of a tiled tensor is sample column j % 192, so it takes that
+    column's table; layer l takes sample layer l % L."""
+    out = []
+    for layer in range(NL):
+        for kind in ("k", "v"):
+            t = TS.tables[kl.kv_slot(layer % L, kind)]
+            j = np.arange(cols) % t.columns
+            out.append(kl.Table(t.base[j].copy(), t.buckets, t.freq[j].copy()))
+    return kl.TableSet(out)
+
+
+NL = 2 if args.smoke else 32
+BIG_T = 48 if args.smoke else 131072
 BIG_H, BIG_D = (2, 32) if args.smoke else (8, 128)
 
 
 @step("throughput")
 def throughput():
     res = {}
-    for kind in ("k", "v"):
+    wide = wide_tables(BIG_H * BIG_D)
+    R["wide_tables_bytes"] = wide.nbytes
+    cases = [(be, kind, mode, RPT) for be in BACKENDS for kind in ("k", "v")
+             for mode in ("embedded", "calibrated")]
+    for be, kind, mode, rpt in cases:
         x = big_layer(1, kind, BIG_T, BIG_H, BIG_D)
         shape = tuple(x.shape)
-        table, cols, tid, sl, emb = embedded(x)
-        t_enc = timeit(lambda: gpu.encode_parts(x, table, cols, RPT))
-        parts = gpu.encode_parts(x, table, cols, RPT)
-        blob = gpu.assemble_host(x, parts, shape, cols, RPT, tid, sl, emb)
+        if mode == "embedded":
+            table, cols, tid, sl, emb = embedded(x)
+        else:
+            sl = kl.kv_slot(1, kind)
+            table, cols, tid, emb = wide.tables[sl], BIG_H * BIG_D, wide.table_id, None
+        t_enc = timeit(lambda: gpu.encode_parts(x, table, cols, rpt, backend=be))
+        parts = gpu.encode_parts(x, table, cols, rpt, backend=be)
+        blob = gpu.assemble_host(x, parts, shape, cols, rpt, tid, sl, emb)
         h = B.parse_header(memoryview(blob))
-        gb = gpu.GpuBlob(memoryview(blob), h, table, DEV)
+        gb = gpu.GpuBlob(memoryview(blob), h, table, DEV, backend=be)
         dev_blob = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(DEV)
         out = torch.empty_like(x)
         t_dec = timeit(lambda: gb.decode(dev_blob, out, check=False))
         gb.decode(dev_blob, out, check=True)
         exact = torch.equal(out.view(torch.int16), x.view(torch.int16))
         nbytes = x.numel() * 2
-        res[kind] = {"shape": list(shape), "bytes": nbytes, "ratio": nbytes / len(blob),
-                     "encode_s": t_enc, "decode_s": t_dec, "encode_GBps": nbytes / t_enc / 1e9,
-                     "decode_GBps": nbytes / t_dec / 1e9, "exact": exact,
-                     "encode_scope": "GPU kernels + word compaction + mantissa packing + checksums "
-                                     "(device-resident parts; host blob assembly not timed)",
-                     "decode_scope": "decode kernel + escape patch + checksum compare on device"}
-        print("throughput", kind, {k: v for k, v in res[kind].items() if "scope" not in k}, flush=True)
-    R["throughput"] = res
+        key = f"{be}_{kind}_{mode}_rows{rpt}"
+        res[key] = {"shape": list(shape), "bytes": nbytes, "ratio": nbytes / len(blob),
+                    "encode_s": t_enc, "decode_s": t_dec, "encode_GBps": nbytes / t_enc / 1e9,
+                    "decode_GBps": nbytes / t_dec / 1e9, "exact": exact}
+        print("throughput", key, res[key], flush=True)
+        R["throughput"] = res
+        save()
+    R["throughput_scope"] = {
+        "encode": "GPU kernels + word compaction + mantissa packing + checksums (device-resident "
+                  "parts; host blob assembly not timed)",
+        "decode": "decode kernel + escape patch + checksum compare on device"}
 
 
 @step("nvcomp")
@@ -266,24 +314,22 @@ def nvcomp_step():
     print("nvcomp", R["nvcomp"], flush=True)
 
 
-NL = 2 if args.smoke else 32
-
-
-@step("restore")
-def restore():
-    res = {"layers": NL, "tokens": BIG_T, "kv_heads": BIG_H, "head_dim": BIG_D,
-           "data": "SmolLM2-135M real KV (layers 0-7, 2,048 tokens) tiled: layer l uses sample "
-                   "layer l % 8, tokens repeated, channels repeated across heads x dim",
-           "tables": "embedded per blob (no calibration), counted in the blob bytes",
-           "paged_cache": "one contiguous [tokens, kv_heads, head_dim] tensor per layer and K/V "
-                          "(vLLM's [blocks, block_size, heads, dim] with blocks in order)"}
+def restore_mode(mode, res):
     t0 = time.time()
     distinct = {}
+    wide = wide_tables(BIG_H * BIG_D)
+    res["tables"] = ("calibrated on other text (sample tables widened), table set of %d bytes "
+                     "counted once" % wide.nbytes if mode == "calibrated"
+                     else "embedded per blob (no calibration), counted in the blob bytes")
     for layer in range(min(NL, L)):
         for kind in ("k", "v"):
             x = big_layer(layer, kind, BIG_T, BIG_H, BIG_D)
             shape = tuple(x.shape)
-            table, cols, tid, sl, emb = embedded(x)
+            if mode == "embedded":
+                table, cols, tid, sl, emb = embedded(x)
+            else:
+                sl = kl.kv_slot(layer, kind)
+                table, cols, tid, emb = wide.tables[sl], BIG_H * BIG_D, wide.table_id, None
             parts = gpu.encode_parts(x, table, cols, RPT)
             blob = gpu.assemble_host(x, parts, shape, cols, RPT, tid, sl, emb)
             h = B.parse_header(memoryview(blob))
@@ -346,7 +392,7 @@ def restore():
     res["every_tensor_exact"] = ok
     res["raw_bf16_bytes"] = raw_bytes
     res["compressed_bytes"] = total_c
-    res["ratio"] = raw_bytes / total_c
+    res["ratio"] = raw_bytes / (total_c + (wide.nbytes if mode == "calibrated" else 0))
     res["effective_GBps"] = raw_bytes / res["restore_s"] / 1e9
     del stage
     # raw pinned bf16 copy of the same bytes, one tensor at a time (what a bf16 tier does)
@@ -361,11 +407,26 @@ def restore():
         res["raw_copy_s"] = t_raw
         res["raw_copy_note"] = ("17.18 GB H2D from one pinned 268 MB buffer reused per tensor "
                                 "(same bytes moved as a pinned 17 GB source)")
-    R["restore"] = res
-    print("restore", {k: v for k, v in res.items() if k not in ("data", "paged_cache")}, flush=True)
+    print("restore", mode, {k: v for k, v in res.items() if k not in ("data", "paged_cache")},
+          flush=True)
     del outs, host, distinct
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
+    return res
+
+
+@step("restore")
+def restore():
+    res = {"layers": NL, "tokens": BIG_T, "kv_heads": BIG_H, "head_dim": BIG_D,
+           "data": "SmolLM2-135M real KV (layers 0-7, 2,048 tokens) tiled: layer l uses sample "
+                   "layer l % 8, tokens repeated, channels repeated across heads x dim",
+           "tables": "embedded per blob (no calibration), counted in the blob bytes",
+           "paged_cache": "one contiguous [tokens, kv_heads, head_dim] tensor per layer and K/V "
+                          "(vLLM's [blocks, block_size, heads, dim] with blocks in order)"}
+    for mode in args.restore_modes.split(","):
+        res["backend"] = gpu.default_backend(DEV)
+        R["restore_" + mode] = restore_mode(mode, dict(res))
+        save()
 
 
 @step("prefill")
@@ -416,17 +477,20 @@ if "check" in R:
              ("ratio real sample (calibrated, +tables)", f"{c['ratio_calibrated_with_tables']:.3f}"),
              ("ratio real sample (calibrated blobs only)", f"{c['ratio_calibrated_blobs']:.3f}"),
              ("ratio real sample (embedded tables)", f"{c['ratio_embedded']:.3f}")]
-for kind, t in R.get("throughput", {}).items():
-    rows += [(f"{kind.upper()} 8B layer ratio / enc GB/s / dec GB/s",
+for key, t in R.get("throughput", {}).items():
+    rows += [(f"8B layer {key}: ratio / enc GB/s / dec GB/s",
               f"{t['ratio']:.3f} / {t['encode_GBps']:.0f} / {t['decode_GBps']:.0f}")]
 if isinstance(R.get("nvcomp"), dict):
     n = R["nvcomp"]
     rows += [("nvCOMP ANS f16 ratio / enc GB/s / dec GB/s",
               f"{n['ratio_real_sample']:.3f} / {n['encode_GBps_1GiB']:.0f} / {n['decode_GBps_1GiB']:.0f}")]
-if "restore" in R:
-    r = R["restore"]
-    rows += [("restore 17.18 GB (s)", f"{r['restore_s']:.3f}"), ("restore exact", r["every_tensor_exact"]),
-             ("raw pinned copy (s)", f"{r.get('raw_copy_s', float('nan')):.3f}")]
+for mode in ("calibrated", "embedded"):
+    r = R.get("restore_" + mode)
+    if r:
+        rows += [(f"restore 17.18 GB, {mode} (s) / ratio / exact",
+                  f"{r['restore_s']:.3f} / {r['ratio']:.3f} / {r['every_tensor_exact']}")]
+        if "raw_copy_s" in r:
+            rows += [("raw pinned bf16 copy 17.18 GB (s)", f"{r['raw_copy_s']:.3f}")]
 if isinstance(R.get("prefill"), dict):
     rows += [("HF prefill 131k (s)", R["prefill"].get("prefill_131072_s"))]
 md = ["| " + a + " | " + str(b) + " |" for a, b in rows]

@@ -10,13 +10,13 @@ shared-memory tables: a chunk touches at most 32 columns x 8 buckets x 128 B = 3
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
 
-from kvzip_lossless import _cpu
-from kvzip_lossless.blob import MODE_RANS, MODE_RAW, CorruptBlobError, Header, tile_layout
-from kvzip_lossless.tables import MODE_SLOT, PROB_BITS, Table
+from kvzip_lossless.blob import MODE_RAW, CorruptBlobError, Header, tile_layout
+from kvzip_lossless.tables import MODE_SLOT, Table
 
 try:  # Triton comes with CUDA builds of torch; the CPU package never needs it.
     import triton
@@ -28,8 +28,6 @@ LANES = 32
 
 
 def available() -> bool:
-    import os
-
     return triton is not None and (torch.cuda.is_available() or
                                    os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -231,8 +229,9 @@ class GpuBlob:
     """A blob staged on the GPU with its decode plan (reusable: the restore pipeline stages
     the plan once and streams the bytes)."""
 
-    def __init__(self, buf: memoryview, h: Header, table: Table, device):
+    def __init__(self, buf: memoryview, h: Header, table: Table, device, backend: str | None = None):
         self.h, self.table, self.device = h, table, device
+        self.backend = backend or default_backend(device)
         desc, expect, raw, ei, ev = decode_plan(buf, h)
         self.desc = torch.from_numpy(desc).to(device)
         self.expect = torch.from_numpy(expect.view(np.int32)).to(device)
@@ -248,7 +247,12 @@ class GpuBlob:
         o16 = out.view(-1).view(torch.int16)
         sums = torch.zeros(h.n_tiles, dtype=torch.int32, device=self.device)
         err = torch.zeros(max(self.n_chunks, 1), dtype=torch.int32, device=self.device)
-        if self.n_chunks:
+        if self.n_chunks and self.backend == "cuda":
+            from kvzip_lossless import _cuda
+
+            _cuda.decode(blob_dev, self.desc, self.n_chunks, tab, bmap, base, h.columns,
+                         self.table.n_buckets, o16, sums, err)
+        elif self.n_chunks:
             _decode_kernel[(self.n_chunks,)](
                 blob_dev, blob_dev.view(torch.int16), blob_dev.view(torch.int32), tab, bmap, base,
                 self.desc, o16, sums, err, h.columns, self.table.n_buckets, num_warps=1)
@@ -286,9 +290,24 @@ def decompress(buf: memoryview, h: Header, table: Table, *, device, out=None) ->
     return out
 
 
-def encode_parts(x: torch.Tensor, table: Table, cols: int, rows_per_tile: int):
+def default_backend(device) -> str:
+    """'cuda' (csrc/kvzl.cu, built with nvcc) on a CUDA device when it builds, else 'triton'."""
+    if torch.device(device).type == "cuda" and os.environ.get("KVZIP_LOSSLESS_BACKEND") != "triton":
+        from kvzip_lossless import _cuda
+
+        if _cuda.available():
+            return "cuda"
+    return "triton"
+
+
+def encode_parts(x: torch.Tensor, table: Table, cols: int, rows_per_tile: int,
+                 backend: str | None = None):
     """Run the GPU encoder; returns device tensors for every tile (no host transfer)."""
     dev = x.device
+    if (backend or default_backend(dev)) == "cuda":
+        from kvzip_lossless import _cuda
+
+        return _cuda.encode_parts(x, table, cols, rows_per_tile, _table_tensors(table, dev))
     flat16 = x.contiguous().view(-1).view(torch.int16)
     rows = flat16.numel() // cols
     tab, bmap, base = _table_tensors(table, dev)

@@ -1,0 +1,139 @@
+"""The CUDA C coder (csrc/kvzl.cu), built with nvcc on first use and called through ctypes.
+
+Why not only Triton: the Triton decoder (gpu.py) measured 135 GB/s on the H200
+(results/lossless/lossless_gpu_h200_run1.json): each row costs a 32-lane scan plus a reduction
+where CUDA needs one __ballot_sync and two __popc. Why not torch's load_inline: it compiles
+torch's headers (about a minute); this file is plain CUDA (10 s) with a C ABI.
+Set KVZIP_LOSSLESS_CUDA_SO to a prebuilt library to skip the build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).parent / "csrc" / "kvzl.cu"
+_lib = None
+_failed: str | None = None
+
+
+def _build() -> Path:
+    pre = os.environ.get("KVZIP_LOSSLESS_CUDA_SO")
+    if pre and Path(pre).exists():
+        return Path(pre)
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    src = _SRC.read_bytes()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvzip"
+    cache.mkdir(parents=True, exist_ok=True)
+    so = cache / f"kvzl-{hashlib.sha256(src).hexdigest()[:16]}.so"
+    if not so.exists():
+        tmp = so.with_suffix(f".{os.getpid()}.so")
+        subprocess.run([nvcc, "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-o",
+                        str(tmp), str(_SRC)], check=True, capture_output=True)
+        tmp.replace(so)
+    return so
+
+
+def lib():
+    global _lib, _failed
+    if _lib is None and _failed is None:
+        try:
+            L = ctypes.CDLL(str(_build()))
+            P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+            L.kvzl_decode_launch.argtypes = [P, P, I, P, P, P, I, I, P, P, P, P]
+            L.kvzl_encode_launch.argtypes = [P, P, I, P, P, P, I, I, I, P, P, P, P]
+            L.kvzl_pack_launch.argtypes = [P, LL, LL, P, I, P, P, P, P]
+            L.kvzl_compact_launch.argtypes = [P, P, P, I, I, P, P]
+            _lib = L
+        except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
+            _failed = f"{type(e).__name__}: {e}"
+    return _lib
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and lib() is not None
+
+
+def _ptr(t: torch.Tensor):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"kvzip-lossless CUDA {what} launch failed: cudaError {rc}")
+
+
+def decode(blob_dev, desc, n_chunks, tab, bmap, base, C, NB, out16, sums, err) -> None:
+    _check(lib().kvzl_decode_launch(_ptr(blob_dev), _ptr(desc), n_chunks, _ptr(tab), _ptr(bmap),
+                                    _ptr(base), C, NB, _ptr(out16), _ptr(sums), _ptr(err),
+                                    _stream()), "decode")
+
+
+def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
+    """Same outputs as gpu.encode_parts, from the CUDA kernels."""
+    dev = x.device
+    tab, bmap, base = tabs
+    flat16 = x.contiguous().view(-1).view(torch.int16)
+    n_all = flat16.numel()
+    rows = n_all // cols
+    nch = -(-cols // 32)
+    n_tiles = -(-rows // rpt)
+    ti = torch.arange(n_tiles, dtype=torch.int64)
+    nr = torch.clamp(rows - ti * rpt, max=rpt)
+    desc = torch.stack([(ti * rpt * cols).repeat_interleave(nch), nr.repeat_interleave(nch),
+                        (torch.arange(nch) * 32).repeat(n_tiles),
+                        (ti * cols).repeat_interleave(nch)], 1).to(dev).contiguous()
+    n_prog = n_tiles * nch
+    scratch = torch.empty(n_prog * rpt * 32, dtype=torch.int16, device=dev)
+    counts = torch.empty(n_prog, dtype=torch.int32, device=dev)
+    states = torch.empty(n_tiles * cols, dtype=torch.int32, device=dev)
+    L = lib()
+    _check(L.kvzl_encode_launch(_ptr(flat16), _ptr(desc), n_prog, _ptr(tab), _ptr(bmap),
+                                _ptr(base), cols, table.n_buckets, rpt, _ptr(scratch),
+                                _ptr(counts), _ptr(states), _stream()), "encode")
+    c64 = counts.to(torch.int64)
+    starts = torch.cumsum(c64, 0) - c64
+    total = int(c64.sum())
+    words = torch.empty(total, dtype=torch.int16, device=dev)
+    _check(L.kvzl_compact_launch(_ptr(scratch), _ptr(counts), _ptr(starts), n_prog, rpt,
+                                 _ptr(words), _stream()), "compact")
+    esc = torch.empty(n_all, dtype=torch.uint8, device=dev)
+    sums = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+    mants = []
+    full, last = divmod(rows, rpt)
+    groups = [(0, full, rpt)] if full else []
+    if last:
+        groups.append((full, 1, last))
+    for t0, nt, r in groups:
+        n = r * cols
+        seg = flat16[t0 * rpt * cols:]
+        if n % 8 == 0:
+            mant = torch.empty(nt * n // 8 * 7, dtype=torch.uint8, device=dev)
+            _check(L.kvzl_pack_launch(_ptr(seg), nt * n // 8, n, _ptr(base), cols, _ptr(mant),
+                                      _ptr(sums[t0:]), _ptr(esc[t0 * rpt * cols:]), _stream()),
+                   "pack")
+            mants += list(mant.view(nt, -1).unbind(0))
+        else:  # odd-sized tiles: the torch path
+            from kvzip_lossless import gpu
+
+            v = seg[:nt * n].to(torch.int32) & 0xFFFF
+            for i in range(nt):
+                vi = v[i * n:(i + 1) * n]
+                mants += gpu._pack_mant_gpu(vi, r, cols, r)
+                s = gpu._gpu_checksum(vi.to(torch.int16))
+                sums[t0 + i] = s.to(torch.int32)
+                colidx = torch.arange(n, device=dev) % cols
+                es = ((vi >> 7) & 255) - base[colidx] + 12
+                esc[(t0 + i) * rpt * cols:][:n] = ((es < 1) | (es > 15)).to(torch.uint8)
+    return dict(counts=counts, states=states, words=words, esc=esc.bool(), mant=mants,
+                sums=sums.to(torch.int64) & 0xFFFFFFFF, n_tiles=n_tiles, nch=nch, rows=rows)
