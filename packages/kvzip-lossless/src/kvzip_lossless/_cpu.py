@@ -72,20 +72,23 @@ def encode_tiles(vals: np.ndarray, table: Table):
     nt, nr, C = vals.shape
     sym = symbolize(vals, table.base)
     ctx = _contexts(sym, table)
-    freq = table.freq.reshape(-1, NSYM).astype(np.uint64)[ctx, sym]
-    cum = table.cum().astype(np.uint64)[ctx, sym]
-    x = np.full((nt, C), RANS_L, np.uint64)
+    # uint32 throughout, as on the GPU: every frequency is < 4096 (32 symbols, each >= 1), so
+    # freq << 20 fits, and every state stays below 2^32.
+    e = table.packed().ravel()[ctx * NSYM + sym]
+    freq = e & np.uint32(0xFFFF)
+    cum = e >> np.uint32(16)
+    x = np.full((nt, C), RANS_L, np.uint32)
     words = np.zeros((nt, nr, C), np.uint16)
     emit = np.zeros((nt, nr, C), bool)
-    shift = np.uint64(32 - PROB_BITS)
+    shift = np.uint32(32 - PROB_BITS)
     for t in range(nr - 1, -1, -1):
         f = freq[:, t]
         e = x >= (f << shift)
         emit[:, t] = e
-        words[:, t] = x & np.uint64(0xFFFF)
-        x = np.where(e, x >> np.uint64(16), x)
+        words[:, t] = x & np.uint32(0xFFFF)
+        x = np.where(e, x >> np.uint32(16), x)
         q, r = np.divmod(x, f)
-        x = (q << np.uint64(PROB_BITS)) + r + cum[:, t]
+        x = (q << np.uint32(PROB_BITS)) + r + cum[:, t]
     nch = -(-C // LANES)
     pad = nch * LANES - C
     if pad:
@@ -109,38 +112,39 @@ def decode_tiles(states, counts, words, word_starts, mant, exc, nr: int, table: 
     """
     nt, C = states.shape
     nch = -(-C // LANES)
-    x = states.astype(np.uint64)
-    if ((x < RANS_L) | (x >= (1 << 32))).any():
+    x = states.astype(np.uint32)
+    if (x < RANS_L).any():
         raise DecodeError("lane state out of range")
     nb = table.n_buckets
     bmap = np.asarray(table.buckets, np.int64)
-    lut = table.lut()
-    freq = table.freq.reshape(-1, NSYM).astype(np.uint64)
-    cum = table.cum().astype(np.uint64)
+    lut = table.lut().ravel()
+    packed = table.packed().ravel()  # cum << 16 | freq: one gather for both
     colctx = np.arange(C, dtype=np.int64) * nb
     ptr = word_starts.astype(np.int64).copy()
     end = ptr + counts.astype(np.int64)
     sym = np.zeros((nt, nr, C), np.uint8)
     prev = np.zeros((nt, C), np.int64)
-    mask = np.uint64((1 << PROB_BITS) - 1)
-    lanepad = nch * LANES - C
+    mask = np.uint32((1 << PROB_BITS) - 1)
+    n4 = np.zeros((nt, nch * LANES), np.int64)  # lanes padded to whole chunks
     wlen = len(words)
+    wpad = np.append(words, np.uint16(0)).astype(np.uint32)  # index wlen = out of range
     bad = False
     for t in range(nr):
         ctx = colctx + bmap[prev]
         slot = x & mask
-        s = lut[ctx, slot.astype(np.int64)]
-        x = freq[ctx, s] * (x >> np.uint64(PROB_BITS)) + slot - cum[ctx, s]
+        s = lut[(ctx << PROB_BITS) + slot]
+        e = packed[ctx * NSYM + s]
+        x = (e & np.uint32(0xFFFF)) * (x >> np.uint32(PROB_BITS)) + slot - (e >> np.uint32(16))
         need = x < RANS_L
-        n4 = np.pad(need, ((0, 0), (0, lanepad))).reshape(nt, nch, LANES)
-        excl = np.cumsum(n4, axis=-1) - n4
-        pos = (ptr[..., None] + excl).reshape(nt, -1)[:, :C]
-        ptr += n4.sum(-1)
-        if need.any():
-            pos_n = pos[need]
-            bad |= bool((pos_n >= wlen).any())
-            w = words[np.minimum(pos_n, max(wlen - 1, 0))] if wlen else np.zeros_like(pos_n)
-            x[need] = (x[need] << np.uint64(16)) | w.astype(np.uint64)
+        n4[:, :C] = need
+        n3 = n4.reshape(nt, nch, LANES)
+        incl = np.cumsum(n3, axis=-1)
+        pos = (ptr[..., None] + incl - n3).reshape(nt, -1)[:, :C]
+        ptr += incl[..., -1]
+        pos = np.where(need, pos, wlen)
+        bad |= bool((pos > wlen).any() | ((pos == wlen) & need).any())
+        w = wpad[np.minimum(pos, wlen)]
+        x = np.where(need, (x << np.uint32(16)) | w, x)
         sym[:, t] = s
         prev = s.astype(np.int64)
     if bad or (ptr != end).any() or (x != RANS_L).any():
