@@ -14,9 +14,23 @@ from kvzip_eval.cmd_lossless import command
 def test_lossless_command_on_real_kv(loaded, tmp_path):
     out = tmp_path / "r.json"
     dump = tmp_path / "kv"
-    res = CliRunner().invoke(command, ["--tokens", "64", "--length", "64", "--json", str(out),
-                                       "--markdown", str(tmp_path / "r.md"),
-                                       "--dump-kv", str(dump), "--dump-layers", "2"])
+    res = CliRunner().invoke(
+        command,
+        [
+            "--tokens",
+            "64",
+            "--length",
+            "64",
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "r.md"),
+            "--dump-kv",
+            str(dump),
+            "--dump-layers",
+            "2",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     n = loaded.info.num_layers
@@ -26,17 +40,33 @@ def test_lossless_command_on_real_kv(loaded, tmp_path):
     assert abs(doc["ratio"] - doc["raw_bytes"] / (doc["blob_bytes"] + doc["table_bytes"])) < 1e-9
     assert abs(doc["bits_per_value"] * doc["ratio"] - 16) < 1e-9
     assert doc["ratio_blobs_only"] > 1.2  # real KV compresses even on 64 tokens
-    for key in ("ratio_k", "ratio_v", "cpu_encode_MBps", "cpu_decode_MBps", "settings", "date",
-                "machine", "versions", "command"):
+    for key in (
+        "ratio_k",
+        "ratio_v",
+        "cpu_encode_MBps",
+        "cpu_decode_MBps",
+        "settings",
+        "date",
+        "machine",
+        "versions",
+        "command",
+    ):
         assert key in doc
     k = np.load(dump / "K.npy")
-    assert k.dtype == np.uint16 and k.shape == (2, 64, loaded.info.num_kv_heads, loaded.info.head_dim)
+    assert k.dtype == np.uint16 and k.shape == (
+        2,
+        64,
+        loaded.info.num_kv_heads,
+        loaded.info.head_dim,
+    )
     assert (dump / "tables.kvzt").stat().st_size == doc["table_bytes"]
 
 
 def test_lossless_command_text_too_short(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("only a few words here")
-    res = CliRunner().invoke(command, ["--text-file", str(short), "--json", str(tmp_path / "x.json")])
+    res = CliRunner().invoke(
+        command, ["--text-file", str(short), "--json", str(tmp_path / "x.json")]
+    )
     assert res.exit_code == 2 and "text too short" in res.output
     assert not (tmp_path / "x.json").exists()

@@ -1,7 +1,8 @@
 """kvzip-lossless on the GPU, in one run: same bytes as the CPU, throughput, nvCOMP, restore.
 
 Usage (H200, from the repository root, `.carry/kv` and `.carry/nvcomp` carried):
-  PYTHONPATH=packages/kvzip-lossless/src python3 packages/kvzip-lossless/benchmarks/bench_lossless_gpu.py \
+  PYTHONPATH=packages/kvzip-lossless/src python3 \
+      packages/kvzip-lossless/benchmarks/bench_lossless_gpu.py \
       --kv .carry/kv --nvcomp .carry/nvcomp --out $OUT
 `--smoke` runs every step on tiny shapes on the CPU under TRITON_INTERPRET=1 (no timings).
 
@@ -51,11 +52,19 @@ from kvzip_lossless import blob as B  # noqa: E402
 from kvzip_lossless import codec, gpu  # noqa: E402
 
 DEV = torch.device("cpu" if args.smoke else "cuda")
-R = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-     "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                  "numpy": np.__version__, "kvzip_lossless": kl.__version__,
-                  "format_version": kl.FORMAT_VERSION},
-     "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(0), "smoke": args.smoke}
+R = {
+    "command": " ".join(sys.argv),
+    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "versions": {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "kvzip_lossless": kl.__version__,
+        "format_version": kl.FORMAT_VERSION,
+    },
+    "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(0),
+    "smoke": args.smoke,
+}
 try:
     import triton
 
@@ -108,6 +117,7 @@ def step(name):
         R.setdefault("step_seconds", {})[name] = round(time.time() - t0, 1)
         save()
         return fn
+
     return deco
 
 
@@ -143,13 +153,20 @@ def gpu_blob_bytes(x, tables, slot, backend):
 
 @step("check")
 def check():
-    res = {"tensors": 0, "gpu_encode_equal": True, "gpu_decode_exact": True, "corruption_caught": True}
+    res = {
+        "tensors": 0,
+        "gpu_encode_equal": True,
+        "gpu_decode_exact": True,
+        "corruption_caught": True,
+    }
     sizes = {"calibrated": [0, 0], "embedded": [0, 0]}
     for layer in range(L):
         for kind, arr in (("k", K), ("v", V)):
             x = bf(arr[layer])
-            for mode, tables, slot in (("calibrated", TS, kl.kv_slot(layer, kind)),
-                                       ("embedded", None, None)):
+            for mode, tables, slot in (
+                ("calibrated", TS, kl.kv_slot(layer, kind)),
+                ("embedded", None, None),
+            ):
                 cpu_b = kl.compress(x, tables=tables, slot=slot, rows_per_tile=RPT)
                 h = B.parse_header(memoryview(cpu_b))
                 for be in BACKENDS:
@@ -169,8 +186,9 @@ def check():
                     bad[-7] ^= 0x10
                     bb = bytes(bad)
                     try:
-                        gbb = gpu.GpuBlob(memoryview(bb), B.parse_header(memoryview(bb)), table,
-                                          DEV, backend=be)
+                        gbb = gpu.GpuBlob(
+                            memoryview(bb), B.parse_header(memoryview(bb)), table, DEV, backend=be
+                        )
                         gbb.decode(torch.frombuffer(bytearray(bb), dtype=torch.uint8).to(DEV), y)
                         res["corruption_caught"] = False
                     except kl.CorruptBlobError:
@@ -179,7 +197,9 @@ def check():
                 sizes[mode][1] += len(cpu_b)
                 res["tensors"] += 1
     res["ratio_calibrated_blobs"] = sizes["calibrated"][0] / sizes["calibrated"][1]
-    res["ratio_calibrated_with_tables"] = sizes["calibrated"][0] / (sizes["calibrated"][1] + TS.nbytes)
+    res["ratio_calibrated_with_tables"] = sizes["calibrated"][0] / (
+        sizes["calibrated"][1] + TS.nbytes
+    )
     res["ratio_embedded"] = sizes["embedded"][0] / sizes["embedded"][1]
     R["check"] = res
     print("check", res, flush=True)
@@ -197,7 +217,7 @@ def big_layer(layer, kind, tokens, heads=8, dim=128):
 
 
 def embedded(x):
-    """(table, cols, table id, slot, embedded bytes) as compress() without tables, fitted on the GPU."""
+    """(table, cols, table id, slot, embedded bytes) as compress() without tables (GPU fit)."""
     import zlib
 
     cols = B.choose_columns(tuple(x.shape))
@@ -228,8 +248,12 @@ def throughput():
     res = {}
     wide = wide_tables(BIG_H * BIG_D)
     R["wide_tables_bytes"] = wide.nbytes
-    cases = [(be, kind, mode, RPT) for be in BACKENDS for kind in ("k", "v")
-             for mode in ("embedded", "calibrated")]
+    cases = [
+        (be, kind, mode, RPT)
+        for be in BACKENDS
+        for kind in ("k", "v")
+        for mode in ("embedded", "calibrated")
+    ]
     for be, kind, mode, rpt in cases:
         x = big_layer(1, kind, BIG_T, BIG_H, BIG_D)
         shape = tuple(x.shape)
@@ -238,28 +262,38 @@ def throughput():
         else:
             sl = kl.kv_slot(1, kind)
             table, cols, tid, emb = wide.tables[sl], BIG_H * BIG_D, wide.table_id, None
-        t_enc = timeit(lambda: gpu.encode_parts(x, table, cols, rpt, backend=be))
+        t_enc = timeit(
+            lambda x=x, t=table, c=cols, r=rpt, b=be: gpu.encode_parts(x, t, c, r, backend=b)
+        )
         parts = gpu.encode_parts(x, table, cols, rpt, backend=be)
         blob = gpu.assemble_host(x, parts, shape, cols, rpt, tid, sl, emb)
         h = B.parse_header(memoryview(blob))
         gb = gpu.GpuBlob(memoryview(blob), h, table, DEV, backend=be)
         dev_blob = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(DEV)
         out = torch.empty_like(x)
-        t_dec = timeit(lambda: gb.decode(dev_blob, out, check=False))
+        t_dec = timeit(lambda g=gb, d=dev_blob, o=out: g.decode(d, o, check=False))
         gb.decode(dev_blob, out, check=True)
         exact = torch.equal(out.view(torch.int16), x.view(torch.int16))
         nbytes = x.numel() * 2
         key = f"{be}_{kind}_{mode}_rows{rpt}"
-        res[key] = {"shape": list(shape), "bytes": nbytes, "ratio": nbytes / len(blob),
-                    "encode_s": t_enc, "decode_s": t_dec, "encode_GBps": nbytes / t_enc / 1e9,
-                    "decode_GBps": nbytes / t_dec / 1e9, "exact": exact}
+        res[key] = {
+            "shape": list(shape),
+            "bytes": nbytes,
+            "ratio": nbytes / len(blob),
+            "encode_s": t_enc,
+            "decode_s": t_dec,
+            "encode_GBps": nbytes / t_enc / 1e9,
+            "decode_GBps": nbytes / t_dec / 1e9,
+            "exact": exact,
+        }
         print("throughput", key, res[key], flush=True)
         R["throughput"] = res
         save()
     R["throughput_scope"] = {
         "encode": "GPU kernels + word compaction + mantissa packing + checksums (device-resident "
-                  "parts; host blob assembly not timed)",
-        "decode": "decode kernel + escape patch + checksum compare on device"}
+        "parts; host blob assembly not timed)",
+        "decode": "decode kernel + escape patch + checksum compare on device",
+    }
 
 
 @step("nvcomp")
@@ -307,10 +341,14 @@ def nvcomp_step():
     cbig = codec_.encode(nvcomp.as_array(big))
     t_enc = ev(lambda: codec_.encode(nvcomp.as_array(big)))
     t_dec = ev(lambda: codec_.decode(cbig))
-    R["nvcomp"] = {"version": nvcomp.__version__, "codec": "ANS data_type <f2",
-                   "ratio_real_sample": small.nbytes / comp.buffer_size, "exact": exact,
-                   "encode_GBps_1GiB": big.nbytes / t_enc / 1e9,
-                   "decode_GBps_1GiB": big.nbytes / t_dec / 1e9}
+    R["nvcomp"] = {
+        "version": nvcomp.__version__,
+        "codec": "ANS data_type <f2",
+        "ratio_real_sample": small.nbytes / comp.buffer_size,
+        "exact": exact,
+        "encode_GBps_1GiB": big.nbytes / t_enc / 1e9,
+        "decode_GBps_1GiB": big.nbytes / t_dec / 1e9,
+    }
     print("nvcomp", R["nvcomp"], flush=True)
 
 
@@ -318,9 +356,12 @@ def restore_mode(mode, res):
     t0 = time.time()
     distinct = {}
     wide = wide_tables(BIG_H * BIG_D)
-    res["tables"] = ("calibrated on other text (sample tables widened), table set of %d bytes "
-                     "counted once" % wide.nbytes if mode == "calibrated"
-                     else "embedded per blob (no calibration), counted in the blob bytes")
+    res["tables"] = (
+        f"calibrated on other text (sample tables widened), table set of {wide.nbytes} bytes "
+        "counted once"
+        if mode == "calibrated"
+        else "embedded per blob (no calibration), counted in the blob bytes"
+    )
     for layer in range(min(NL, L)):
         for kind in ("k", "v"):
             x = big_layer(layer, kind, BIG_T, BIG_H, BIG_D)
@@ -342,7 +383,9 @@ def restore_mode(mode, res):
     host = torch.empty(total_c, dtype=torch.uint8, pin_memory=pin)
     offs = np.concatenate([[0], np.cumsum(sizes)])
     for i, (l_, k) in enumerate(order):
-        host[offs[i]:offs[i + 1]] = torch.frombuffer(bytearray(distinct[(l_ % L, k)][0]), dtype=torch.uint8)
+        host[offs[i] : offs[i + 1]] = torch.frombuffer(
+            bytearray(distinct[(l_ % L, k)][0]), dtype=torch.uint8
+        )
     outs = [torch.empty((BIG_T, BIG_H, BIG_D), dtype=torch.bfloat16, device=DEV) for _ in order]
     raw_bytes = sum(o.numel() * 2 for o in outs)
     maxc = max(sizes)
@@ -352,8 +395,10 @@ def restore_mode(mode, res):
         if DEV.type != "cuda":
             flags = []
             for i, (l_, k) in enumerate(order):
-                stage[0][:sizes[i]].copy_(host[offs[i]:offs[i + 1]])
-                flags.append(distinct[(l_ % L, k)][1].decode(stage[0][:sizes[i]], outs[i], check=False))
+                stage[0][: sizes[i]].copy_(host[offs[i] : offs[i + 1]])
+                flags.append(
+                    distinct[(l_ % L, k)][1].decode(stage[0][: sizes[i]], outs[i], check=False)
+                )
             return torch.stack(flags).sum()
         cs, ds = torch.cuda.Stream(), torch.cuda.Stream()
         copied = [torch.cuda.Event() for _ in order]
@@ -364,11 +409,11 @@ def restore_mode(mode, res):
             with torch.cuda.stream(cs):
                 if i >= 2:
                     cs.wait_event(freed[i - 2])
-                buf[:sizes[i]].copy_(host[offs[i]:offs[i + 1]], non_blocking=True)
+                buf[: sizes[i]].copy_(host[offs[i] : offs[i + 1]], non_blocking=True)
                 copied[i].record(cs)
             with torch.cuda.stream(ds):
                 ds.wait_event(copied[i])
-                flags.append(distinct[(l_ % L, k)][1].decode(buf[:sizes[i]], outs[i], check=False))
+                flags.append(distinct[(l_ % L, k)][1].decode(buf[: sizes[i]], outs[i], check=False))
                 freed[i].record(ds)
         torch.cuda.current_stream().wait_stream(ds)
         bad = int(torch.stack(flags).sum())  # one sync: every tile's checksum verified
@@ -388,28 +433,39 @@ def restore_mode(mode, res):
     res["restore_s"] = sorted(ts)[len(ts) // 2]
     ok = True
     for i, (l_, k) in enumerate(order):
-        ok &= torch.equal(outs[i].view(torch.int16), big_layer(l_, k, BIG_T, BIG_H, BIG_D).view(torch.int16))
+        ok &= torch.equal(
+            outs[i].view(torch.int16), big_layer(l_, k, BIG_T, BIG_H, BIG_D).view(torch.int16)
+        )
     res["every_tensor_exact"] = ok
     res["raw_bf16_bytes"] = raw_bytes
     res["compressed_bytes"] = total_c
     res["ratio"] = raw_bytes / (total_c + (wide.nbytes if mode == "calibrated" else 0))
     res["effective_GBps"] = raw_bytes / res["restore_s"] / 1e9
-    del stage
+    stage.clear()
     # raw pinned bf16 copy of the same bytes, one tensor at a time (what a bf16 tier does)
     if DEV.type == "cuda":
         per = outs[0].numel() * 2
         rawhost = torch.empty(per, dtype=torch.uint8, pin_memory=True)
         rawhost.copy_(outs[0].view(-1).view(torch.uint8).cpu())
+
         def raw_copy():
             for o in outs:
                 o.view(-1).view(torch.uint8).copy_(rawhost, non_blocking=True)
+
         t_raw = timeit(raw_copy, iters=3)
         res["raw_copy_s"] = t_raw
-        res["raw_copy_note"] = ("17.18 GB H2D from one pinned 268 MB buffer reused per tensor "
-                                "(same bytes moved as a pinned 17 GB source)")
-    print("restore", mode, {k: v for k, v in res.items() if k not in ("data", "paged_cache")},
-          flush=True)
-    del outs, host, distinct
+        res["raw_copy_note"] = (
+            "17.18 GB H2D from one pinned 268 MB buffer reused per tensor "
+            "(same bytes moved as a pinned 17 GB source)"
+        )
+    print(
+        "restore",
+        mode,
+        {k: v for k, v in res.items() if k not in ("data", "paged_cache")},
+        flush=True,
+    )
+    outs.clear()
+    distinct.clear()
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
     return res
@@ -417,12 +473,17 @@ def restore_mode(mode, res):
 
 @step("restore")
 def restore():
-    res = {"layers": NL, "tokens": BIG_T, "kv_heads": BIG_H, "head_dim": BIG_D,
-           "data": "SmolLM2-135M real KV (layers 0-7, 2,048 tokens) tiled: layer l uses sample "
-                   "layer l % 8, tokens repeated, channels repeated across heads x dim",
-           "tables": "embedded per blob (no calibration), counted in the blob bytes",
-           "paged_cache": "one contiguous [tokens, kv_heads, head_dim] tensor per layer and K/V "
-                          "(vLLM's [blocks, block_size, heads, dim] with blocks in order)"}
+    res = {
+        "layers": NL,
+        "tokens": BIG_T,
+        "kv_heads": BIG_H,
+        "head_dim": BIG_D,
+        "data": "SmolLM2-135M real KV (layers 0-7, 2,048 tokens) tiled: layer l uses sample "
+        "layer l % 8, tokens repeated, channels repeated across heads x dim",
+        "tables": "embedded per blob (no calibration), counted in the blob bytes",
+        "paged_cache": "one contiguous [tokens, kv_heads, head_dim] tensor per layer and K/V "
+        "(vLLM's [blocks, block_size, heads, dim] with blocks in order)",
+    }
     for mode in args.restore_modes.split(","):
         res["backend"] = gpu.default_backend(DEV)
         R["restore_" + mode] = restore_mode(mode, dict(res))
@@ -436,18 +497,28 @@ def prefill():
         return
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      max_position_embeddings=131072, rope_theta=500000.0,
-                      attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        attn_implementation="sdpa",
+        torch_dtype=torch.bfloat16,
+    )
     torch.manual_seed(0)
     torch.cuda.empty_cache()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).eval()
     torch.set_default_dtype(torch.float32)
-    res = {"model": "random-weight Llama-3.1-8B shape (LlamaConfig), bf16, sdpa, logits of the "
-                    "last token only, median-free single timed run after a 4,096-token warm-up"}
+    res = {
+        "model": "random-weight Llama-3.1-8B shape (LlamaConfig), bf16, sdpa, logits of the "
+        "last token only, median-free single timed run after a 4,096-token warm-up"
+    }
     for n in (131072, 65536):
         if f"prefill_{n * 2}_s" in res:
             break
@@ -472,31 +543,50 @@ save()
 rows = [("item", "value")]
 if "check" in R:
     c = R["check"]
-    rows += [("tensors checked", c["tensors"]), ("GPU encode == CPU bytes", c["gpu_encode_equal"]),
-             ("GPU decode exact", c["gpu_decode_exact"]), ("corruption caught", c["corruption_caught"]),
-             ("ratio real sample (calibrated, +tables)", f"{c['ratio_calibrated_with_tables']:.3f}"),
-             ("ratio real sample (calibrated blobs only)", f"{c['ratio_calibrated_blobs']:.3f}"),
-             ("ratio real sample (embedded tables)", f"{c['ratio_embedded']:.3f}")]
+    rows += [
+        ("tensors checked", c["tensors"]),
+        ("GPU encode == CPU bytes", c["gpu_encode_equal"]),
+        ("GPU decode exact", c["gpu_decode_exact"]),
+        ("corruption caught", c["corruption_caught"]),
+        ("ratio real sample (calibrated, +tables)", f"{c['ratio_calibrated_with_tables']:.3f}"),
+        ("ratio real sample (calibrated blobs only)", f"{c['ratio_calibrated_blobs']:.3f}"),
+        ("ratio real sample (embedded tables)", f"{c['ratio_embedded']:.3f}"),
+    ]
 for key, t in R.get("throughput", {}).items():
-    rows += [(f"8B layer {key}: ratio / enc GB/s / dec GB/s",
-              f"{t['ratio']:.3f} / {t['encode_GBps']:.0f} / {t['decode_GBps']:.0f}")]
+    rows += [
+        (
+            f"8B layer {key}: ratio / enc GB/s / dec GB/s",
+            f"{t['ratio']:.3f} / {t['encode_GBps']:.0f} / {t['decode_GBps']:.0f}",
+        )
+    ]
 if isinstance(R.get("nvcomp"), dict):
     n = R["nvcomp"]
-    rows += [("nvCOMP ANS f16 ratio / enc GB/s / dec GB/s",
-              f"{n['ratio_real_sample']:.3f} / {n['encode_GBps_1GiB']:.0f} / {n['decode_GBps_1GiB']:.0f}")]
+    rows += [
+        (
+            "nvCOMP ANS f16 ratio / enc GB/s / dec GB/s",
+            f"{n['ratio_real_sample']:.3f} / {n['encode_GBps_1GiB']:.0f} / "
+            f"{n['decode_GBps_1GiB']:.0f}",
+        )
+    ]
 for mode in ("calibrated", "embedded"):
     r = R.get("restore_" + mode)
     if r:
-        rows += [(f"restore 17.18 GB, {mode} (s) / ratio / exact",
-                  f"{r['restore_s']:.3f} / {r['ratio']:.3f} / {r['every_tensor_exact']}")]
+        rows += [
+            (
+                f"restore 17.18 GB, {mode} (s) / ratio / exact",
+                f"{r['restore_s']:.3f} / {r['ratio']:.3f} / {r['every_tensor_exact']}",
+            )
+        ]
         if "raw_copy_s" in r:
             rows += [("raw pinned bf16 copy 17.18 GB (s)", f"{r['raw_copy_s']:.3f}")]
 if isinstance(R.get("prefill"), dict):
     rows += [("HF prefill 131k (s)", R["prefill"].get("prefill_131072_s"))]
 md = ["| " + a + " | " + str(b) + " |" for a, b in rows]
 md.insert(1, "|---|---|")
-text = (f"# kvzip-lossless GPU benchmark\n\ndevice: {R['device']}; date: {R['date']}; "
-        f"versions: {R['versions']}\ncommand: `{R['command']}`\n\n" + "\n".join(md) + "\n")
+text = (
+    f"# kvzip-lossless GPU benchmark\n\ndevice: {R['device']}; date: {R['date']}; "
+    f"versions: {R['versions']}\ncommand: `{R['command']}`\n\n" + "\n".join(md) + "\n"
+)
 if R.get("errors"):
     text += "\nerrors: " + json.dumps(R["errors"]) + "\n"
 with open(os.path.join(args.out, "lossless_gpu.md"), "w") as f:

@@ -60,9 +60,17 @@ def test_fuzz_random_bytes(data):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, len(BLOB) - 1), st.integers(1, 255),
-                          st.sampled_from(["xor", "insert", "delete", "truncate"])),
-                min_size=1, max_size=4))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, len(BLOB) - 1),
+            st.integers(1, 255),
+            st.sampled_from(["xor", "insert", "delete", "truncate"]),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_fuzz_mutated_blobs(edits):
     b = bytearray(BLOB)
     for pos, val, op in edits:

@@ -25,7 +25,8 @@ def gpu_encode(x, tables=None, slot=None, rpt=8):
     shape = tuple(x.shape)
     t = codec._resolve_table(tables, slot, shape, x.numel())
     table, cols, tid, sl, emb = codec.prepare_table(
-        codec._as_u16(x) if t is None else None, shape, t, tables, slot)
+        codec._as_u16(x) if t is None else None, shape, t, tables, slot
+    )
     parts = gpu.encode_parts(x.to(DEV), table, cols, rpt)
     return gpu.assemble_host(x, parts, shape, cols, rpt, tid, sl, emb), table
 

@@ -15,8 +15,10 @@ def bits(x):
 def assert_exact(x, y):
     assert y.dtype == torch.bfloat16 and tuple(y.shape) == tuple(x.shape)
     diff = (bits(x) != bits(y)).view(-1).nonzero()
-    assert diff.numel() == 0, f"{diff.numel()} values differ, first at flat index {int(diff[0])}: " \
+    assert diff.numel() == 0, (
+        f"{diff.numel()} values differ, first at flat index {int(diff[0])}: "
         f"{int(bits(x).view(-1)[diff[0]]):#06x} != {int(bits(y).view(-1)[diff[0]]):#06x}"
+    )
 
 
 def kv_like(t, h, d, seed=0):
@@ -26,8 +28,9 @@ def kv_like(t, h, d, seed=0):
     return (torch.randn(t, h, d, generator=g) * scale + off).bfloat16()
 
 
-@pytest.mark.parametrize("shape", [(0,), (1,), (5,), (123, 3, 64), (37, 5, 7), (2, 3, 4, 5),
-                                   (4097,), (3, 5000)])
+@pytest.mark.parametrize(
+    "shape", [(0,), (1,), (5,), (123, 3, 64), (37, 5, 7), (2, 3, 4, 5), (4097,), (3, 5000)]
+)
 def test_roundtrip_shapes(shape):
     g = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=g) * 3).bfloat16()
@@ -109,7 +112,9 @@ def test_decompress_into_out():
 
 
 def test_bad_inputs_are_named():
-    with pytest.raises(ValueError, match=r"x must be bfloat16, got torch.float32 with shape \(3, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"x must be bfloat16, got torch.float32 with shape \(3, 4\)"
+    ):
         kl.compress(torch.zeros(3, 4))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         kl.compress(np.zeros(3, np.float32))

@@ -29,26 +29,67 @@ def _tables_bytes(ts, kind: str) -> int:
 
 
 @click.command("lossless")
-@click.option("--model", "model_path", default=None, help="Model folder or GGUF (default: embedded).")
-@click.option("--text-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Text to run (default: pydoc_data.topics).")
-@click.option("--tokens", default=8192, show_default=True, help="Evaluation tokens (whole windows).")
+@click.option(
+    "--model", "model_path", default=None, help="Model folder or GGUF (default: embedded)."
+)
+@click.option(
+    "--text-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Text to run (default: pydoc_data.topics).",
+)
+@click.option(
+    "--tokens", default=8192, show_default=True, help="Evaluation tokens (whole windows)."
+)
 @click.option("--length", default=2048, show_default=True, help="Tokens per window.")
-@click.option("--calib-tokens", default=None, type=int,
-              help="Calibration tokens from the calib split (default: --tokens).")
-@click.option("--tables", "tables_in", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Use this saved table set instead of calibrating.")
-@click.option("--save-tables", type=click.Path(dir_okay=False), default=None,
-              help="Write the calibrated table set here.")
-@click.option("--dump-kv", type=click.Path(file_okay=False), default=None,
-              help="Also write the first eval window's KV (uint16 .npy) and the tables here.")
+@click.option(
+    "--calib-tokens",
+    default=None,
+    type=int,
+    help="Calibration tokens from the calib split (default: --tokens).",
+)
+@click.option(
+    "--tables",
+    "tables_in",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Use this saved table set instead of calibrating.",
+)
+@click.option(
+    "--save-tables",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the calibrated table set here.",
+)
+@click.option(
+    "--dump-kv",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also write the first eval window's KV (uint16 .npy) and the tables here.",
+)
 @click.option("--dump-layers", default=8, show_default=True, help="Layers to dump.")
-@click.option("--embedded/--no-embedded", default=True, show_default=True,
-              help="Also measure blobs with embedded tables (no calibration).")
+@click.option(
+    "--embedded/--no-embedded",
+    default=True,
+    show_default=True,
+    help="Also measure blobs with embedded tables (no calibration).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True)
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None)
-def command(model_path, text_file, tokens, length, calib_tokens, tables_in, save_tables, dump_kv,
-            dump_layers, embedded, json_path, md_path) -> None:
+def command(
+    model_path,
+    text_file,
+    tokens,
+    length,
+    calib_tokens,
+    tables_in,
+    save_tables,
+    dump_kv,
+    dump_layers,
+    embedded,
+    json_path,
+    md_path,
+) -> None:
     """Compress and restore every K and V tensor; write ratio, bit-exactness and CPU speed."""
     import numpy as np
     import torch
@@ -63,9 +104,14 @@ def command(model_path, text_file, tokens, length, calib_tokens, tables_in, save
     n_cal = max(1, (calib_tokens if calib_tokens is not None else tokens) // length)
     try:
         loaded = load_model(model_path)
-        eval_ids = token_windows(loaded.tokenizer, n_eval, length, text_file=text_file, split="eval")
-        cal_ids = None if tables_in else token_windows(
-            loaded.tokenizer, n_cal, length, text_file=text_file, split="calib")
+        eval_ids = token_windows(
+            loaded.tokenizer, n_eval, length, text_file=text_file, split="eval"
+        )
+        cal_ids = (
+            None
+            if tables_in
+            else token_windows(loaded.tokenizer, n_cal, length, text_file=text_file, split="calib")
+        )
     except (ModelError, ValueError, FileNotFoundError) as e:
         raise click.UsageError(str(e)) from e
 
@@ -73,11 +119,12 @@ def command(model_path, text_file, tokens, length, calib_tokens, tables_in, save
     if tables_in:
         ts = kl.TableSet.load(tables_in)
         if len(ts) != 2 * loaded.info.num_layers:
-            raise click.UsageError(f"--tables holds {len(ts)} slots; this model needs "
-                                   f"{2 * loaded.info.num_layers}")
+            raise click.UsageError(
+                f"--tables holds {len(ts)} slots; this model needs {2 * loaded.info.num_layers}"
+            )
         cal_desc = f"loaded from {tables_in}"
     else:
-        ts = kl.build_kv_tables(capture_kv(loaded, cal_ids[i:i + 1]) for i in range(n_cal))
+        ts = kl.build_kv_tables(capture_kv(loaded, cal_ids[i : i + 1]) for i in range(n_cal))
         cal_desc = f"calib split, {n_cal} x {length} tokens"
         if save_tables:
             ts.save(save_tables)
@@ -87,7 +134,7 @@ def command(model_path, text_file, tokens, length, calib_tokens, tables_in, save
     t_enc = t_dec = 0.0
     checked = 0
     for w in range(n_eval):
-        kv = capture_kv(loaded, eval_ids[w:w + 1])
+        kv = capture_kv(loaded, eval_ids[w : w + 1])
         if dump_kv and w == 0:
             d = Path(dump_kv)
             d.mkdir(parents=True, exist_ok=True)
@@ -108,8 +155,9 @@ def command(model_path, text_file, tokens, length, calib_tokens, tables_in, save
                 if embedded:
                     eb = kl.compress(x)
                     if not torch.equal(_bits(kl.decompress(eb)), _bits(x)):
-                        raise click.ClickException(f"window {w} layer {layer} {kind}: embedded "
-                                                   "restore differs")
+                        raise click.ClickException(
+                            f"window {w} layer {layer} {kind}: embedded restore differs"
+                        )
                     acc[kind]["emb"] += len(eb)
                 acc[kind]["raw"] += x.numel() * 2
                 acc[kind]["blob"] += len(blob)
@@ -135,36 +183,49 @@ def command(model_path, text_file, tokens, length, calib_tokens, tables_in, save
         "cpu_decode_MBps": raw / t_dec / 1e6,
         "calibration_s": t_cal,
         "settings": {
-            "model": loaded.info.name, "model_identity": loaded.info.identity,
-            "layers": loaded.info.num_layers, "kv_heads": loaded.info.num_kv_heads,
+            "model": loaded.info.name,
+            "model_identity": loaded.info.identity,
+            "layers": loaded.info.num_layers,
+            "kv_heads": loaded.info.num_kv_heads,
             "head_dim": loaded.info.head_dim,
             "text": str(text_file) if text_file else "pydoc_data.topics",
-            "eval": f"eval split, {n_eval} x {length} tokens", "calibration": cal_desc,
+            "eval": f"eval split, {n_eval} x {length} tokens",
+            "calibration": cal_desc,
             "tables": "per model: per (layer, K/V, channel) sign+exponent tables; K with the "
-                      "previous token's sign/exponent bucket as context; counted once (LZMA file)",
+            "previous token's sign/exponent bucket as context; counted once (LZMA file)",
             "format_version": kl.FORMAT_VERSION,
             "timing_note": "CPU MB/s on a shared 2-core machine: indicative only",
         },
         **provenance(),
     }
     write_json(json_path, out)
-    rows = [{"stream": "K", "ratio": f"{out['ratio_k']:.3f}"},
-            {"stream": "V", "ratio": f"{out['ratio_v']:.3f}"},
-            {"stream": "K+V (tables counted)", "ratio": f"{ratio:.3f}"},
-            {"stream": "K+V blobs only", "ratio": f"{out['ratio_blobs_only']:.3f}"}]
+    rows = [
+        {"stream": "K", "ratio": f"{out['ratio_k']:.3f}"},
+        {"stream": "V", "ratio": f"{out['ratio_v']:.3f}"},
+        {"stream": "K+V (tables counted)", "ratio": f"{ratio:.3f}"},
+        {"stream": "K+V blobs only", "ratio": f"{out['ratio_blobs_only']:.3f}"},
+    ]
     if embedded:
-        rows.append({"stream": "K+V, embedded tables (no calibration)",
-                     "ratio": f"{out['ratio_embedded_tables']:.3f}"})
+        rows.append(
+            {
+                "stream": "K+V, embedded tables (no calibration)",
+                "ratio": f"{out['ratio_embedded_tables']:.3f}",
+            }
+        )
     table = markdown_table(rows, ["stream", "ratio"])
     click.echo(table)
-    click.echo(f"bits/value {16 / ratio:.3f}; bit-exact: {checked} tensors; CPU encode "
-               f"{out['cpu_encode_MBps']:.1f} MB/s, decode {out['cpu_decode_MBps']:.1f} MB/s")
+    click.echo(
+        f"bits/value {16 / ratio:.3f}; bit-exact: {checked} tensors; CPU encode "
+        f"{out['cpu_encode_MBps']:.1f} MB/s, decode {out['cpu_decode_MBps']:.1f} MB/s"
+    )
     if md_path:
         with open(md_path, "w") as f:
             f.write(f"# kvzip-lossless on {loaded.info.name}'s KV cache\n\n")
             f.write(provenance_markdown(provenance()) + "\n" + table + "\n\n")
-            f.write(f"- bits per value: {16 / ratio:.3f}; table set {ts.nbytes} bytes (counted)\n"
-                    f"- bit-exact: every one of {checked} tensors restored and compared\n"
-                    f"- CPU encode {out['cpu_encode_MBps']:.1f} MB/s, decode "
-                    f"{out['cpu_decode_MBps']:.1f} MB/s (shared 2-core machine: indicative)\n"
-                    f"- settings: {out['settings']}\n")
+            f.write(
+                f"- bits per value: {16 / ratio:.3f}; table set {ts.nbytes} bytes (counted)\n"
+                f"- bit-exact: every one of {checked} tensors restored and compared\n"
+                f"- CPU encode {out['cpu_encode_MBps']:.1f} MB/s, decode "
+                f"{out['cpu_decode_MBps']:.1f} MB/s (shared 2-core machine: indicative)\n"
+                f"- settings: {out['settings']}\n"
+            )

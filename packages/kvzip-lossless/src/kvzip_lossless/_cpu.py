@@ -35,8 +35,11 @@ def checksum(vals: np.ndarray) -> np.ndarray:
     h ^= h >> np.uint32(13)
     h *= np.uint32(0xC2B2AE35)
     h ^= h >> np.uint32(16)
-    return h.astype(np.uint64).sum(-1).astype(np.uint32) if h.shape[-1] else np.zeros(
-        vals.shape[:-1], np.uint32)
+    return (
+        h.astype(np.uint64).sum(-1).astype(np.uint32)
+        if h.shape[-1]
+        else np.zeros(vals.shape[:-1], np.uint32)
+    )
 
 
 def pack_mantissas(vals: np.ndarray) -> np.ndarray:
@@ -99,8 +102,14 @@ def encode_tiles(vals: np.ndarray, table: Table):
     counts = e4.sum(axis=(2, 3)).astype(np.uint32)
     flat = vals.reshape(nt, nr * C)
     esc = (sym.reshape(nt, -1) & 15) == 0
-    return dict(counts=counts, states=x.astype(np.uint32), words=w4[e4], escapes=esc,
-                mant=pack_mantissas(flat), checksum=checksum(flat))
+    return dict(
+        counts=counts,
+        states=x.astype(np.uint32),
+        words=w4[e4],
+        escapes=esc,
+        mant=pack_mantissas(flat),
+        checksum=checksum(flat),
+    )
 
 
 def decode_tiles(states, counts, words, word_starts, mant, exc, nr: int, table: Table):

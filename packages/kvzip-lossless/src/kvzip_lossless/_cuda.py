@@ -34,8 +34,21 @@ def _build() -> Path:
     so = cache / f"kvzl-{hashlib.sha256(src).hexdigest()[:16]}.so"
     if not so.exists():
         tmp = so.with_suffix(f".{os.getpid()}.so")
-        subprocess.run([nvcc, "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-o",
-                        str(tmp), str(_SRC)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                nvcc,
+                "-O3",
+                "-arch=sm_90",
+                "-shared",
+                "-Xcompiler",
+                "-fPIC",
+                "-o",
+                str(tmp),
+                str(_SRC),
+            ],
+            check=True,
+            capture_output=True,
+        )
         tmp.replace(so)
     return so
 
@@ -74,9 +87,23 @@ def _check(rc: int, what: str) -> None:
 
 
 def decode(blob_dev, desc, n_chunks, tab, bmap, base, C, NB, out16, sums, err) -> None:
-    _check(lib().kvzl_decode_launch(_ptr(blob_dev), _ptr(desc), n_chunks, _ptr(tab), _ptr(bmap),
-                                    _ptr(base), C, NB, _ptr(out16), _ptr(sums), _ptr(err),
-                                    _stream()), "decode")
+    _check(
+        lib().kvzl_decode_launch(
+            _ptr(blob_dev),
+            _ptr(desc),
+            n_chunks,
+            _ptr(tab),
+            _ptr(bmap),
+            _ptr(base),
+            C,
+            NB,
+            _ptr(out16),
+            _ptr(sums),
+            _ptr(err),
+            _stream(),
+        ),
+        "decode",
+    )
 
 
 def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
@@ -90,23 +117,52 @@ def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
     n_tiles = -(-rows // rpt)
     ti = torch.arange(n_tiles, dtype=torch.int64)
     nr = torch.clamp(rows - ti * rpt, max=rpt)
-    desc = torch.stack([(ti * rpt * cols).repeat_interleave(nch), nr.repeat_interleave(nch),
-                        (torch.arange(nch) * 32).repeat(n_tiles),
-                        (ti * cols).repeat_interleave(nch)], 1).to(dev).contiguous()
+    desc = (
+        torch.stack(
+            [
+                (ti * rpt * cols).repeat_interleave(nch),
+                nr.repeat_interleave(nch),
+                (torch.arange(nch) * 32).repeat(n_tiles),
+                (ti * cols).repeat_interleave(nch),
+            ],
+            1,
+        )
+        .to(dev)
+        .contiguous()
+    )
     n_prog = n_tiles * nch
     scratch = torch.empty(n_prog * rpt * 32, dtype=torch.int16, device=dev)
     counts = torch.empty(n_prog, dtype=torch.int32, device=dev)
     states = torch.empty(n_tiles * cols, dtype=torch.int32, device=dev)
     L = lib()
-    _check(L.kvzl_encode_launch(_ptr(flat16), _ptr(desc), n_prog, _ptr(tab), _ptr(bmap),
-                                _ptr(base), cols, table.n_buckets, rpt, _ptr(scratch),
-                                _ptr(counts), _ptr(states), _stream()), "encode")
+    _check(
+        L.kvzl_encode_launch(
+            _ptr(flat16),
+            _ptr(desc),
+            n_prog,
+            _ptr(tab),
+            _ptr(bmap),
+            _ptr(base),
+            cols,
+            table.n_buckets,
+            rpt,
+            _ptr(scratch),
+            _ptr(counts),
+            _ptr(states),
+            _stream(),
+        ),
+        "encode",
+    )
     c64 = counts.to(torch.int64)
     starts = torch.cumsum(c64, 0) - c64
     total = int(c64.sum())
     words = torch.empty(total, dtype=torch.int16, device=dev)
-    _check(L.kvzl_compact_launch(_ptr(scratch), _ptr(counts), _ptr(starts), n_prog, rpt,
-                                 _ptr(words), _stream()), "compact")
+    _check(
+        L.kvzl_compact_launch(
+            _ptr(scratch), _ptr(counts), _ptr(starts), n_prog, rpt, _ptr(words), _stream()
+        ),
+        "compact",
+    )
     esc = torch.empty(n_all, dtype=torch.uint8, device=dev)
     sums = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
     mants = []
@@ -116,24 +172,44 @@ def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
         groups.append((full, 1, last))
     for t0, nt, r in groups:
         n = r * cols
-        seg = flat16[t0 * rpt * cols:]
+        seg = flat16[t0 * rpt * cols :]
         if n % 8 == 0:
             mant = torch.empty(nt * n // 8 * 7, dtype=torch.uint8, device=dev)
-            _check(L.kvzl_pack_launch(_ptr(seg), nt * n // 8, n, _ptr(base), cols, _ptr(mant),
-                                      _ptr(sums[t0:]), _ptr(esc[t0 * rpt * cols:]), _stream()),
-                   "pack")
+            _check(
+                L.kvzl_pack_launch(
+                    _ptr(seg),
+                    nt * n // 8,
+                    n,
+                    _ptr(base),
+                    cols,
+                    _ptr(mant),
+                    _ptr(sums[t0:]),
+                    _ptr(esc[t0 * rpt * cols :]),
+                    _stream(),
+                ),
+                "pack",
+            )
             mants += list(mant.view(nt, -1).unbind(0))
         else:  # odd-sized tiles: the torch path
             from kvzip_lossless import gpu
 
-            v = seg[:nt * n].to(torch.int32) & 0xFFFF
+            v = seg[: nt * n].to(torch.int32) & 0xFFFF
             for i in range(nt):
-                vi = v[i * n:(i + 1) * n]
+                vi = v[i * n : (i + 1) * n]
                 mants += gpu._pack_mant_gpu(vi, r, cols, r)
                 s = gpu._gpu_checksum(vi.to(torch.int16))
                 sums[t0 + i] = s.to(torch.int32)
                 colidx = torch.arange(n, device=dev) % cols
                 es = ((vi >> 7) & 255) - base[colidx] + 12
-                esc[(t0 + i) * rpt * cols:][:n] = ((es < 1) | (es > 15)).to(torch.uint8)
-    return dict(counts=counts, states=states, words=words, esc=esc.bool(), mant=mants,
-                sums=sums.to(torch.int64) & 0xFFFFFFFF, n_tiles=n_tiles, nch=nch, rows=rows)
+                esc[(t0 + i) * rpt * cols :][:n] = ((es < 1) | (es > 15)).to(torch.uint8)
+    return dict(
+        counts=counts,
+        states=states,
+        words=words,
+        esc=esc.bool(),
+        mant=mants,
+        sums=sums.to(torch.int64) & 0xFFFFFFFF,
+        n_tiles=n_tiles,
+        nch=nch,
+        rows=rows,
+    )

@@ -73,20 +73,42 @@ def choose_columns(shape: tuple[int, ...]) -> int:
     is the previous token. Rows (tokens, blocks) are never folded into the columns.
     """
     numel = math.prod(shape)
-    for c in (math.prod(shape[-2:]) if len(shape) >= 3 else 0,
-              shape[-1] if len(shape) >= 2 else 0):
+    for c in (math.prod(shape[-2:]) if len(shape) >= 3 else 0, shape[-1] if len(shape) >= 2 else 0):
         if 1 <= c <= 4096:
             return c
     return max(math.gcd(numel, 1024), 1)
 
 
-def pack_header(shape, columns, rows_per_tile, table_id, table_slot, embedded: bytes | None,
-                lengths, modes, n_exc, checksums) -> bytes:
+def pack_header(
+    shape,
+    columns,
+    rows_per_tile,
+    table_id,
+    table_slot,
+    embedded: bytes | None,
+    lengths,
+    modes,
+    n_exc,
+    checksums,
+) -> bytes:
     n_tiles = len(lengths)
     flags = FLAG_EMBEDDED_TABLE if embedded is not None else 0
     emb_len = len(embedded) if embedded is not None else 0
-    out = bytearray(HEAD.pack(MAGIC, FORMAT_VERSION, DTYPE_BF16, len(shape), flags, columns,
-                              rows_per_tile, n_tiles, table_id, table_slot, emb_len))
+    out = bytearray(
+        HEAD.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            DTYPE_BF16,
+            len(shape),
+            flags,
+            columns,
+            rows_per_tile,
+            n_tiles,
+            table_id,
+            table_slot,
+            emb_len,
+        )
+    )
     out += struct.pack(f"<{len(shape)}Q", *shape)
     for i in range(n_tiles):
         out += DIR.pack(int(lengths[i]), int(modes[i]), int(n_exc[i]), int(checksums[i]))
@@ -100,28 +122,35 @@ def parse_header(buf: memoryview) -> Header:
     n = len(buf)
     if n < HEAD.size:
         raise CorruptBlobError(f"blob truncated: {n} bytes, the header alone is {HEAD.size}")
-    (magic, version, dtype, ndim, flags, columns, rpt, n_tiles, table_id, slot,
-     emb_len) = HEAD.unpack_from(buf, 0)
+    (magic, version, dtype, ndim, flags, columns, rpt, n_tiles, table_id, slot, emb_len) = (
+        HEAD.unpack_from(buf, 0)
+    )
     if magic != MAGIC:
-        raise CorruptBlobError(f"not a kvzip-lossless blob (magic {bytes(magic)!r}, want {MAGIC!r})")
+        raise CorruptBlobError(
+            f"not a kvzip-lossless blob (magic {bytes(magic)!r}, want {MAGIC!r})"
+        )
     if version != FORMAT_VERSION:
-        raise CorruptBlobError(f"blob format version {version}; this kvzip-lossless reads "
-                               f"version {FORMAT_VERSION}")
+        raise CorruptBlobError(
+            f"blob format version {version}; this kvzip-lossless reads version {FORMAT_VERSION}"
+        )
     if dtype != DTYPE_BF16:
         raise CorruptBlobError(f"blob dtype code {dtype}; only bf16 ({DTYPE_BF16}) is supported")
     if ndim > MAX_NDIM or flags & ~FLAG_EMBEDDED_TABLE:
         raise CorruptBlobError(f"blob header malformed (ndim {ndim}, flags {flags:#x})")
     dir_end = HEAD.size + 8 * ndim + DIR.size * n_tiles
     if n < dir_end + 4:
-        raise CorruptBlobError(f"blob truncated: {n} bytes, header and directory need {dir_end + 4}")
+        raise CorruptBlobError(
+            f"blob truncated: {n} bytes, header and directory need {dir_end + 4}"
+        )
     (crc,) = struct.unpack_from("<I", buf, dir_end)
     if zlib.crc32(buf[:dir_end]) != crc:
         raise CorruptBlobError("blob header checksum mismatch (header or tile directory damaged)")
     shape = struct.unpack_from(f"<{ndim}Q", buf, HEAD.size)
     numel = math.prod(shape)
     if columns < 1 or columns > MAX_COLUMNS or numel % columns or rpt < 1:
-        raise CorruptBlobError(f"blob header inconsistent (shape {shape}, columns {columns}, "
-                               f"rows per tile {rpt})")
+        raise CorruptBlobError(
+            f"blob header inconsistent (shape {shape}, columns {columns}, rows per tile {rpt})"
+        )
     if n_tiles != -(-(numel // columns) // rpt):
         raise CorruptBlobError(f"blob header inconsistent: {n_tiles} tiles for shape {shape}")
     d = np.frombuffer(buf, np.uint8, DIR.size * n_tiles, HEAD.size + 8 * ndim)
@@ -135,15 +164,29 @@ def parse_header(buf: memoryview) -> Header:
     if flags & FLAG_EMBEDDED_TABLE:
         if n < pos + emb_len:
             raise CorruptBlobError("blob truncated inside its embedded table")
-        embedded = bytes(buf[pos:pos + emb_len])
+        embedded = bytes(buf[pos : pos + emb_len])
         pos += pad4(emb_len)
-    h = Header(tuple(int(s) for s in shape), columns, rpt, n_tiles, table_id, slot, embedded,
-               lengths, modes, n_exc, checks, pos)
+    h = Header(
+        tuple(int(s) for s in shape),
+        columns,
+        rpt,
+        n_tiles,
+        table_id,
+        slot,
+        embedded,
+        lengths,
+        modes,
+        n_exc,
+        checks,
+        pos,
+    )
     if (modes > MODE_RANS).any() or (lengths % 4).any():
         raise CorruptBlobError("blob tile directory malformed (mode or length)")
     if int(lengths.astype(np.int64).sum()) + pos != n:
-        raise CorruptBlobError(f"blob length {n} does not match its tile directory "
-                               f"({int(lengths.astype(np.int64).sum()) + pos}); truncated or padded")
+        raise CorruptBlobError(
+            f"blob length {n} does not match its tile directory "
+            f"({int(lengths.astype(np.int64).sum()) + pos}); truncated or padded"
+        )
     for i in range(n_tiles):
         nv = h.tile_rows(i) * columns
         if n_exc[i] > nv or lengths[i] < expected_min_len(modes[i], nv, columns, n_exc[i]):

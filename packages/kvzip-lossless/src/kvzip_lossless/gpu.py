@@ -28,8 +28,9 @@ LANES = 32
 
 
 def available() -> bool:
-    return triton is not None and (torch.cuda.is_available() or
-                                   os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    )
 
 
 if triton is not None:
@@ -193,13 +194,13 @@ def decode_plan(buf: memoryview, h: Header):
             continue
         ne = int(h.n_exc[ti])
         lay = tile_layout(nv, cols, ne)
-        c = arr[o:o + 4 * nch].view("<u4").astype(np.int64)
+        c = arr[o : o + 4 * nch].view("<u4").astype(np.int64)
         if (lay["words"] + 2 * int(c.sum()) + 3) & ~3 != h.lengths[ti]:
             raise CorruptBlobError(f"tile {ti}: word counts do not match its length")
-        idx = arr[o + lay["exc_idx"]:o + lay["exc_val"]].view("<u4").astype(np.int64)
+        idx = arr[o + lay["exc_idx"] : o + lay["exc_val"]].view("<u4").astype(np.int64)
         if ne and (idx.max() >= nv or (np.diff(idx) <= 0).any()):
             raise CorruptBlobError(f"tile {ti}: escape positions out of range or unsorted")
-        ev = arr[o + lay["exc_val"]:o + lay["mant"]].view("<u2")
+        ev = arr[o + lay["exc_val"] : o + lay["mant"]].view("<u2")
         if ne:
             p = idx.astype(np.uint32) * np.uint32(0x9E3779B1) + ev.astype(np.uint32)
             expect[ti] = np.uint32((int(expect[ti]) - _mix_sum(p)) & 0xFFFFFFFF)
@@ -207,8 +208,9 @@ def decode_plan(buf: memoryview, h: Header):
             evals.append(ev)
         wstart = (o + lay["words"]) // 2 + np.concatenate([[0], np.cumsum(c)[:-1]])
         for ch in range(nch):
-            descs.append((o // 4 + nch, wstart[ch], c[ch], o + lay["mant"], out_off, nr,
-                          ch * LANES, ti))
+            descs.append(
+                (o // 4 + nch, wstart[ch], c[ch], o + lay["mant"], out_off, nr, ch * LANES, ti)
+            )
     desc = np.array(descs, np.int64).reshape(-1, 8)
     e_i = np.concatenate(eidx) if eidx else np.zeros(0, np.int64)
     e_v = np.concatenate(evals) if evals else np.zeros(0, np.uint16)
@@ -229,7 +231,9 @@ class GpuBlob:
     """A blob staged on the GPU with its decode plan (reusable: the restore pipeline stages
     the plan once and streams the bytes)."""
 
-    def __init__(self, buf: memoryview, h: Header, table: Table, device, backend: str | None = None):
+    def __init__(
+        self, buf: memoryview, h: Header, table: Table, device, backend: str | None = None
+    ):
         self.h, self.table, self.device = h, table, device
         self.backend = backend or default_backend(device)
         desc, expect, raw, ei, ev = decode_plan(buf, h)
@@ -250,15 +254,38 @@ class GpuBlob:
         if self.n_chunks and self.backend == "cuda":
             from kvzip_lossless import _cuda
 
-            _cuda.decode(blob_dev, self.desc, self.n_chunks, tab, bmap, base, h.columns,
-                         self.table.n_buckets, o16, sums, err)
+            _cuda.decode(
+                blob_dev,
+                self.desc,
+                self.n_chunks,
+                tab,
+                bmap,
+                base,
+                h.columns,
+                self.table.n_buckets,
+                o16,
+                sums,
+                err,
+            )
         elif self.n_chunks:
             _decode_kernel[(self.n_chunks,)](
-                blob_dev, blob_dev.view(torch.int16), blob_dev.view(torch.int32), tab, bmap, base,
-                self.desc, o16, sums, err, h.columns, self.table.n_buckets, num_warps=1)
+                blob_dev,
+                blob_dev.view(torch.int16),
+                blob_dev.view(torch.int32),
+                tab,
+                bmap,
+                base,
+                self.desc,
+                o16,
+                sums,
+                err,
+                h.columns,
+                self.table.n_buckets,
+                num_warps=1,
+            )
         for ti, o, nv, out_off in self.raw:
-            seg = blob_dev[o:o + 2 * nv].view(torch.int16)
-            o16[out_off:out_off + nv] = seg
+            seg = blob_dev[o : o + 2 * nv].view(torch.int16)
+            o16[out_off : out_off + nv] = seg
             sums[ti] = _gpu_checksum(seg).to(torch.int32)
         if self.eidx.numel():
             o16[self.eidx] = self.evals
@@ -300,8 +327,9 @@ def default_backend(device) -> str:
     return "triton"
 
 
-def encode_parts(x: torch.Tensor, table: Table, cols: int, rows_per_tile: int,
-                 backend: str | None = None):
+def encode_parts(
+    x: torch.Tensor, table: Table, cols: int, rows_per_tile: int, backend: str | None = None
+):
     """Run the GPU encoder; returns device tensors for every tile (no host transfer)."""
     dev = x.device
     if (backend or default_backend(dev)) == "cuda":
@@ -315,16 +343,34 @@ def encode_parts(x: torch.Tensor, table: Table, cols: int, rows_per_tile: int,
     n_tiles = -(-rows // rows_per_tile)
     ti = torch.arange(n_tiles, dtype=torch.int64)
     nr = torch.clamp(rows - ti * rows_per_tile, max=rows_per_tile)
-    desc = torch.stack([
-        (ti * rows_per_tile * cols).repeat_interleave(nch), nr.repeat_interleave(nch),
-        (torch.arange(nch) * LANES).repeat(n_tiles), (ti * cols).repeat_interleave(nch)], 1)
+    desc = torch.stack(
+        [
+            (ti * rows_per_tile * cols).repeat_interleave(nch),
+            nr.repeat_interleave(nch),
+            (torch.arange(nch) * LANES).repeat(n_tiles),
+            (ti * cols).repeat_interleave(nch),
+        ],
+        1,
+    )
     desc = desc.to(dev).contiguous()
     n_prog = n_tiles * nch
     scratch = torch.empty(n_prog * rows_per_tile * LANES, dtype=torch.int16, device=dev)
     counts = torch.empty(n_prog, dtype=torch.int32, device=dev)
     states = torch.empty(n_tiles * cols, dtype=torch.int32, device=dev)
-    _encode_kernel[(n_prog,)](flat16, tab, bmap, base, desc, scratch, counts, states, cols,
-                              table.n_buckets, rows_per_tile, num_warps=1)
+    _encode_kernel[(n_prog,)](
+        flat16,
+        tab,
+        bmap,
+        base,
+        desc,
+        scratch,
+        counts,
+        states,
+        cols,
+        table.n_buckets,
+        rows_per_tile,
+        num_warps=1,
+    )
     # words in decoder order: chunk c's j-th word is scratch[c * RPT * 32 + count_c - 1 - j]
     c64 = counts.to(torch.int64)
     starts = torch.cumsum(c64, 0) - c64
@@ -338,27 +384,36 @@ def encode_parts(x: torch.Tensor, table: Table, cols: int, rows_per_tile: int,
     esc = (es < 1) | (es > 15)
     mant = _pack_mant_gpu(v, rows, cols, rows_per_tile)
     sums = _tile_checksums_gpu(v, rows, cols, rows_per_tile)
-    return dict(counts=counts, states=states, words=words, esc=esc, mant=mant, sums=sums,
-                n_tiles=n_tiles, nch=nch, rows=rows)
+    return dict(
+        counts=counts,
+        states=states,
+        words=words,
+        esc=esc,
+        mant=mant,
+        sums=sums,
+        n_tiles=n_tiles,
+        nch=nch,
+        rows=rows,
+    )
 
 
 def _pack_mant_gpu(v, rows, cols, rpt):
     out = []
     for t0 in range(0, rows, rpt):
-        seg = v[t0 * cols:min(rows, t0 + rpt) * cols] & 127
+        seg = v[t0 * cols : min(rows, t0 + rpt) * cols] & 127
         n = seg.numel()
         g = torch.nn.functional.pad(seg.to(torch.int64), (0, (-n) % 8)).view(-1, 8)
         sh = torch.arange(7, -1, -1, device=v.device) * 7
         w = (g << sh).sum(1)
         bsh = torch.arange(6, -1, -1, device=v.device) * 8
-        out.append(((w[:, None] >> bsh) & 255).to(torch.uint8).view(-1)[:(7 * n + 7) // 8])
+        out.append(((w[:, None] >> bsh) & 255).to(torch.uint8).view(-1)[: (7 * n + 7) // 8])
     return out
 
 
 def _tile_checksums_gpu(v, rows, cols, rpt):
     sums = []
     for t0 in range(0, rows, rpt):
-        seg = v[t0 * cols:min(rows, t0 + rpt) * cols]
+        seg = v[t0 * cols : min(rows, t0 + rpt) * cols]
         sums.append(_gpu_checksum(seg) & 0xFFFFFFFF)
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
@@ -376,8 +431,9 @@ def fit_table_gpu(x: torch.Tensor, cols: int) -> Table:
     es = torch.where((es >= 1) & (es <= 15), es, 0)
     sym = (v >> 15) * 16 + es
     counts = torch.bincount(col * NSYM + sym, minlength=cols * NSYM).view(cols, 1, NSYM)
-    return Table(base.to(torch.uint8).cpu().numpy(), BUCKETS_NONE,
-                 normalize_counts(counts.cpu().numpy()))
+    return Table(
+        base.to(torch.uint8).cpu().numpy(), BUCKETS_NONE, normalize_counts(counts.cpu().numpy())
+    )
 
 
 def compress(x: torch.Tensor, *, tables=None, slot=None, rows_per_tile: int) -> bytes:
@@ -406,7 +462,15 @@ def assemble_host(x, p, shape, cols, rpt, table_id, slot, embedded) -> bytes:
     parts = []
     for i in range(p["n_tiles"]):
         a, b = i * rpt * cols, min(p["rows"], (i + 1) * rpt) * cols
-        parts.append(dict(vals=vals[a:b], counts=counts[i], states=states[i],
-                          words=words[woff[i]:woff[i + 1]], escapes=np.flatnonzero(esc[a:b]),
-                          mant=p["mant"][i].cpu().numpy(), checksum=int(sums[i])))
+        parts.append(
+            dict(
+                vals=vals[a:b],
+                counts=counts[i],
+                states=states[i],
+                words=words[woff[i] : woff[i + 1]],
+                escapes=np.flatnonzero(esc[a:b]),
+                mant=p["mant"][i].cpu().numpy(),
+                checksum=int(sums[i]),
+            )
+        )
     return codec.assemble(shape, cols, rpt, table_id, slot, embedded, parts)

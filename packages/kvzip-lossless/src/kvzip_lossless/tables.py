@@ -53,7 +53,9 @@ def normalize_counts(counts: np.ndarray) -> np.ndarray:
     f = np.where(tot == 0, PROB_SCALE // NSYM, f)
     rest = PROB_SCALE - f.sum(-1)
     idx = np.argmax(c, axis=-1)
-    np.put_along_axis(f, idx[..., None], np.take_along_axis(f, idx[..., None], -1) + rest[..., None], -1)
+    np.put_along_axis(
+        f, idx[..., None], np.take_along_axis(f, idx[..., None], -1) + rest[..., None], -1
+    )
     return f.astype(np.uint16)
 
 
@@ -80,8 +82,12 @@ class Table:
 
     def to_bytes(self) -> bytes:
         head = struct.pack("<4sHHI", _TABLE_MAGIC, _TABLE_VERSION, self.n_buckets, self.columns)
-        return (head + bytes(self.buckets) + self.base.astype(np.uint8).tobytes()
-                + self.freq.astype("<u2").tobytes())
+        return (
+            head
+            + bytes(self.buckets)
+            + self.base.astype(np.uint8).tobytes()
+            + self.freq.astype("<u2").tobytes()
+        )
 
     @classmethod
     def from_bytes(cls, buf: bytes, pos: int = 0) -> tuple[Table, int]:
@@ -92,13 +98,21 @@ class Table:
         need = NSYM + cols + 2 * cols * nb * NSYM
         if nb < 1 or nb > NSYM or cols < 1 or len(buf) - pos < need:
             raise ValueError("kvzip table truncated or malformed")
-        buckets = tuple(buf[pos:pos + NSYM])
+        buckets = tuple(buf[pos : pos + NSYM])
         pos += NSYM
         base = np.frombuffer(buf, np.uint8, cols, pos).copy()
         pos += cols
-        freq = np.frombuffer(buf, "<u2", cols * nb * NSYM, pos).reshape(cols, nb, NSYM).astype(np.uint16)
+        freq = (
+            np.frombuffer(buf, "<u2", cols * nb * NSYM, pos)
+            .reshape(cols, nb, NSYM)
+            .astype(np.uint16)
+        )
         pos += 2 * freq.size
-        if max(buckets) >= nb or (freq == 0).any() or (freq.astype(np.int64).sum(-1) != PROB_SCALE).any():
+        if (
+            max(buckets) >= nb
+            or (freq == 0).any()
+            or (freq.astype(np.int64).sum(-1) != PROB_SCALE).any()
+        ):
             raise ValueError("kvzip table malformed (bucket or frequency out of range)")
         return cls(base, buckets, freq), pos
 
@@ -115,7 +129,9 @@ class Table:
         if "lut" not in self._derived:
             f = self.freq.reshape(-1, NSYM)
             syms = np.tile(np.arange(NSYM, dtype=np.uint8), f.shape[0])
-            self._derived["lut"] = np.repeat(syms, f.ravel().astype(np.int64)).reshape(-1, PROB_SCALE)
+            self._derived["lut"] = np.repeat(syms, f.ravel().astype(np.int64)).reshape(
+                -1, PROB_SCALE
+            )
         return self._derived["lut"]
 
     def packed(self) -> np.ndarray:
@@ -140,8 +156,9 @@ def fit_table(samples: list[np.ndarray], buckets=BUCKETS_NONE) -> Table:
     ecount = np.zeros((cols, 256), np.int64)
     for s in samples:
         e = ((s >> 7) & 255).astype(np.int64)
-        ecount += np.bincount((np.arange(cols) * 256 + e).ravel(),
-                              minlength=cols * 256).reshape(cols, 256)
+        ecount += np.bincount((np.arange(cols) * 256 + e).ravel(), minlength=cols * 256).reshape(
+            cols, 256
+        )
     base = np.argmax(ecount, axis=1).astype(np.uint8)
     bmap = np.asarray(buckets, np.int64)
     nb = int(bmap.max()) + 1
@@ -150,8 +167,12 @@ def fit_table(samples: list[np.ndarray], buckets=BUCKETS_NONE) -> Table:
         sym = symbolize(s, base).astype(np.int64)
         prev = np.concatenate([np.zeros_like(sym[:1]), sym[:-1]], axis=0)
         ctx = np.arange(cols)[None, :] * nb + bmap[prev]
-        counts += np.bincount((ctx * NSYM + sym).ravel(), minlength=cols * nb * NSYM).reshape(-1, NSYM)
-    return Table(base, tuple(int(b) for b in bmap), normalize_counts(counts).reshape(cols, nb, NSYM))
+        counts += np.bincount((ctx * NSYM + sym).ravel(), minlength=cols * nb * NSYM).reshape(
+            -1, NSYM
+        )
+    return Table(
+        base, tuple(int(b) for b in bmap), normalize_counts(counts).reshape(cols, nb, NSYM)
+    )
 
 
 class TableSet:
@@ -163,8 +184,11 @@ class TableSet:
 
     def __init__(self, tables: list[Table]):
         self.tables = list(tables)
-        self._bytes = _TABLESET_MAGIC + struct.pack("<I", len(self.tables)) + b"".join(
-            t.to_bytes() for t in self.tables)
+        self._bytes = (
+            _TABLESET_MAGIC
+            + struct.pack("<I", len(self.tables))
+            + b"".join(t.to_bytes() for t in self.tables)
+        )
         self.table_id = int.from_bytes(hashlib.sha256(self._bytes).digest()[:8], "little")
 
     def __len__(self) -> int:
@@ -233,5 +257,9 @@ def build_kv_tables(windows) -> TableSet:
                 per_slot.setdefault(kv_slot(layer, kind), []).append(a.reshape(a.shape[0], -1))
     if not per_slot or sorted(per_slot) != list(range(len(per_slot))):
         raise ValueError("build_kv_tables needs at least one window with every layer's K and V")
-    return TableSet([fit_table(per_slot[s], BUCKETS_K if s % 2 == 0 else BUCKETS_V)
-                     for s in range(len(per_slot))])
+    return TableSet(
+        [
+            fit_table(per_slot[s], BUCKETS_K if s % 2 == 0 else BUCKETS_V)
+            for s in range(len(per_slot))
+        ]
+    )

@@ -2,7 +2,8 @@
 
 valid_*.kvzl: a blob; valid_*.u16: the exact bf16 bit patterns it restores (little-endian
 uint16, C order) and valid_*.json its shape. invalid_*.kvzl: a damaged blob; the expected
-error's text is in invalid.json. Run: uv run python packages/kvzip-lossless/tests/golden/make_golden.py
+error's text is in invalid.json.
+Run: uv run python packages/kvzip-lossless/tests/golden/make_golden.py
 """
 
 import json
@@ -19,21 +20,31 @@ HERE = Path(__file__).parent
 def values():
     g = np.random.default_rng(20261129)
     # KV-like: per-channel offset and scale, plus specials (NaN, inf, zeros, subnormal, huge).
-    kv = (g.standard_normal((300, 2, 16)) * g.uniform(0.1, 3, (1, 2, 16)) + g.normal(0, 2, (1, 2, 16)))
+    kv = g.standard_normal((300, 2, 16)) * g.uniform(0.1, 3, (1, 2, 16)) + g.normal(
+        0, 2, (1, 2, 16)
+    )
     kv = torch.from_numpy(kv.astype(np.float32)).bfloat16()
     kv[3, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     kv[7, 1, 5] = 1e-40
     kv[9, 1, 6] = -3e38
     bits = torch.from_numpy(g.integers(0, 1 << 16, 300, dtype=np.uint16).astype(np.int16))
-    return {"kv": (kv, 64), "randombits": (bits.view(torch.bfloat16), 1024),
-            "const": (torch.full((5, 7), 1.5, dtype=torch.bfloat16), 4),
-            "empty": (torch.zeros(0, 4, dtype=torch.bfloat16), 1024)}
+    return {
+        "kv": (kv, 64),
+        "randombits": (bits.view(torch.bfloat16), 1024),
+        "const": (torch.full((5, 7), 1.5, dtype=torch.bfloat16), 4),
+        "empty": (torch.zeros(0, 4, dtype=torch.bfloat16), 1024),
+    }
 
 
 def tables():
     """A calibrated table set (one K slot, one V slot) fitted on other draws of the same law."""
     g = np.random.default_rng(7)
-    mk = lambda: torch.from_numpy((g.standard_normal((500, 2, 16)) * 2 + 1).astype(np.float32)).bfloat16()  # noqa: E731
+
+    def mk():
+        return torch.from_numpy(
+            (g.standard_normal((500, 2, 16)) * 2 + 1).astype(np.float32)
+        ).bfloat16()
+
     return kl.build_kv_tables([[(mk(), mk())]])
 
 
@@ -49,8 +60,12 @@ def main():
         else:
             blob = kl.compress(x, rows_per_tile=rpt)
         (HERE / f"valid_{name}.kvzl").write_bytes(blob)
-        (HERE / f"valid_{name}.u16").write_bytes(x.view(torch.int16).numpy().astype("<i2").tobytes())
-        (HERE / f"valid_{name}.json").write_text(json.dumps({"shape": list(x.shape), "rows_per_tile": rpt}))
+        (HERE / f"valid_{name}.u16").write_bytes(
+            x.view(torch.int16).numpy().astype("<i2").tobytes()
+        )
+        (HERE / f"valid_{name}.json").write_text(
+            json.dumps({"shape": list(x.shape), "rows_per_tile": rpt})
+        )
     kv = (HERE / "valid_kv.kvzl").read_bytes()
     cases = {
         "truncated": (kv[:-9], "does not match its tile directory"),
