@@ -51,10 +51,22 @@ def main() -> int:
         env["KVZIP_CALIBRATION"] = cal
     comp = _run([scen, "backend"], env)
     wc = summarize(base["texts"], comp["texts"], base["token_ids"], comp["token_ids"])
+    import vllm
+    from vllm_scenarios import eval_prompts
+
     import kvzip_formats
+    from kvzip_eval.model import load_model
+    from kvzip_eval.quality.generate import generate
     from kvzip_formats.ops import PagedLayout
 
     fmt = kvzip_formats.get_format(args.format, calibration=cal)
+    # the same prompts through kvzip eval's generation (HF transformers, format via its cache)
+    loaded = load_model()
+    prompts = eval_prompts(loaded.tokenizer, len(base["texts"]), 96)
+    hf_base, _ = generate(loaded, prompts, None, max_new_tokens=24)
+    hf_comp, _ = generate(loaded, prompts, fmt, max_new_tokens=24)
+    dec = loaded.tokenizer.decode
+    hf_wc = summarize([dec(t) for t in hf_base], [dec(t) for t in hf_comp], hf_base, hf_comp)
     bs, heads, d = comp["block_size"], 3, 64  # the embedded model: 3 KV heads, head_size 64
     page_bytes = heads * sum(PagedLayout.of(fmt, d, bs, k).page_bytes for k in "kv")
     sinks = int(getattr(getattr(fmt, "spec", None), "sink_tokens", 0))
@@ -89,12 +101,13 @@ def main() -> int:
                 comp["capacity_tokens"] / base["capacity_tokens"] * page_bytes
                 / (page_bytes + sink_bytes), 3),
             "words_changed_vs_bf16": round(wc["words_changed"], 4),
+            "eval_words_changed_vs_bf16": round(hf_wc["words_changed"], 4),
             "identical_share": wc["identical"],
             "prompts": len(base["texts"]),
             "bf16_texts": base["texts"],
             "format_texts": comp["texts"],
         },
-        "provenance": provenance(),
+        "provenance": {**provenance(), "vllm": vllm.__version__},
     }
     write_json(args.out, payload)
     t, b = payload["tier"], payload["backend"]
@@ -113,10 +126,15 @@ def main() -> int:
         f"{b['kv_cache_memory_bytes']} bytes of KV cache):", "",
         markdown_table([b], ["format", "bf16_capacity_tokens", "format_capacity_tokens",
                              "capacity_ratio", "capacity_ratio_counting_sinks",
-                             "words_changed_vs_bf16", "prompts"]), "",
+                             "words_changed_vs_bf16", "eval_words_changed_vs_bf16",
+                             "prompts"]), "",
         "`capacity_ratio_counting_sinks` also counts the bf16 sink tokens kept beside the "
         "pages (outside vLLM's KV budget).", "",
-        "Times are on a shared 2-core CPU: only the ratios within one run mean anything.", "",
+        "`eval_words_changed_vs_bf16`: the same prompts through kvzip eval's generation (HF "
+        "transformers reading K/V through the format). Two prompts of 24 tokens: a smoke-size "
+        "sample, not a quality measurement (that is `kvzip eval`'s, results/quality/).", "",
+        f"vLLM {payload['provenance']['vllm']}. Times are on a shared 2-core CPU: only the "
+        "ratios within one run mean anything.", "",
         provenance_markdown(payload["provenance"]),
     ]
     args.out.with_suffix(".md").write_text("\n".join(md))
