@@ -72,7 +72,7 @@ def main():
         "magic": (b"KVZX" + kv[4:], "not a kvzip-lossless blob"),
         "version": (kv[:4] + b"\x09\x00" + kv[6:], "format version 9"),
         "header_bitflip": (kv[:45] + bytes([kv[45] ^ 1]) + kv[46:], "header checksum mismatch"),
-        "payload_bitflip": (kv[:-20] + bytes([kv[-20] ^ 4]) + kv[-19:], ""),
+        "payload_bitflip": (kv[:-20] + bytes([kv[-20] ^ 4]) + kv[-19:], "tile"),
         "empty": (b"", "blob truncated"),
     }
     for name, (b, msg) in cases.items():
