@@ -45,6 +45,7 @@ def main():
     p.add_argument("--tokens", default="2048,8192,32768")
     p.add_argument("--formats", default="fp8,int4,4bit,3.5bit,3bit")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tag", default="", help="suffix of the output file names")
     a = p.parse_args()
     import torch
     import torch.nn.functional as F
@@ -127,7 +128,8 @@ def main():
     )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_cache_write.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    tag = f"_{a.tag}" if a.tag else ""
+    (out / f"bench_cache_write{tag}.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
     md = [
         f"# Cache-write cost vs prefill, {prop.name}",
         "",
@@ -144,7 +146,7 @@ def main():
         f"{r['pct_of_prefill']} | {r['write_gbps']} |"
         for r in rows
     ]
-    (out / "bench_cache_write.md").write_text("\n".join(md) + "\n")
+    (out / f"bench_cache_write{tag}.md").write_text("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the byte geometry (``kvzip_formats.ops.PagedLayout``) and the extra per-format c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +48,11 @@ def resolve(fmt: KVFormat | str) -> KVFormat:
 SUPPORTED = ("fp8", "int4", "int4-rot", "4bit", "3.5bit", "3bit")
 
 
+@functools.lru_cache(maxsize=256)
 def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
-    """The kernel-facing description of ``fmt``; FormatError for formats without kernels."""
+    """The kernel-facing description of ``fmt``; FormatError for formats without kernels.
+    Cached per (format object, head_dim, block_size): a call builds layouts and, for
+    ``int4-rot``, a new rotation matrix whose device copy is cached by identity."""
     if head_dim not in (64, 128):
         raise FormatError(f"kvzip_kernels supports head_dim 64 and 128, got {head_dim}")
     if fmt.name in ("fp8", "int4", "int4-rot"):

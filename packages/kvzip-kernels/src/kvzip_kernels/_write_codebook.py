@@ -131,6 +131,8 @@ def _codebook_write_kernel(
     slot_ptr,
     edge_ptr,
     lev_ptr,
+    stride_yt,
+    stride_yh,
     num_kv_heads,
     page_bytes,
     blk_stride,
@@ -156,7 +158,7 @@ def _codebook_write_kernel(
     t = slot % PS
     h = tl.arange(0, H_P)
     hm = h < num_kv_heads
-    yrow = y_ptr + (tok * num_kv_heads + h).to(tl.int64) * D
+    yrow = y_ptr + tok.to(tl.int64) * stride_yt + h.to(tl.int64) * stride_yh  # unit stride in d
     y = tl.load(yrow[:, None] + tl.arange(0, D)[None, :], mask=hm[:, None], other=0.0)
     s0 = tl.math.sqrt_rn(tl.sum(y * y, 1) / D).to(tl.float16).to(tl.float32)
     num, den = _group_fit(yrow, hm, s0, 0, N0, B0, edge_ptr, lev_ptr)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops.cache_write import check_slot_mapping
+from kvzip_kernels._device_consts import codebook_edges_levels, on_device, transform_consts
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
 
 
@@ -186,7 +187,8 @@ def cache_write(
         _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride)
     elif spec.family == "int4":
         if spec.rotation is not None:
-            x = x.float() @ spec.rotation.to(x.device)  # same op as the reference encode
+            rot = on_device(spec.rotation, x.device, lambda r: r.float().contiguous())
+            x = x.float() @ rot  # same op as the reference encode
         _int4_write_kernel[(n,)](
             x,
             cache,
@@ -224,17 +226,19 @@ def cache_write(
 
 
 def codebook_y(f, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
-    """The compact formats' transformed rows ``y = A (x - mean)``, float32, on x's device
-    (one batched matmul; spec/4bit.md section 3 allows float32 here)."""
-    t = f.transform_of(kind, layer)
-    dev = x.device
-    xf = x.float() - t.mean.to(dev)
-    return torch.einsum("thd,hed->the", xf, t.encode.to(dev)).contiguous()
+    """The compact formats' transformed rows ``y = A (x - mean)``, float32 ``[T, H, d]``, on
+    x's device (spec/4bit.md section 3 allows float32 here). One batched matmul per head on
+    ``[H, T, d]`` views: the result is a ``[T, H, d]`` view of an ``[H, T, d]`` tensor (the
+    write kernel takes its strides), so neither operand nor result is copied to another
+    layout. The transform comes from the device cache: uploading it per call waited for the
+    stream (~1 ms per write on the H200, _device_consts.py)."""
+    mean, _, _, enc_t = transform_consts(f.transform_of(kind, layer), x.device)
+    xc = torch.sub(x, mean)  # float32 (type promotion): one pass, no separate x.float()
+    return torch.bmm(xc.transpose(0, 1), enc_t).transpose(0, 1)
 
 
 def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride) -> None:
     """The compact formats' write: ``y`` by torch, quantize + pack + scatter by a kernel."""
-    from kvzip_formats.compact import codebook
     from kvzip_kernels._formats import _kernel_groups
     from kvzip_kernels._write_codebook import _codebook_write_kernel
 
@@ -248,23 +252,20 @@ def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride) -> 
         lay.codes_view(cache, kind)[blk, :, off] = rows[..., : lay.code_bytes]
         lay.meta_view(cache)[blk, :, off] = rows[..., lay.code_bytes :]
         return
-    edges = torch.full((2, 16), float("inf"))
-    levels = torch.zeros(2, 8)
+    edges, levels = codebook_edges_levels(groups, str(x.device))
     consts = {}
     for g, (bits, ch, off, off1) in enumerate(groups):
-        if bits:
-            e = codebook.edges(bits)
-            edges[g, : e.numel()] = e
-            pos = codebook.POSITIVE_LEVELS[bits]
-            levels[g, : len(pos)] = torch.tensor(pos)
         consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
+    y = codebook_y(f, x, kind, layer)
     _codebook_write_kernel[(n,)](
-        codebook_y(f, x, kind, layer),
+        y,
         cache,
         cache.view(torch.float16),
         slot_mapping,
-        edges.to(x.device),
-        levels.to(x.device),
+        edges,
+        levels,
+        y.stride(0),
+        y.stride(1),
         h,
         lay.page_bytes,
         blk_stride,

@@ -1,0 +1,70 @@
+"""Per-call host work of the wrappers: with the Triton launches stubbed, a decode or write call
+of a compact format issues no torch compute or copy op (no per-call upload of transforms or
+codebook tables from host memory, which waits for the stream on CUDA: ~1 ms per call on the
+H200, results/kernels/bench_paged_decode_compact.md)."""
+
+import collections
+import importlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvzip_formats import get_format
+from kvzip_formats.ops import new_paged_cache
+from kvzip_kernels import cache_write, paged_decode
+from kvzip_kernels.testing import synthetic_calibration
+
+# allocations and views only
+ALLOWED = {"slice", "view", "empty", "empty_like", "detach", "transpose"}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Stub:
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    for name in ("kvzip_kernels.paged_decode", "kvzip_kernels._device_consts"):
+        mod = importlib.import_module(name)
+        for attr in dir(mod):
+            if attr.endswith("_kernel"):
+                monkeypatch.setattr(mod, attr, _Stub())
+
+
+@pytest.mark.parametrize("name", ["4bit", "3bit"])
+def test_decode_issues_no_torch_compute(name, stubbed):
+    fmt = get_format(name, calibration=synthetic_calibration(2, 128))
+    kc = new_paged_cache(fmt, 4, 2, 16, 128, kind="k")
+    vc = new_paged_cache(fmt, 4, 2, 16, 128, kind="v")
+    q = torch.randn(2, 8, 128).bfloat16()
+    bt = torch.arange(4, dtype=torch.int32).view(2, 2)
+    sl = torch.tensor([20, 32], dtype=torch.int32)
+    paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, max_seq_len=32)  # fills the caches
+    with _Count() as c:
+        paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, max_seq_len=32)
+    assert set(c.ops) <= ALLOWED, dict(c.ops)
+
+
+def test_compact_write_is_one_sub_and_one_bmm(monkeypatch):
+    wc = importlib.import_module("kvzip_kernels._write_codebook")
+    monkeypatch.setattr(wc, "_codebook_write_kernel", _Stub())
+    fmt = get_format("4bit", calibration=synthetic_calibration(2, 128))
+    cache = new_paged_cache(fmt, 4, 2, 16, 128, kind="k")
+    x = torch.randn(5, 2, 128).bfloat16()
+    slots = torch.arange(5)
+    cache_write(fmt, x, cache, slots, kind="k", block_size=16, check_slots=False)
+    with _Count() as c:
+        cache_write(fmt, x, cache, slots, kind="k", block_size=16, check_slots=False)
+    assert set(c.ops) - ALLOWED == {"sub", "bmm"} and c.ops["bmm"] == 1, dict(c.ops)
