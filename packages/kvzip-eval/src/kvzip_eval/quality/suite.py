@@ -66,7 +66,8 @@ PRESETS = {
     # Sized from one run per stage on the shared 2-core machine (int4-rot, ~40% of the
     # cores free): an 8,192-token window 128 s + 16 s of logits; 8 prompts x 128 new tokens
     # 69 s; 2 MK3 samples at 2,048 tokens 44 s. For the 5 baselines (bf16 reuses the
-    # reference) that is ~12 + 6 + 17 minutes.
+    # reference) that is ~12 + 6 + 17 minutes. The published run (results/quality/
+    # baselines.json) took 14.3 + 8.9 + 18.2 = 41 minutes with the machine's load at 10-16.
     "full": Settings(
         kl_windows=1,
         kl_length=0,
