@@ -29,8 +29,7 @@ TENSORS_NAME = "calibration.safetensors"
 #: ``{kind}_{stat}`` for kind in k, v and stat in mean, var, weight (see spec/calibration.md).
 TENSOR_NAMES = ("k_mean", "k_var", "k_weight", "v_mean", "v_var", "v_weight")
 #: Positions before this one are excluded from the statistics: the formats keep them in
-#: bf16 (sink tokens), and the first token's K is far from every other token's (measured on
-#: SmolLM2: its centred norm is 5-20x the median's), so it would bias the channel means.
+#: bf16 (sink tokens), so their K and V (attention sinks, unlike the others) need no fit.
 STATS_START = 1
 
 

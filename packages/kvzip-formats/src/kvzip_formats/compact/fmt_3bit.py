@@ -3,8 +3,8 @@ the other half at 3 (3.5 bits); V rows the same split at 3 and 2 bits (2.5 bits)
 token scale per row, one bf16 sink token. Rows at head_dim 128: K 56 + 2 = 58 bytes, V 40 +
 2 = 42 bytes (mean 50: 3.1251 bits); at head_dim 64: 30 and 22 bytes (3.2501 bits).
 
-Measured on SmolLM2 (2 x 2,048 held-out tokens): mean KL 0.118 against 0.133 for K and V at
-3 bits each and 0.174 for K 4 / V 2 bits (results/quality/ablation.md). Document:
+Measured on SmolLM2 (2,048 held-out tokens): mean KL 0.140 against 0.192 for K and V at 3
+bits each and 0.199 for K 4 / V 2 bits; int4 0.170 (results/quality/ablation.md). Document:
 spec/3bit.md."""
 
 from kvzip_formats.compact.codec import CompactSpec

@@ -3,7 +3,7 @@ per row, one bf16 sink token. Rows at head_dim 128: K 66 bytes, V 50 bytes (mean
 bits); at head_dim 64: 34 and 26 bytes (3.7501 bits).
 
 Spending the bits on K (whose error dominates) beats splitting every row into 4- and 3-bit
-halves: mean KL 0.044 against 0.066 on SmolLM2 (results/quality/ablation.md). Document:
+halves: mean KL 0.054 against 0.076 on SmolLM2 (results/quality/ablation.md). Document:
 spec/3.5bit.md."""
 
 from kvzip_formats.compact.codec import CompactSpec
