@@ -194,7 +194,8 @@ def main(cal_dir, windows, baselines, length, json_path, md_path):
         f.write(
             f"{windows} windows x {length} tokens of the eval split of pydoc_data.topics, "
             f"{info.name}; each row is the shipped codec with ingredients switched off; the rows "
-            "of one budget are cumulative down to the '=' row, then leave-one-out.\n\n"
+            "of the 4bit budget add one ingredient each down to the '=' row; the other rows are "
+                "alternative bit splits at the same budget.\n\n"
         )
         f.write(provenance_markdown(prov) + "\n" + table + "\n")
     click.echo(table)
