@@ -44,8 +44,9 @@ def _stub_kernels():
     import importlib
 
     # the package re-exports the functions under the modules' names: import the modules
-    for mod in map(importlib.import_module, ("kvzip_kernels.paged_decode",
-                                             "kvzip_kernels.cache_write")):
+    for mod in map(
+        importlib.import_module, ("kvzip_kernels.paged_decode", "kvzip_kernels.cache_write")
+    ):
         for name in dir(mod):
             if name.endswith("_kernel"):
                 setattr(mod, name, _Stub())
@@ -90,10 +91,10 @@ def main():
         kc = new_paged_cache(fmt, b * ctx // ps, hkv, ps, d, kind="k")
         vc = new_paged_cache(fmt, b * ctx // ps, hkv, ps, d, kind="v")
         calls = {
-            "paged_decode": lambda: paged_decode(
+            "paged_decode": lambda fmt=fmt, kc=kc, vc=vc: paged_decode(
                 fmt, q, kc, vc, bt, sl, block_size=ps, max_seq_len=ctx
             ),
-            "cache_write": lambda: cache_write(
+            "cache_write": lambda fmt=fmt, kc=kc: cache_write(
                 fmt, x, kc, slots, kind="k", block_size=ps, check_slots=False
             ),
         }
@@ -105,10 +106,21 @@ def main():
             for _ in range(a.iters):
                 fn()
             host_us = (time.perf_counter() - t0) / a.iters * 1e6
-            heavy = {k: v for k, v in c.ops.items() if k not in ("view", "empty", "slice",
-                                                                "clone", "transpose")}
-            rows.append(dict(format=name, op=op, aten_ops=sum(c.ops.values()),
-                             ops=dict(c.ops), non_view_ops=heavy, host_us=round(host_us, 1)))
+            heavy = {
+                k: v
+                for k, v in c.ops.items()
+                if k not in ("view", "empty", "slice", "clone", "transpose")
+            }
+            rows.append(
+                dict(
+                    format=name,
+                    op=op,
+                    aten_ops=sum(c.ops.values()),
+                    ops=dict(c.ops),
+                    non_view_ops=heavy,
+                    host_us=round(host_us, 1),
+                )
+            )
             print(rows[-1], flush=True)
     if a.out:
         meta = dict(
@@ -119,8 +131,7 @@ def main():
             note="host_us: this shared CPU, ratios only; shape 8B (32 q / 8 kv heads), batch 8",
         )
         out = Path(a.out)
-        (out / f"host_overhead{a.tag}.json").write_text(json.dumps(dict(meta, rows=rows),
-                                                                   indent=1))
+        (out / f"host_overhead{a.tag}.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -36,11 +36,7 @@ def on_device(src, device, make):
         _CACHE.move_to_end(key)
         return hit[1]
     val = make(src)
-    val = (
-        tuple(v.to(device) for v in val)
-        if isinstance(val, tuple)
-        else val.to(device)
-    )
+    val = tuple(v.to(device) for v in val) if isinstance(val, tuple) else val.to(device)
     _CACHE[key] = (src, val)
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -130,8 +126,11 @@ def _fold_q_kernel(
     pow2 = ((140 - ex) << 23).to(tl.float32, bitcast=True)  # 2**(13 - ex)
     inv = ((ex + 114) << 23).to(tl.float32, bitcast=True)  # 2**(ex - 13)
     rows = pid * G + m
-    tl.store(q16_ptr + rows[:, None] * D + e[None, :], (qp * pow2[:, None]).to(tl.float16),
-             mask=mm[:, None])
+    tl.store(
+        q16_ptr + rows[:, None] * D + e[None, :],
+        (qp * pow2[:, None]).to(tl.float16),
+        mask=mm[:, None],
+    )
     tl.store(qs_ptr + rows, inv, mask=mm)
 
 
@@ -175,19 +174,43 @@ def fold_q(q: torch.Tensor, bk: torch.Tensor, num_kv_heads: int):
     q16 = torch.empty(b, hq, d, dtype=torch.float16, device=q.device)
     qs = torch.empty(b * hq, dtype=torch.float32, device=q.device)
     _fold_q_kernel[(b * num_kv_heads,)](
-        q, bk, q16, qs, q.stride(0), q.stride(1), num_kv_heads,
-        G=g, BLOCK_M=max(16, triton.next_power_of_2(g)), D=d, BLOCK_K=32, num_warps=4,
+        q,
+        bk,
+        q16,
+        qs,
+        q.stride(0),
+        q.stride(1),
+        num_kv_heads,
+        G=g,
+        BLOCK_M=max(16, triton.next_power_of_2(g)),
+        D=d,
+        BLOCK_K=32,
+        num_warps=4,
     )
     return q16, qs
 
 
-def unfold_o(y: torch.Tensor, bvt: torch.Tensor, mean: torch.Tensor, out: torch.Tensor,
-             num_kv_heads: int, interpret: bool) -> None:
+def unfold_o(
+    y: torch.Tensor,
+    bvt: torch.Tensor,
+    mean: torch.Tensor,
+    out: torch.Tensor,
+    num_kv_heads: int,
+    interpret: bool,
+) -> None:
     """``out`` bf16 ``[b, hq, d]`` = B_v y + mean_v for y float32 ``[b, hq, d]``."""
     b, hq, d = out.shape
     g = hq // num_kv_heads
     _unfold_o_kernel[(b * num_kv_heads,)](
-        y, bvt, mean, out, num_kv_heads,
-        G=g, BLOCK_M=max(16, triton.next_power_of_2(g)), D=d, BLOCK_K=32,
-        INTERPRET=interpret, num_warps=4,
+        y,
+        bvt,
+        mean,
+        out,
+        num_kv_heads,
+        G=g,
+        BLOCK_M=max(16, triton.next_power_of_2(g)),
+        D=d,
+        BLOCK_K=32,
+        INTERPRET=interpret,
+        num_warps=4,
     )
