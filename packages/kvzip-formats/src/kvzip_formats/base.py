@@ -101,13 +101,13 @@ class KVFormat(ABC):
     # -- codec ------------------------------------------------------------------------
     @abstractmethod
     def encode(self, x: torch.Tensor, *, kind: Kind, layer: int) -> torch.Tensor:
-        """``[tokens, kv_heads, head_dim]`` float -> ``[tokens, kv_heads, token_head_bytes]`` uint8."""
+        """Float ``[tokens, kv_heads, head_dim]`` -> uint8 ``[tokens, kv_heads, row_bytes]``."""
 
     @abstractmethod
     def decode(
         self, packed: torch.Tensor, *, kind: Kind, layer: int, head_dim: int
     ) -> torch.Tensor:
-        """``[tokens, kv_heads, token_head_bytes]`` uint8 -> float32 ``[tokens, kv_heads, head_dim]``."""
+        """Uint8 ``[tokens, kv_heads, row_bytes]`` -> float32 ``[tokens, kv_heads, head_dim]``."""
 
     def roundtrip(self, x: torch.Tensor, *, kind: Kind, layer: int, start: int = 0) -> torch.Tensor:
         """What attention reads back for tokens at positions ``start .. start+tokens-1``."""
