@@ -252,4 +252,4 @@ def command(
         click.echo(f"wrote {path}")
 
 
-command.help += _PRESET_HELP + "."
+command.help = command.help.rstrip() + " " + _PRESET_HELP + "."
