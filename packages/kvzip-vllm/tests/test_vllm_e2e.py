@@ -4,8 +4,9 @@ vLLM start-up here is ~15-25 s (import ~30 s more); the file runs four vLLM proc
 CPU example (connector), the eviction scenario, and the backend with bf16 and with the
 compact format, plus the same generations through kvzip eval's path (HF transformers).
 Measured on the shared 2-core machine (load average 3-6 from other work): 9.6 minutes for
-this file (backend 303 s, eviction 168 s, example 107 s); CI's unshared cores should do better. ``KVZIP_TEST_FORMAT`` picks the format (default ``4bit`` when kvzip_formats
-registers it, else ``int4``).
+this file (backend 303 s, eviction 168 s, example 107 s); CI's unshared cores should do
+better. ``KVZIP_TEST_FORMAT`` picks the format (default ``4bit`` when kvzip_formats registers
+it, else ``int4``).
 """
 
 from __future__ import annotations
