@@ -93,6 +93,15 @@ def _uniform_levels(bits: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) - (n - 1) / 2) * UNIFORM_STEP[bits]
 
 
+def shipped() -> list[Variant]:
+    """The three shipped formats, as variants (for checks on other windows or calibrations)."""
+    return [
+        Variant("shipped", "4bit", ((1.0, 4),), ((1.0, 4),)),
+        Variant("shipped", "3.5bit", ((1.0, 4),), ((1.0, 3),)),
+        Variant("shipped", "3bit", ((0.5, 4), (0.5, 3)), ((0.5, 3), (0.5, 2))),
+    ]
+
+
 def variants() -> list[Variant]:
     four = (((1.0, 4),), ((1.0, 4),))
     three = (((0.5, 4), (0.5, 3)), ((0.5, 3), (0.5, 2)))
@@ -127,9 +136,10 @@ def variants() -> list[Variant]:
 @click.option("--windows", type=int, default=1, show_default=True)
 @click.option("--baselines", default="int4", show_default=True, help="Baselines in the same run.")
 @click.option("--length", type=int, default=2048, show_default=True)
+@click.option("--only-shipped", is_flag=True, help="Only the three shipped formats.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True)
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), required=True)
-def main(cal_dir, windows, baselines, length, json_path, md_path):
+def main(cal_dir, windows, baselines, length, only_shipped, json_path, md_path):
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import load_model
     from kvzip_eval.quality.kl import measure_kl
@@ -142,7 +152,7 @@ def main(cal_dir, windows, baselines, length, json_path, md_path):
     cal.check_model(loaded.info)
     info = loaded.info
     formats = {n: get_format(n) for n in baselines.split(",") if n}
-    vs = variants()
+    vs = shipped() if only_shipped else variants()
     for v in vs:
         formats[f"{v.budget}: {v.label}"] = make_format(v, cal)
     wins = token_windows(loaded.tokenizer, windows, length, split="eval")
@@ -195,7 +205,7 @@ def main(cal_dir, windows, baselines, length, json_path, md_path):
             f"{windows} windows x {length} tokens of the eval split of pydoc_data.topics, "
             f"{info.name}; each row is the shipped codec with ingredients switched off; the rows "
             "of the 4bit budget add one ingredient each down to the '=' row; the other rows are "
-                "alternative bit splits at the same budget.\n\n"
+            "alternative bit splits at the same budget.\n\n"
         )
         f.write(provenance_markdown(prov) + "\n" + table + "\n")
     click.echo(table)
