@@ -146,3 +146,26 @@ def test_invalid_model_record_and_updates():
         acc.finalize([torch.zeros(8, HQ * D)] * L, MODEL, {})
     with pytest.raises(CalibrationError, match="Calibration, a directory"):
         as_calibration(42)
+
+
+def test_rotary_adjust_drops_turning_means_and_pairs_stats():
+    from kvzip_formats.calibration import rotary_adjust
+
+    cal, _, _ = accumulate()
+    # D = 16, theta 1e4, context 512: pair j turns by 1e4^(-j/8) * 512 rad; only j = 7
+    # (0.162 rad) stays under 0.25 rad
+    adj = rotary_adjust(cal, 1e4, 512)
+    assert adj.fit["rotary_adjust"]["turning_channels"] == 14
+    keep = torch.zeros(D, dtype=torch.bool)
+    keep[[7, 15]] = True
+    m0, v0, w0 = cal.stats("k", 1)
+    m1, v1, w1 = adj.stats("k", 1)
+    assert torch.equal(m1[:, keep], m0[:, keep]) and torch.equal(v1[:, keep], v0[:, keep])
+    assert (m1[:, ~keep] == 0).all()
+    second = (v0 + m0**2).double()
+    pair = (second[:, :8] + second[:, 8:]) / 2
+    assert torch.allclose(v1[:, :7].double(), pair[:, :7], rtol=1e-6)
+    assert torch.equal(v1[:, :8][:, :7], v1[:, 8:][:, :7])
+    assert torch.allclose(w1[:, :7].double(), ((w0[:, :8] + w0[:, 8:]) / 2)[:, :7].double())
+    # V statistics are untouched (V is not rotated)
+    assert all(torch.equal(a, b) for a, b in zip(adj.stats("v", 0), cal.stats("v", 0), strict=True))
