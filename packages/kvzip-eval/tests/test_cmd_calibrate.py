@@ -28,11 +28,20 @@ def test_calibrate_writes_artifact_matching_capture_kv(loaded, tmp_path):
     # the hook saw exactly the K/V a cache stores: compare with capture_kv on the same window
     ids = token_windows(loaded.tokenizer, 1, 48, split="calib", seed=0)
     kv = capture_kv(loaded, ids)
+    inv = loaded.model.model.rotary_emb.inv_freq.double()
+    keep = torch.cat((inv, inv)) * loaded.info.max_context <= 0.25  # pairs RoPE barely turns
+    assert cal.fit["rotary_adjust"]["turning_channels"] == int((~keep).sum()) > 0
     for layer in (0, 17, 29):
         k, v = (t[1:].double() for t in kv[layer])
         mean, var, weight = cal.stats("k", layer)
-        assert torch.allclose(mean.double(), k.mean(0), rtol=1e-4, atol=1e-4)
-        assert torch.allclose(var.double(), k.var(0, unbiased=False), rtol=1e-3, atol=1e-3)
+        assert torch.allclose(mean.double()[:, keep], k.mean(0)[:, keep], rtol=1e-4, atol=1e-4)
+        assert (mean[:, ~keep] == 0).all()
+        want = k.var(0, unbiased=False)[:, keep]
+        assert torch.allclose(var.double()[:, keep], want, rtol=1e-3, atol=1e-3)
+        second = (k**2).mean(0)  # turning pairs: second moment about 0, averaged over the pair
+        h = loaded.info.head_dim // 2
+        pair = torch.cat(((second[:, :h] + second[:, h:]) / 2,) * 2, -1)
+        assert torch.allclose(var.double()[:, ~keep], pair[:, ~keep], rtol=1e-3, atol=1e-3)
         assert (weight > 0).all()
         assert torch.allclose(cal.stats("v", layer)[0].double(), v.mean(0), rtol=1e-4, atol=1e-4)
     # and the formats run on it

@@ -154,7 +154,8 @@ def test_rotary_adjust_drops_turning_means_and_pairs_stats():
     cal, _, _ = accumulate()
     # D = 16, theta 1e4, context 512: pair j turns by 1e4^(-j/8) * 512 rad; only j = 7
     # (0.162 rad) stays under 0.25 rad
-    adj = rotary_adjust(cal, 1e4, 512)
+    inv_freq = 1e4 ** (-torch.arange(8, dtype=torch.float64) / 8)
+    adj = rotary_adjust(cal, inv_freq, 512)
     assert adj.fit["rotary_adjust"]["turning_channels"] == 14
     keep = torch.zeros(D, dtype=torch.bool)
     keep[[7, 15]] = True
@@ -169,3 +170,5 @@ def test_rotary_adjust_drops_turning_means_and_pairs_stats():
     assert torch.allclose(w1[:, :7].double(), ((w0[:, :8] + w0[:, 8:]) / 2)[:, :7].double())
     # V statistics are untouched (V is not rotated)
     assert all(torch.equal(a, b) for a, b in zip(adj.stats("v", 0), cal.stats("v", 0), strict=True))
+    with pytest.raises(CalibrationError, match="inv_freq"):
+        rotary_adjust(cal, inv_freq[:4], 512)

@@ -226,36 +226,39 @@ class StatsAccumulator:
 
 
 def rotary_adjust(
-    cal: Calibration, rope_theta: float, max_context: int, max_angle: float = 0.25
+    cal: Calibration, inv_freq: torch.Tensor, max_context: int, max_angle: float = 0.25
 ) -> Calibration:
     """Make K's statistics hold at every position up to ``max_context``, not only where fitted.
 
-    K is stored after RoPE, which turns rotary pair ``(j, j + d/2)`` by ``theta_j * pos``: its
-    mean is constant only where ``theta_j * max_context <= max_angle`` radians. For the other
-    pairs the mean is dropped (folded into the second moment: subtracting a mean fitted on
-    short windows added error further out, where the pair has turned: 4bit's KL rose from
-    0.025 at positions < 1k to 0.14 at 7-8k, results/quality/compact.md) and the pair's two
-    channels get their average variance and weight (RoPE mixes them).
+    K is stored after RoPE, which turns rotary pair ``(j, j + d/2)`` by ``inv_freq[j] * pos``
+    (``inv_freq``: the model's ``[d/2]`` rotary frequencies, scaling included): its mean is
+    constant only where ``inv_freq[j] * max_context <= max_angle`` radians. For the other pairs
+    the mean is dropped (folded into the second moment: subtracting a mean fitted on short
+    windows added error further out, where the pair has turned: 4bit's KL rose from 0.025 at
+    positions < 1k to 0.14 at 7-8k, results/quality/compact.md) and the pair's two channels
+    get their average variance and weight (RoPE mixes them).
     """
     d = cal.head_dim
     half = d // 2
-    inv = rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / d)
+    inv = torch.as_tensor(inv_freq, dtype=torch.float64).flatten()
+    if inv.numel() != half:
+        raise CalibrationError(f"inv_freq must have head_dim/2 = {half} entries, got {inv.numel()}")
     turns = torch.cat((inv, inv)) * max_context > max_angle  # [d] channels of turning pairs
     t = {k: v.clone() for k, v in cal.tensors.items()}
     mean, var, w = (t[f"k_{s}"].double() for s in ("mean", "var", "weight"))
-    second = var + mean**2
-    var = torch.where(turns, second, var)
+    var = torch.where(turns, var + mean**2, var)
     mean = torch.where(turns, torch.zeros_like(mean), mean)
 
     def pair_avg(x):
         avg = (x[..., :half] + x[..., half:]) / 2
         return torch.where(turns, torch.cat((avg, avg), -1), x)
 
-    t["k_mean"], t["k_var"], t["k_weight"] = (a.float() for a in (mean, pair_avg(var), pair_avg(w)))
+    t["k_mean"], t["k_var"], t["k_weight"] = (
+        a.float().contiguous() for a in (mean, pair_avg(var), pair_avg(w))
+    )
     fit = dict(
         cal.fit,
         rotary_adjust={
-            "rope_theta": rope_theta,
             "max_context": max_context,
             "max_angle": max_angle,
             "turning_channels": int(turns.sum()),

@@ -57,7 +57,7 @@ def model_record(info) -> dict:
 @torch.no_grad()
 def fit(loaded, windows: torch.Tensor, *, fit_record: dict | None = None, progress: bool = True):
     """Calibration of ``loaded`` (a kvzip_eval LoadedModel) on ``windows`` ``LongTensor[n, T]``."""
-    from kvzip_formats.calibration import StatsAccumulator
+    from kvzip_formats.calibration import StatsAccumulator, rotary_adjust
 
     info = loaded.info
     if windows.dim() != 2 or windows.shape[1] < 2:
@@ -72,4 +72,8 @@ def fit(loaded, windows: torch.Tensor, *, fit_record: dict | None = None, progre
     record = dict(
         fit_record or {}, windows=int(windows.shape[0]), window_tokens=int(windows.shape[1])
     )
-    return acc.finalize(o_proj, model_record(info), record)
+    cal = acc.finalize(o_proj, model_record(info), record)
+    # K's mean and per-channel spread hold at long positions only for pairs RoPE barely turns
+    # (kvzip_formats.calibration.rotary_adjust); the model's own inv_freq has any scaling in it
+    inv_freq = model.model.rotary_emb.inv_freq.detach().double().cpu()
+    return rotary_adjust(cal, inv_freq, info.max_context)
