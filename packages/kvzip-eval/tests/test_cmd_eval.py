@@ -107,11 +107,18 @@ def test_calibrated_formats_need_calibration(loaded, tmp_path, monkeypatch):
     from kvzip_formats import get_format, list_formats
 
     needs = [n for n in list_formats() if get_format(n).needs_calibration]
-    if not needs:
-        pytest.skip("no registered format needs a calibration")
+    assert needs, "the compact formats (4bit, 3.5bit, 3bit) need a calibration"
     monkeypatch.setattr(model, "cache_dir", lambda: tmp_path)  # no default calibration there
     with pytest.raises(click.UsageError, match=f"format '{needs[0]}' needs a calibration"):
         resolve_formats(["int4", needs[0]], None, loaded.info)
     # Asked for every format by default: skipped with a note instead.
     got = resolve_formats(["int4", needs[0]], None, loaded.info, explicit=False)
     assert list(got) == ["int4"]
+    # `kvzip eval` passes an auto-calibration: it runs once, only for a format that needs it,
+    # and a calibration it could not make still ends in the clear error.
+    calls = []
+    with pytest.raises(click.UsageError, match="needs a calibration"):
+        resolve_formats(
+            ["int4", needs[0]], None, loaded.info, auto_calibrate=lambda: calls.append(1)
+        )
+    assert calls == [1]

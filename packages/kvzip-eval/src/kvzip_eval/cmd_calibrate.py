@@ -56,13 +56,9 @@ def command(model_path, out_dir, text_file, windows, length, seed) -> None:
 
     Calibration uses the "calib" split of the text, disjoint from what `kvzip eval` scores.
     """
-    import datetime as dt
     import time
 
-    from kvzip_eval.calibrate import fit
-    from kvzip_eval.corpus import token_windows
-    from kvzip_eval.model import ModelError, cache_dir, load_model
-    from kvzip_eval.results import versions
+    from kvzip_eval.model import ModelError, load_model
     from kvzip_formats.calibration import CALIBRATION_VERSION
 
     t0 = time.perf_counter()
@@ -73,21 +69,50 @@ def command(model_path, out_dir, text_file, windows, length, seed) -> None:
     info = loaded.info
     length = min(length, info.max_context)
     try:
-        wins = token_windows(
-            loaded.tokenizer, windows, length, text_file=text_file, split="calib", seed=seed
+        out = calibrate_model(
+            loaded, out_dir=out_dir, text_file=text_file, windows=windows, length=length, seed=seed
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
+    click.echo(
+        f"calibration v{CALIBRATION_VERSION} of {info.name} (identity {info.identity}, "
+        f"{windows} x {length} tokens) written to {out} in {time.perf_counter() - t0:.0f} s"
+    )
+
+
+def calibrate_model(
+    loaded,
+    *,
+    out_dir=None,
+    text_file=None,
+    windows: int = DEFAULT_WINDOWS,
+    length: int = DEFAULT_LENGTH,
+    seed: int = 0,
+):
+    """Fit the compact formats' calibration for an already loaded model and save it.
+
+    Streams ``windows`` x ``length`` tokens of the text's "calib" split (disjoint from what
+    `kvzip eval` scores) and writes to ``out_dir`` (default: the cache directory that
+    `kvzip eval` looks in). Returns the directory. Raises ``ValueError`` for too little text.
+    """
+    import datetime as dt
+
+    from kvzip_eval.calibrate import fit
+    from kvzip_eval.corpus import token_windows
+    from kvzip_eval.model import cache_dir
+    from kvzip_eval.results import versions
+
+    info = loaded.info
+    length = min(length, info.max_context)
+    wins = token_windows(
+        loaded.tokenizer, windows, length, text_file=text_file, split="calib", seed=seed
+    )
     record = {
-        "text": text_file or "pydoc_data.topics",
+        "text": str(text_file) if text_file else "pydoc_data.topics",
         "split": "calib",
         "seed": seed,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "versions": versions(),
     }
     cal = fit(loaded, wins, fit_record=record)
-    out = cal.save(out_dir or cache_dir() / "calibration" / info.identity)
-    click.echo(
-        f"calibration v{CALIBRATION_VERSION} of {info.name} (identity {info.identity}, "
-        f"{windows} x {length} tokens) written to {out} in {time.perf_counter() - t0:.0f} s"
-    )
+    return cal.save(out_dir or cache_dir() / "calibration" / info.identity)

@@ -31,12 +31,15 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
-def resolve_formats(names: list[str], calibration, info, *, explicit: bool = True) -> dict:
+def resolve_formats(
+    names: list[str], calibration, info, *, explicit: bool = True, auto_calibrate=None
+) -> dict:
     """Instantiate the formats; calibrated ones take ``calibration`` (a directory), or the
     default ``<cache>/calibration/<model identity>`` that `kvzip calibrate` writes.
 
-    A format that needs a calibration and has none is an error when named (``explicit``);
-    when every registered format was asked for by default, it is skipped with a note.
+    With none there, ``auto_calibrate()`` (if given) runs the one-time calibration into that
+    default directory and returns it. Otherwise a format that needs a calibration is an error
+    when named (``explicit``); when every format was asked for by default, it is skipped.
     """
     from kvzip_eval.model import cache_dir
     from kvzip_formats import FormatError, get_format, list_formats
@@ -55,6 +58,9 @@ def resolve_formats(names: list[str], calibration, info, *, explicit: bool = Tru
         except (FormatError, OSError) as e:
             raise click.UsageError(f"format {name!r} could not be set up: {e}") from e
         if getattr(fmt, "needs_calibration", False):
+            if calib is None and auto_calibrate is not None:
+                calib = auto_calibrate()
+                fmt = get_format(name, calibration=calib)
             if calib is None:
                 if explicit:
                     raise click.UsageError(
@@ -150,6 +156,11 @@ def resolve_formats(names: list[str], calibration, info, *, explicit: bool = Tru
     "--batch-size", type=int, default=None, help="Override: prompts per generation batch."
 )
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option(
+    "--no-auto-calibrate",
+    is_flag=True,
+    help="Do not run the one-time calibration when a format needs one and none is cached.",
+)
 def command(
     model_path,
     formats,
@@ -169,6 +180,7 @@ def command(
     tasks,
     batch_size,
     no_progress,
+    no_auto_calibrate,
 ):
     """Quality of KV-cache formats: KL at every position, words changed, multi-key retrieval.
 
@@ -210,7 +222,29 @@ def command(
     except ModelError as e:
         raise click.UsageError(str(e)) from e
     names = [f.strip() for f in formats.split(",") if f.strip()] if formats else list_formats()
-    fmts = resolve_formats(names, calibration, loaded.info, explicit=bool(formats))
+
+    def auto_calibrate():
+        from kvzip_eval.cmd_calibrate import calibrate_model
+
+        click.echo(
+            f"no calibration cached for {loaded.info.name}: running the one-time "
+            "`kvzip calibrate` (a few minutes on 2 cores) ...",
+            err=True,
+        )
+        try:
+            out = calibrate_model(loaded, text_file=text_file, seed=seed)
+        except ValueError as e:
+            raise click.UsageError(f"calibration failed: {e}") from e
+        click.echo(f"calibration written to {out}", err=True)
+        return out
+
+    fmts = resolve_formats(
+        names,
+        calibration,
+        loaded.info,
+        explicit=bool(formats),
+        auto_calibrate=None if no_auto_calibrate else auto_calibrate,
+    )
     try:
         body, used = run_suite(
             loaded,
