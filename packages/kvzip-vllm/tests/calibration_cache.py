@@ -27,8 +27,22 @@ def calibration(fmt: str) -> str | None:
     try:
         kvzip_formats.get_format(fmt, calibration=out).encode(_probe(), kind="k", layer=0)
     except (CalibrationError, OSError, ValueError):
-        subprocess.run([sys.executable, "-m", "kvzip_eval.cli", "calibrate", "--windows", "4",
-                        "--length", "1024", "--out", str(out)], check=True, timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvzip_eval.cli",
+                "calibrate",
+                "--windows",
+                "4",
+                "--length",
+                "1024",
+                "--out",
+                str(out),
+            ],
+            check=True,
+            timeout=600,
+        )
         kvzip_formats.get_format(fmt, calibration=out).encode(_probe(), kind="k", layer=0)
     return str(out)
 

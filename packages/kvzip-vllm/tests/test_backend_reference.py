@@ -66,12 +66,18 @@ def _compact(name):
 
 @pytest.mark.parametrize(
     ("fmt", "heads", "kv_heads", "d"),
-    [(kvzip_formats.get_format("int4"), 9, 3, 64), (kvzip_formats.get_format("int4"), 4, 1, 128),
-     (_Int4WithSink(), 9, 3, 64), (_Int4WithSink(), 4, 1, 128),
-     # compact formats, calibrated for the embedded model (3 KV heads, d 64): 3.5bit's K and V
-     # rows differ in size, all three keep a bf16 sink token
-     ("4bit", 9, 3, 64), ("3.5bit", 9, 3, 64)],
-    ids=["int4-d64", "int4-d128", "int4+sink-d64", "int4+sink-d128", "4bit", "3.5bit"])
+    [
+        (kvzip_formats.get_format("int4"), 9, 3, 64),
+        (kvzip_formats.get_format("int4"), 4, 1, 128),
+        (_Int4WithSink(), 9, 3, 64),
+        (_Int4WithSink(), 4, 1, 128),
+        # compact formats, calibrated for the embedded model (3 KV heads, d 64): 3.5bit's K and V
+        # rows differ in size, all three keep a bf16 sink token
+        ("4bit", 9, 3, 64),
+        ("3.5bit", 9, 3, 64),
+    ],
+    ids=["int4-d64", "int4-d128", "int4+sink-d64", "int4+sink-d128", "4bit", "3.5bit"],
+)
 def test_paged_prefill_then_decode_matches_roundtrip_attention(fmt, heads, kv_heads, d):
     if isinstance(fmt, str):
         fmt = _compact(fmt)
@@ -90,9 +96,15 @@ def test_paged_prefill_then_decode_matches_roundtrip_attention(fmt, heads, kv_he
     for lo, hi in ((0, 20), (20, n_prefill), (n_prefill, total)):  # 2 prefill chunks, 1 decode
         impl.do_kv_cache_update(layer, k[lo:hi], v[lo:hi], cache, slots[lo:hi])
         meta = KvzipAttentionMetadata(
-            num_actual_tokens=hi - lo, max_query_len=hi - lo, max_seq_len=hi,
-            query_start_loc_cpu=torch.tensor([0, hi - lo]), seq_lens_cpu=torch.tensor([hi]),
-            seq_lens=torch.tensor([hi]), block_table=table, slot_mapping=slots[lo:hi])
+            num_actual_tokens=hi - lo,
+            max_query_len=hi - lo,
+            max_seq_len=hi,
+            query_start_loc_cpu=torch.tensor([0, hi - lo]),
+            seq_lens_cpu=torch.tensor([hi]),
+            seq_lens=torch.tensor([hi]),
+            block_table=table,
+            slot_mapping=slots[lo:hi],
+        )
         out = torch.zeros(hi - lo, heads, d, dtype=torch.float32)
         impl.forward(layer, q[lo:hi], k[lo:hi], v[lo:hi], cache, meta, out)
         want = _reference(fmt, q[lo:hi], k[:hi], v[:hi], impl.scale)

@@ -27,8 +27,11 @@ def test_other_vllm_versions_refused(version):
 
 
 def test_model_refusals_name_what_is_supported():
-    ok = dict(dtypes=support.SUPPORTED_BACKEND_DTYPES, what="backend",
-              head_sizes=support.SUPPORTED_HEAD_SIZES)
+    ok = dict(
+        dtypes=support.SUPPORTED_BACKEND_DTYPES,
+        what="backend",
+        head_sizes=support.SUPPORTED_HEAD_SIZES,
+    )
     support.check_model(_model(), **ok)
     with pytest.raises(support.UnsupportedConfigError, match="GPT2.*supported: LlamaForCausalLM"):
         support.check_model(_model(arch="GPT2LMHeadModel"), **ok)
@@ -37,14 +40,16 @@ def test_model_refusals_name_what_is_supported():
     with pytest.raises(support.UnsupportedConfigError, match="head size 96.*supported: 64, 128"):
         support.check_model(_model(head=96), **ok)
     with pytest.raises(support.UnsupportedConfigError, match="float16.*supported: bfloat16"):
-        support.check_model(_model(dtype=torch.float16), dtypes=support.SUPPORTED_CONNECTOR_DTYPES,
-                            what="connector")
+        support.check_model(
+            _model(dtype=torch.float16), dtypes=support.SUPPORTED_CONNECTOR_DTYPES, what="connector"
+        )
 
 
 def test_parallel_refused():
     with pytest.raises(support.UnsupportedConfigError, match="tensor_parallel_size=2"):
-        support.check_parallel(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
-                               what="connector")
+        support.check_parallel(
+            SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1), what="connector"
+        )
 
 
 def test_plugin_is_inert_without_env(monkeypatch):
@@ -64,8 +69,10 @@ def test_plugin_registers_backend_when_enabled(monkeypatch):
     monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
     monkeypatch.setattr(registry, "_ATTN_OVERRIDES", dict(registry._ATTN_OVERRIDES))
     importlib.import_module("kvzip_vllm.plugin").register()
-    assert registry.AttentionBackendEnum.CPU_ATTN.get_path() == \
-        "kvzip_vllm.backend.KvzipAttentionBackend"
+    assert (
+        registry.AttentionBackendEnum.CPU_ATTN.get_path()
+        == "kvzip_vllm.backend.KvzipAttentionBackend"
+    )
 
 
 def test_backend_spec_uses_format_bytes(monkeypatch):
@@ -100,10 +107,12 @@ def test_connector_refuses_unsupported_setups_at_start(change, match):
 
     cfg = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(get_from_extra_config=lambda k, d: d),
-        model_config=_model(arch=change.get("arch", "LlamaForCausalLM"),
-                            dtype=change.get("dtype", torch.bfloat16)),
-        parallel_config=SimpleNamespace(tensor_parallel_size=change.get("tp", 1),
-                                        pipeline_parallel_size=1),
+        model_config=_model(
+            arch=change.get("arch", "LlamaForCausalLM"), dtype=change.get("dtype", torch.bfloat16)
+        ),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=change.get("tp", 1), pipeline_parallel_size=1
+        ),
         cache_config=SimpleNamespace(cache_dtype=change.get("cache_dtype", "auto"), block_size=16),
     )
     with pytest.raises(support.UnsupportedConfigError, match=match):

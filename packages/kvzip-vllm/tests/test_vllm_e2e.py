@@ -32,11 +32,13 @@ def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProces
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     full_env.pop("KVZIP_KV_FORMAT", None)
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, *args], env=full_env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, *args], env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -44,15 +46,25 @@ def _format_name() -> str:
     import kvzip_formats
 
     return os.environ.get("KVZIP_TEST_FORMAT") or (
-        "4bit" if "4bit" in kvzip_formats.list_formats() else "int4")
+        "4bit" if "4bit" in kvzip_formats.list_formats() else "int4"
+    )
 
 
 # ---------------------------------------------------------------------------- connector
 @cache
 def _example(tmp: Path) -> dict:
     out = tmp / "example.json"
-    _run([str(PKG / "examples" / "cpu_example.py"), "--prompt-tokens", "768",
-          "--max-tokens", "12", "--json", str(out)])
+    _run(
+        [
+            str(PKG / "examples" / "cpu_example.py"),
+            "--prompt-tokens",
+            "768",
+            "--max-tokens",
+            "12",
+            "--json",
+            str(out),
+        ]
+    )
     return json.loads(out.read_text())
 
 
@@ -70,7 +82,8 @@ def test_connector_restores_prefix_bit_exact(tmp_path_factory):
     assert s["table_fit_tokens"] >= 1024 and s["table_bytes"] > 0
     assert r["prompt_raw_bytes"] >= 1.5 * r["prompt_bytes"], (
         f"tier ratio {r['prompt_ratio']:.3f} < 1.5 ({r['prompt_bytes']} bytes for "
-        f"{r['prompt_raw_bytes']} raw)")
+        f"{r['prompt_raw_bytes']} raw)"
+    )
     assert s["bytes_saved"] == s["raw_bytes_held"] - s["bytes_held"] > 0
 
 
@@ -78,8 +91,16 @@ def test_connector_evicts_and_never_serves_a_wrong_prefix(tmp_path):
     out = tmp_path / "eviction.json"
     # 4 MB: about 8 compressed 32-token blocks (0.74 MB raw each at 1.6x); each prompt has 6
     # full blocks, the first 3 shared by all 4 prompts, so the 15 distinct blocks cannot fit.
-    _run([str(HERE / "vllm_scenarios.py"), "eviction", "--out", str(out),
-          "--budget-bytes", str(4 << 20)])
+    _run(
+        [
+            str(HERE / "vllm_scenarios.py"),
+            "eviction",
+            "--out",
+            str(out),
+            "--budget-bytes",
+            str(4 << 20),
+        ]
+    )
     r = json.loads(out.read_text())
     s = r["stats"]
     assert s["evictions"] > 0, s

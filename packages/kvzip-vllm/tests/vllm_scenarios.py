@@ -1,7 +1,7 @@
 """Scenarios the end-to-end tests run, each in a fresh process (one vLLM per process).
 
-    python vllm_scenarios.py backend  --out result.json   # KVZIP_KV_FORMAT decides the cache
-    python vllm_scenarios.py eviction --out result.json --budget-bytes N
+python vllm_scenarios.py backend  --out result.json   # KVZIP_KV_FORMAT decides the cache
+python vllm_scenarios.py eviction --out result.json --budget-bytes N
 """
 
 from __future__ import annotations
@@ -24,15 +24,23 @@ def _llm(**kwargs):
 
     from kvzip_eval.model import hf_folder
 
-    return LLM(model=str(hf_folder()), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
-               kv_cache_memory_bytes=KV_MEMORY_BYTES, max_num_seqs=4, seed=0, **kwargs)
+    return LLM(
+        model=str(hf_folder()),
+        dtype="bfloat16",
+        max_model_len=2048,
+        enforce_eager=True,
+        kv_cache_memory_bytes=KV_MEMORY_BYTES,
+        max_num_seqs=4,
+        seed=0,
+        **kwargs,
+    )
 
 
 def _prompts(tok, n: int, length: int, offset: int = 0) -> list[list[int]]:
     from kvzip_eval.corpus import load_text
 
     ids = tok(load_text())["input_ids"]
-    return [ids[offset + i * length: offset + (i + 1) * length] for i in range(n)]
+    return [ids[offset + i * length : offset + (i + 1) * length] for i in range(n)]
 
 
 def eval_prompts(tok, n: int, passage_tokens: int) -> list[list[int]]:
@@ -53,8 +61,11 @@ def backend(args) -> dict:
     tok = llm.get_tokenizer()
     prompts = eval_prompts(tok, args.num_prompts, args.prompt_tokens)
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=args.max_tokens, temperature=0.0), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+        use_tqdm=False,
+    )
     return {
         "kv_format": os.environ.get("KVZIP_KV_FORMAT", "bf16 (vLLM default)"),
         "kv_cache_memory_bytes": KV_MEMORY_BYTES,
@@ -74,11 +85,19 @@ def eviction(args) -> dict:
     from vllm.config import KVTransferConfig
 
     stats_path = Path(tempfile.mkdtemp(prefix="kvzip-")) / "stats.json"
-    llm = _llm(enable_prefix_caching=True, block_size=32, kv_transfer_config=KVTransferConfig(
-        kv_connector="KvzipConnector", kv_connector_module_path="kvzip_vllm.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"budget_bytes": args.budget_bytes,
-                                   "stats_path": str(stats_path)}))
+    llm = _llm(
+        enable_prefix_caching=True,
+        block_size=32,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvzipConnector",
+            kv_connector_module_path="kvzip_vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "budget_bytes": args.budget_bytes,
+                "stats_path": str(stats_path),
+            },
+        ),
+    )
     tok = llm.get_tokenizer()
     shared = _prompts(tok, 1, 96)[0]  # 3 blocks of 32 shared by every prompt
     tails = _prompts(tok, 4, 96, offset=1000)
@@ -87,13 +106,18 @@ def eviction(args) -> dict:
 
     def gen(p):
         llm.reset_prefix_cache()  # every run starts from the tier alone
-        return list(llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
-                    .outputs[0].token_ids)
+        return list(
+            llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        )
 
     first = [gen(p) for p in prompts]  # fills the tier; the small budget evicts
     again = [gen(p) for p in prompts]  # restores what is still held, recomputes the rest
-    return {"budget_bytes": args.budget_bytes, "first": first, "again": again,
-            "stats": json.loads(stats_path.read_text())}
+    return {
+        "budget_bytes": args.budget_bytes,
+        "first": first,
+        "again": again,
+        "stats": json.loads(stats_path.read_text()),
+    }
 
 
 def main() -> int:

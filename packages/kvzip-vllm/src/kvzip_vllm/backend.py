@@ -46,8 +46,10 @@ _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 def _layouts(fmt, head_size: int, block_size: int) -> tuple[PagedLayout, PagedLayout]:
     """K and V page geometry (their rows may differ in size, e.g. ``3.5bit``)."""
-    return (PagedLayout.of(fmt, head_size, block_size, "k"),
-            PagedLayout.of(fmt, head_size, block_size, "v"))
+    return (
+        PagedLayout.of(fmt, head_size, block_size, "k"),
+        PagedLayout.of(fmt, head_size, block_size, "v"),
+    )
 
 
 def _active_format():
@@ -82,8 +84,9 @@ class KvzipAttentionBackend(AttentionBackend):
         if spec.state_content_bytes is not None:
             return spec
         k, v = _layouts(_active_format(), spec.head_size, spec.block_size)
-        return replace(spec, state_content_bytes=k.token_head_bytes + v.token_head_bytes,
-                       dtype=torch.uint8)
+        return replace(
+            spec, state_content_bytes=k.token_head_bytes + v.token_head_bytes, dtype=torch.uint8
+        )
 
     @staticmethod
     def get_name() -> str:
@@ -121,8 +124,12 @@ class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kv_cache_spec = kv_cache_spec
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> KvzipAttentionMetadata:
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> KvzipAttentionMetadata:
         m = common_attn_metadata
         return KvzipAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
@@ -137,20 +144,36 @@ class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
 
 
 class KvzipAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
-                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                 sinks=None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype: str,
+        logits_soft_cap=None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+    ) -> None:
         from vllm.config import get_current_vllm_config
 
         cfg = get_current_vllm_config()
         support.check_vllm_version()
-        support.check_model(cfg.model_config, dtypes=support.SUPPORTED_BACKEND_DTYPES,
-                            what="attention backend", head_sizes=support.SUPPORTED_HEAD_SIZES)
+        support.check_model(
+            cfg.model_config,
+            dtypes=support.SUPPORTED_BACKEND_DTYPES,
+            what="attention backend",
+            head_sizes=support.SUPPORTED_HEAD_SIZES,
+        )
         support.check_parallel(cfg.parallel_config, what="attention backend")
         unsupported = {
-            "alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
-            "logits_soft_cap": bool(logits_soft_cap), "sinks": sinks is not None,
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "sinks": sinks is not None,
             "kv_sharing": kv_sharing_target_layer_name is not None,
             f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
         }
@@ -159,7 +182,8 @@ class KvzipAttentionImpl(AttentionImpl):
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm attention backend: {', '.join(bad) or attn_type} is not supported; "
                 "supported: causal decoder self-attention without ALiBi, sliding window, "
-                "soft cap or sinks, kv_cache_dtype 'auto' (the format sets the cache bytes)")
+                "soft cap or sinks, kv_cache_dtype 'auto' (the format sets the cache bytes)"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -167,8 +191,7 @@ class KvzipAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.fmt = _active_format()
         self.block_size = cfg.cache_config.block_size
-        self.layouts = dict(zip("kv", _layouts(self.fmt, head_size, self.block_size),
-                                strict=True))
+        self.layouts = dict(zip("kv", _layouts(self.fmt, head_size, self.block_size), strict=True))
         # Formats with sink tokens keep the first positions of every sequence in bf16 beside
         # their rows (spec 4bit.md section 8). Held per block, read for a sequence's first
         # block: sink_tokens x heads x head_size x 2 x bf16 per block and layer (1 sink, 3
@@ -202,14 +225,16 @@ class KvzipAttentionImpl(AttentionImpl):
         slots = slot_mapping[keep].to(torch.int64)
         blk, off = slots // self.block_size, slots % self.block_size
         li = self._layer(layer)
-        if not (kv_cache.is_cuda and self._kernel_write(key[:n], value[:n], k_pages, v_pages,
-                                                       slot_mapping, li)):
+        if not (
+            kv_cache.is_cuda
+            and self._kernel_write(key[:n], value[:n], k_pages, v_pages, slot_mapping, li)
+        ):
             for kind, x, pages in (("k", key[:n], k_pages), ("v", value[:n], v_pages)):
                 lay = self.layouts[kind]
                 rows = self.fmt.encode(x[keep], kind=kind, layer=li)
                 lay.codes_view(pages, kind)[blk, :, off] = rows[..., : lay.code_bytes]
                 if lay.meta_bytes:
-                    lay.meta_view(pages)[blk, :, off] = rows[..., lay.code_bytes:]
+                    lay.meta_view(pages)[blk, :, off] = rows[..., lay.code_bytes :]
         if self.sink_tokens:
             self._write_sinks(kv_cache.shape[0], key[:n][keep], value[:n][keep], blk, off)
 
@@ -221,27 +246,44 @@ class KvzipAttentionImpl(AttentionImpl):
 
         try:
             for kind, x, pages in (("k", k, k_pages), ("v", v, v_pages)):
-                cache_write(self.fmt, x, pages, slot_mapping, kind=kind, layer=layer,
-                            block_size=self.block_size)
+                cache_write(
+                    self.fmt,
+                    x,
+                    pages,
+                    slot_mapping,
+                    kind=kind,
+                    layer=layer,
+                    block_size=self.block_size,
+                )
         except (NotImplementedError, ValueError) as e:  # FormatError is a ValueError
             self._no_kernels = f"{type(e).__name__}: {e}"
-            logger.warning("kvzip backend: kvzip-kernels unusable here (%s); using the torch "
-                           "path on the GPU", self._no_kernels)
+            logger.warning(
+                "kvzip backend: kvzip-kernels unusable here (%s); using the torch path on the GPU",
+                self._no_kernels,
+            )
             return False
         return True
 
     def _write_sinks(self, num_blocks, k, v, blk, off) -> None:
         if self._sinks is None:
-            self._sinks = torch.zeros(num_blocks, self.sink_tokens, 2, self.num_kv_heads,
-                                      self.head_size, dtype=torch.bfloat16, device=k.device)
+            self._sinks = torch.zeros(
+                num_blocks,
+                self.sink_tokens,
+                2,
+                self.num_kv_heads,
+                self.head_size,
+                dtype=torch.bfloat16,
+                device=k.device,
+            )
         m = off < self.sink_tokens
         if bool(m.any()):
             self._sinks[blk[m], off[m], 0] = k[m].to(torch.bfloat16)
             self._sinks[blk[m], off[m], 1] = v[m].to(torch.bfloat16)
 
     # -- attention --------------------------------------------------------------------
-    def _gather(self, pages: torch.Tensor, blocks: torch.Tensor, seq_len: int, kind: str,
-                layer: int) -> torch.Tensor:
+    def _gather(
+        self, pages: torch.Tensor, blocks: torch.Tensor, seq_len: int, kind: str, layer: int
+    ) -> torch.Tensor:
         """Decoded K or V of one sequence, float32 ``[seq_len, num_kv_heads, head_size]``."""
         rows = gather_rows(pages, self.layouts[kind], blocks, seq_len, kind)
         out = self.fmt.decode(rows, kind=kind, layer=layer, head_dim=self.head_size)
@@ -250,8 +292,18 @@ class KvzipAttentionImpl(AttentionImpl):
             out[:n] = self._sinks[int(blocks[0]), :n, 0 if kind == "k" else 1].float()
         return out
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None,
-                output_scale=None, output_block_scale=None) -> torch.Tensor:
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output=None,
+        output_scale=None,
+        output_block_scale=None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("kvzip-vllm: fused output quantization is not supported")
         if attn_metadata is None:  # profiling / warm-up run
@@ -262,21 +314,32 @@ class KvzipAttentionImpl(AttentionImpl):
         qsl = m.query_start_loc_cpu.tolist()
         # kvzip-kernels' decode reads codes only: formats with bf16 sink tokens take the torch
         # path until the kernel reads the sinks too.
-        if (query.is_cuda and m.max_query_len == 1 and not self.sink_tokens
-                and not self._no_kernels):
+        if query.is_cuda and m.max_query_len == 1 and not self.sink_tokens and not self._no_kernels:
             from kvzip_vllm.cuda_kernels import paged_decode
 
             b = len(qsl) - 1
             try:
-                paged_decode(self.fmt, query[:b].to(torch.bfloat16), k_pages, v_pages,
-                             m.block_table, m.seq_lens, block_size=self.block_size, layer=li,
-                             sm_scale=self.scale, max_seq_len=m.max_seq_len,
-                             out=output[:b].view(b, self.num_heads, self.head_size))
+                paged_decode(
+                    self.fmt,
+                    query[:b].to(torch.bfloat16),
+                    k_pages,
+                    v_pages,
+                    m.block_table,
+                    m.seq_lens,
+                    block_size=self.block_size,
+                    layer=li,
+                    sm_scale=self.scale,
+                    max_seq_len=m.max_seq_len,
+                    out=output[:b].view(b, self.num_heads, self.head_size),
+                )
                 return output
             except (NotImplementedError, ValueError) as e:
                 self._no_kernels = f"{type(e).__name__}: {e}"
-                logger.warning("kvzip backend: kvzip-kernels decode unusable here (%s); using "
-                               "the torch path on the GPU", self._no_kernels)
+                logger.warning(
+                    "kvzip backend: kvzip-kernels decode unusable here (%s); using "
+                    "the torch path on the GPU",
+                    self._no_kernels,
+                )
         g = self.num_heads // self.num_kv_heads
         for i, seq_len in enumerate(m.seq_lens_cpu.tolist()):
             qs, qe = qsl[i], qsl[i + 1]

@@ -97,25 +97,39 @@ def _model_identity(vllm_config: VllmConfig) -> str:
 class KvzipConnector(KVConnectorBase_V1):
     """Stores computed KV blocks losslessly compressed in CPU memory; restores prefix hits."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         support.check_vllm_version()
-        support.check_model(vllm_config.model_config, dtypes=support.SUPPORTED_CONNECTOR_DTYPES,
-                            what="connector")
+        support.check_model(
+            vllm_config.model_config, dtypes=support.SUPPORTED_CONNECTOR_DTYPES, what="connector"
+        )
         support.check_parallel(vllm_config.parallel_config, what="connector")
         if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16"):
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
                 "is not supported; supported: 'auto' with a bfloat16 model (the tier is lossless "
-                "on the bf16 cache)")
+                "on the bf16 cache)"
+            )
         self._block_size = vllm_config.cache_config.block_size
-        budget = int(_extra(vllm_config, "budget_bytes",
-                            os.environ.get("KVZIP_TIER_BYTES", DEFAULT_BUDGET_BYTES)))
+        budget = int(
+            _extra(
+                vllm_config,
+                "budget_bytes",
+                os.environ.get("KVZIP_TIER_BYTES", DEFAULT_BUDGET_BYTES),
+            )
+        )
         self._stats_path = _extra(vllm_config, "stats_path", os.environ.get("KVZIP_STATS_PATH"))
         self._namespace = namespace(
-            model=_model_identity(vllm_config), layout="per-layer-block",
-            block_size=self._block_size, dtype=str(vllm_config.model_config.dtype))
+            model=_model_identity(vllm_config),
+            layout="per-layer-block",
+            block_size=self._block_size,
+            dtype=str(vllm_config.model_config.dtype),
+        )
         if role == KVConnectorRole.SCHEDULER:
             self._held: set[bytes] = set()
             self._pending: set[bytes] = set()
@@ -146,7 +160,8 @@ class KvzipConnector(KVConnectorBase_V1):
         if self._block_size % hash_block_size:
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm connector: block_size {self._block_size} is not a multiple of the "
-                f"prefix-hash block size {hash_block_size}")
+                f"prefix-hash block size {hash_block_size}"
+            )
         return self._block_size // hash_block_size
 
     def _keys(self, request: Request, num_blocks: int) -> list[bytes]:
@@ -173,8 +188,9 @@ class KvzipConnector(KVConnectorBase_V1):
             return 0, False
         return hit_tokens - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
         if num_external_tokens <= 0:
             return
         state = self._reqs[request.request_id]
@@ -258,7 +274,8 @@ class KvzipConnector(KVConnectorBase_V1):
                     f"kvzip-vllm connector: layer {name} has a KV cache of dtype {cache.dtype} "
                     f"and shape {tuple(cache.shape)}; supported: a bfloat16 paged cache viewed "
                     "as [num_blocks, num_kv_heads, block_size, 2 * head_size] (the stock "
-                    "attention backends; not KVZIP_KV_FORMAT's packed cache)")
+                    "attention backends; not KVZIP_KV_FORMAT's packed cache)"
+                )
         self._layers = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
         device = self._layers[0][1].device
         _, h, n, c = self._layers[0][1].shape
@@ -283,7 +300,7 @@ class KvzipConnector(KVConnectorBase_V1):
         for _, cache in self._layers:
             c = cache.shape[-1]
             blk = cache[block_id]
-            views.append((blk[..., : c // 2], blk[..., c // 2:]))
+            views.append((blk[..., : c // 2], blk[..., c // 2 :]))
         return views
 
     def _halves(self, block_id: int):
@@ -298,14 +315,20 @@ class KvzipConnector(KVConnectorBase_V1):
     def _gather(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
         if self._cuda is not None:
-            return [(k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous())
-                    for k, v in self._block_views(block_id)]
+            return [
+                (k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous())
+                for k, v in self._block_views(block_id)
+            ]
         n, d = self._page_shape
         out = []
         for k, v in self._halves(block_id):
             h = k.shape[0]
-            out.append(tuple(half[:, order].view(h, n, d).permute(1, 0, 2).contiguous()
-                             for half, order in zip((k, v), self._orders, strict=True)))
+            out.append(
+                tuple(
+                    half[:, order].view(h, n, d).permute(1, 0, 2).contiguous()
+                    for half, order in zip((k, v), self._orders, strict=True)
+                )
+            )
         return out
 
     def _scatter(self, block_id: int, outs: list[torch.Tensor]) -> None:
@@ -328,8 +351,9 @@ class KvzipConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         reqs_hit: dict[str, int] = {}
         h, n, c = self._layers[0][1].shape[1:]
-        outs = [torch.empty(n, h, c // 2, dtype=torch.bfloat16)
-                for _ in range(2 * len(self._layers))]
+        outs = [
+            torch.empty(n, h, c // 2, dtype=torch.bfloat16) for _ in range(2 * len(self._layers))
+        ]
         for req_id, key, block_id in meta.loads:
             if self._store.get(key, outs):
                 self._scatter(block_id, outs)
@@ -343,16 +367,21 @@ class KvzipConnector(KVConnectorBase_V1):
         s.restore_hits += len(reqs_hit)
         s.blocks_restored += sum(reqs_hit.values())
         s.tokens_restored += sum(reqs_hit.values()) * self._block_size
-        logger.info("kvzip tier: restored %d blocks for %d requests in %.3f s",
-                    sum(reqs_hit.values()), len(reqs_hit), time.perf_counter() - t0)
+        logger.info(
+            "kvzip tier: restored %d blocks for %d requests in %.3f s",
+            sum(reqs_hit.values()),
+            len(reqs_hit),
+            time.perf_counter() - t0,
+        )
         self._write_stats()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._cuda is not None:
             self._cuda.wait_loads()
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any
+    ) -> None:
         # Stores copy whole blocks (all layers) after the forward, in wait_for_save.
         return
 
@@ -371,10 +400,17 @@ class KvzipConnector(KVConnectorBase_V1):
             self._report.dropped.extend(evicted)
             (self._report.stored if nbytes else self._report.dropped).append(key)
         s = self._store.stats
-        logger.info("kvzip tier: %d blocks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
-                    "the %.2f MB table set), %d evictions", s.blocks_held, s.bytes_held / 1e6,
-                    s.raw_bytes_held / 1e6, s.ratio, s.ratio_with_tables, s.table_bytes / 1e6,
-                    s.evictions)
+        logger.info(
+            "kvzip tier: %d blocks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
+            "the %.2f MB table set), %d evictions",
+            s.blocks_held,
+            s.bytes_held / 1e6,
+            s.raw_bytes_held / 1e6,
+            s.ratio,
+            s.ratio_with_tables,
+            s.table_bytes / 1e6,
+            s.evictions,
+        )
         self._write_stats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

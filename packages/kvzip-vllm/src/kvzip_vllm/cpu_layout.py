@@ -32,8 +32,17 @@ def probe_orders(block_size: int, head_size: int, dtype: torch.dtype, cache_dtyp
             cache = torch.full((1, 1, 2 * n, d), -1.0, dtype=dtype)
             kc, vc = cache.chunk(2, dim=2)
             x = pattern.to(dtype).contiguous()
-            ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(n), isa, k_scale=1.0,
-                                           v_scale=1.0, kv_cache_dtype=cache_dtype)
+            ops.cpu_attn_reshape_and_cache(
+                x,
+                x,
+                kc,
+                vc,
+                torch.arange(n),
+                isa,
+                k_scale=1.0,
+                v_scale=1.0,
+                kv_cache_dtype=cache_dtype,
+            )
             where.append(cache.view(2, n * d).float())
         index = (where[0] * d + where[1]).long()  # [2, n*d]: (token, channel) at each position
         orders = []

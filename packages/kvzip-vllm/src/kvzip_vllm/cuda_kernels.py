@@ -37,16 +37,39 @@ def cache_write(fmt, x, pages, slot_mapping, *, kind, layer, block_size) -> None
     import kvzip_kernels
 
     extra = _check(pages, kvzip_kernels.cache_write)
-    kvzip_kernels.cache_write(fmt, x, pages, slot_mapping, kind=kind, layer=layer,
-                              block_size=block_size, **extra)
+    kvzip_kernels.cache_write(
+        fmt, x, pages, slot_mapping, kind=kind, layer=layer, block_size=block_size, **extra
+    )
 
 
-def paged_decode(fmt, q, k_pages, v_pages, block_table, seq_lens, *, block_size, layer,
-                 sm_scale, max_seq_len, out) -> torch.Tensor:
+def paged_decode(
+    fmt,
+    q,
+    k_pages,
+    v_pages,
+    block_table,
+    seq_lens,
+    *,
+    block_size,
+    layer,
+    sm_scale,
+    max_seq_len,
+    out,
+) -> torch.Tensor:
     import kvzip_kernels
 
     extra = _check(k_pages, kvzip_kernels.paged_decode)
     return kvzip_kernels.paged_decode(
-        fmt, q, k_pages, v_pages, block_table.to(torch.int32), seq_lens.to(torch.int32),
-        block_size=block_size, layer=layer, sm_scale=sm_scale, max_seq_len=max_seq_len,
-        out=out, **extra)
+        fmt,
+        q,
+        k_pages,
+        v_pages,
+        block_table.to(torch.int32),
+        seq_lens.to(torch.int32),
+        block_size=block_size,
+        layer=layer,
+        sm_scale=sm_scale,
+        max_seq_len=max_seq_len,
+        out=out,
+        **extra,
+    )

@@ -28,8 +28,9 @@ from kvzip_vllm.store import BlockStore
 
 
 class CudaTierPipeline:
-    def __init__(self, store: BlockStore, block_views: Callable[[int], list], device,
-                 block_size: int):
+    def __init__(
+        self, store: BlockStore, block_views: Callable[[int], list], device, block_size: int
+    ):
         self.store = store
         self.block_size = block_size
         self.block_views = block_views
@@ -58,10 +59,12 @@ class CudaTierPipeline:
             try:
                 with torch.cuda.stream(stream):
                     for layer, (kd, vd) in enumerate(self.block_views(block_id)):
-                        for blob, dst in zip(blobs[2 * layer: 2 * layer + 2], (kd, vd),
-                                             strict=True):
-                            t = kvzip_lossless.decompress(blob, tables=self.store.tables,
-                                                          device=self.device)
+                        for blob, dst in zip(
+                            blobs[2 * layer : 2 * layer + 2], (kd, vd), strict=True
+                        ):
+                            t = kvzip_lossless.decompress(
+                                blob, tables=self.store.tables, device=self.device
+                            )
                             dst.copy_(t.permute(1, 0, 2), non_blocking=True)
             except kvzip_lossless.CorruptBlobError:
                 self.store.drop(key)
@@ -90,8 +93,10 @@ class CudaTierPipeline:
     def start_stores(self, stores) -> None:
         for key, block_id in stores:
             # D2D copies on the compute stream: the block may be freed once this returns
-            layers = [(kd.permute(1, 0, 2).contiguous(), vd.permute(1, 0, 2).contiguous())
-                      for kd, vd in self.block_views(block_id)]
+            layers = [
+                (kd.permute(1, 0, 2).contiguous(), vd.permute(1, 0, 2).contiguous())
+                for kd, vd in self.block_views(block_id)
+            ]
             event = torch.cuda.Event()
             event.record()
             self._jobs.put((key, layers, event))

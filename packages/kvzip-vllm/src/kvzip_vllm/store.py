@@ -100,8 +100,13 @@ class _Entry:
 class BlockStore:
     """Compressed KV blocks within ``budget_bytes``, least recently used evicted first."""
 
-    def __init__(self, budget_bytes: int, *, tables: kvzip_lossless.TableSet | None = None,
-                 fit_tokens: int = 1024):
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        tables: kvzip_lossless.TableSet | None = None,
+        fit_tokens: int = 1024,
+    ):
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
@@ -132,8 +137,9 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, key: bytes, layers: list[tuple[torch.Tensor, torch.Tensor]]
-            ) -> tuple[int, list[bytes]]:
+    def put(
+        self, key: bytes, layers: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[int, list[bytes]]:
         """Compress and hold one block under ``key``: per layer ``(K, V)`` bf16
         ``[block_size, kv_heads, head_size]``.
 
@@ -156,8 +162,9 @@ class BlockStore:
         self._maybe_fit(layers)
         return result
 
-    def put_blobs(self, key: bytes, blobs: tuple[bytes, ...], raw_bytes: int,
-                  seconds: float = 0.0) -> tuple[int, list[bytes]]:
+    def put_blobs(
+        self, key: bytes, blobs: tuple[bytes, ...], raw_bytes: int, seconds: float = 0.0
+    ) -> tuple[int, list[bytes]]:
         nbytes = sum(len(b) for b in blobs)
         evicted: list[bytes] = []
         with self._lock:
@@ -206,12 +213,15 @@ class BlockStore:
         if len(blobs) != len(outs):
             raise ValueError(f"entry holds {len(blobs)} tensors, {len(outs)} outputs given")
         try:
-            decoded = [kvzip_lossless.decompress(b, tables=self.tables, device=o.device)
-                       for b, o in zip(blobs, outs, strict=True)]
+            decoded = [
+                kvzip_lossless.decompress(b, tables=self.tables, device=o.device)
+                for b, o in zip(blobs, outs, strict=True)
+            ]
             for d, out in zip(decoded, outs, strict=True):
                 if d.shape != out.shape:
                     raise kvzip_lossless.CorruptBlobError(
-                        f"blob shape {tuple(d.shape)} != block shape {tuple(out.shape)}")
+                        f"blob shape {tuple(d.shape)} != block shape {tuple(out.shape)}"
+                    )
             for d, out in zip(decoded, outs, strict=True):
                 out.copy_(d)
         except kvzip_lossless.CorruptBlobError:
