@@ -70,7 +70,7 @@ def _pytest(session: nox.Session, package: str, *extra: str) -> None:
             # Idle OpenMP threads sleep instead of spinning: on 2 shared cores spinning turned
             # a 32 us matmul into 23 ms (measured by the eval work).
             "OMP_WAIT_POLICY": "PASSIVE",
-            **({"TRITON_INTERPRET": "1"} if package in ("kernels", "vllm") else {}),
+            **({"TRITON_INTERPRET": "1"} if package in ("kernels", "lossless", "vllm") else {}),
         },
     )
 
