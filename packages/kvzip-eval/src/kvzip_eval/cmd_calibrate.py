@@ -9,6 +9,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
+from kvzip_eval.options import model_option, text_file_option  # noqa: E402
+
 #: 8 windows of 2,048 tokens: 16k tokens per layer. The statistics are per-channel means and
 #: second moments (3 numbers per channel), which need far fewer tokens than that.
 DEFAULT_WINDOWS = 8
@@ -16,12 +18,7 @@ DEFAULT_LENGTH = 2048
 
 
 @click.command("calibrate")
-@click.option(
-    "--model",
-    "model_path",
-    default=None,
-    help="Llama HF folder or .gguf (default: embedded SmolLM2-135M-Instruct).",
-)
+@model_option
 @click.option(
     "--out",
     "out_dir",
@@ -30,12 +27,7 @@ DEFAULT_LENGTH = 2048
     help="Output directory (default: ~/.cache/kvzip/calibration/<model identity>, "
     "where `kvzip eval` looks).",
 )
-@click.option(
-    "--text-file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Calibration text (default: the calibration split of pydoc_data.topics).",
-)
+@text_file_option("Calibration text (default: the calibration split of pydoc_data.topics).")
 @click.option(
     "--windows",
     type=click.IntRange(min=1),

@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
+from kvzip_eval.options import model_option, text_file_option  # noqa: E402
 from kvzip_eval.quality.suite import PRESETS  # noqa: E402
 
 _PRESET_HELP = "; ".join(
@@ -90,23 +91,13 @@ def resolve_formats(
 
 
 @click.command("eval")
-@click.option(
-    "--model",
-    "model_path",
-    default=None,
-    help="Llama HF folder or .gguf (default: embedded SmolLM2-135M-Instruct).",
-)
+@model_option
 @click.option(
     "--formats", default=None, help="Comma-separated formats (default: every registered one)."
 )
 @click.option("--quick", "preset", flag_value="quick", help="About a minute: for tests and checks.")
 @click.option("--full", "preset", flag_value="full", help="The settings of the published numbers.")
-@click.option(
-    "--text-file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Held-out text (default: Python's pydoc_data.topics).",
-)
+@text_file_option("Held-out text (default: Python's pydoc_data.topics).")
 @click.option(
     "--prompts-file",
     type=click.Path(exists=True, dir_okay=False),

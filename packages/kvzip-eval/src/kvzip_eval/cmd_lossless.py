@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from kvzip_eval.options import model_option, text_file_option
 from kvzip_eval.results import markdown_table, provenance, provenance_markdown, write_json
 
 
@@ -29,15 +30,8 @@ def _tables_bytes(ts, kind: str) -> int:
 
 
 @click.command("lossless")
-@click.option(
-    "--model", "model_path", default=None, help="Model folder or GGUF (default: embedded)."
-)
-@click.option(
-    "--text-file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Text to run (default: pydoc_data.topics).",
-)
+@model_option
+@text_file_option("Text to run (default: pydoc_data.topics).")
 @click.option(
     "--tokens", default=8192, show_default=True, help="Evaluation tokens (whole windows)."
 )
