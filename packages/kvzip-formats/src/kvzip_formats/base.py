@@ -58,6 +58,21 @@ def check_packed(packed: torch.Tensor, row_bytes: int, *, name: str = "packed") 
         )
 
 
+_DEVICE_COPIES: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a format's constant: rotation, codebook, calibrated transform) on ``device``,
+    copied once per device and kept: the codecs run on whatever device their input is on."""
+    if t.device == device:
+        return t
+    key = (id(t), str(device))
+    hit = _DEVICE_COPIES.get(key)
+    if hit is None or hit[0] is not t:  # the entry holds t, so its id cannot be reused
+        hit = _DEVICE_COPIES[key] = (t, t.to(device))
+    return hit[1]
+
+
 class KVFormat(ABC):
     """A KV-cache format: a reference codec plus its exact byte accounting."""
 
@@ -109,8 +124,24 @@ class KVFormat(ABC):
     ) -> torch.Tensor:
         """Uint8 ``[tokens, kv_heads, row_bytes]`` -> float32 ``[tokens, kv_heads, head_dim]``."""
 
+    #: Leading positions of every sequence that attention reads back exactly (bf16 copies
+    #: kept beside the rows, e.g. the compact formats' sink token); 0 for most formats.
+    sink_tokens: int = 0
+
     def roundtrip(self, x: torch.Tensor, *, kind: Kind, layer: int, start: int = 0) -> torch.Tensor:
-        """What attention reads back for tokens at positions ``start .. start+tokens-1``."""
+        """What attention reads back for tokens at positions ``start .. start+tokens-1``:
+        :meth:`roundtrip_rows`, with the first ``sink_tokens`` positions of the sequence
+        read from their bf16 copies."""
+        out = self.roundtrip_rows(x, kind=kind, layer=layer)
+        n = max(0, min(self.sink_tokens - start, x.shape[0]))
+        if n:
+            out[:n] = x[:n].to(torch.bfloat16).to(out.dtype)
+        return out
+
+    def roundtrip_rows(self, x: torch.Tensor, *, kind: Kind, layer: int) -> torch.Tensor:
+        """``decode(encode(x))`` cast to ``x.dtype``: every token row on its own, wherever it
+        sits in the sequence (sink positions are :meth:`roundtrip`'s business). Callers may
+        batch rows of many sequences into one call. Runs on ``x``'s device."""
         check_kv(x)
         packed = self.encode(x, kind=kind, layer=layer)
         return self.decode(packed, kind=kind, layer=layer, head_dim=x.shape[2]).to(x.dtype)

@@ -25,6 +25,6 @@ class BF16(KVFormat):
         t, h, _ = packed.shape
         return packed.contiguous().view(torch.bfloat16).reshape(t, h, head_dim).float()
 
-    def roundtrip(self, x, *, kind, layer, start=0):
+    def roundtrip_rows(self, x, *, kind, layer):
         check_kv(x)
         return x.to(torch.bfloat16).to(x.dtype)

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from kvzip_formats.base import FormatError, KVFormat, check_kind, check_kv, check_packed
+from kvzip_formats.base import (
+    FormatError,
+    KVFormat,
+    check_kind,
+    check_kv,
+    check_packed,
+    on_device,
+)
 from kvzip_formats.packing import bytes_to_f16, f16_to_bytes, pack_nibbles, unpack_nibbles
 from kvzip_formats.rotation import hadamard
 
@@ -60,7 +67,7 @@ class INT4(KVFormat):
                 "got NaN, inf or a larger value"
             )
         if self.rotate:
-            x = x @ hadamard(x.shape[-1])
+            x = x @ on_device(hadamard(x.shape[-1]), x.device)
         codes, scale, zero = quantize_minmax(x, 16)
         return torch.cat((pack_nibbles(codes), f16_to_bytes(scale), f16_to_bytes(zero)), -1)
 
@@ -73,7 +80,7 @@ class INT4(KVFormat):
         zero = bytes_to_f16(packed[..., n + 2 : n + 4]).float().unsqueeze(-1)
         y = codes * scale + zero
         if self.rotate:
-            y = y @ hadamard(head_dim)
+            y = y @ on_device(hadamard(head_dim), y.device)
         return y
 
 

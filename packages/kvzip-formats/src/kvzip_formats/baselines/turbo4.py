@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from kvzip_formats.base import FormatError, KVFormat, check_kind, check_kv, check_packed
+from kvzip_formats.base import (
+    FormatError,
+    KVFormat,
+    check_kind,
+    check_kv,
+    check_packed,
+    on_device,
+)
 from kvzip_formats.lloyd_max import gaussian_codebook
 from kvzip_formats.packing import bytes_to_f16, f16_to_bytes, pack_nibbles, unpack_nibbles
 from kvzip_formats.rotation import random_orthogonal
@@ -41,8 +48,9 @@ class Turbo4(KVFormat):
             raise FormatError("turbo4 encodes finite values only; got NaN or inf")
         norm = x.norm(dim=-1, keepdim=True)
         unit = torch.where(norm > 0, x / norm.clamp_min(1e-30), torch.zeros_like(x))
-        y = unit @ random_orthogonal(d, ROTATION_SEED) * d**0.5
-        edges = (self.codebook[1:] + self.codebook[:-1]) / 2
+        y = unit @ on_device(random_orthogonal(d, ROTATION_SEED), x.device) * d**0.5
+        cb = on_device(self.codebook, x.device)
+        edges = (cb[1:] + cb[:-1]) / 2
         codes = torch.bucketize(y, edges)
         return torch.cat((pack_nibbles(codes), f16_to_bytes(norm.squeeze(-1))), -1)
 
@@ -52,5 +60,6 @@ class Turbo4(KVFormat):
         n = head_dim // 2
         codes = unpack_nibbles(packed[..., :n]).long()
         norm = bytes_to_f16(packed[..., n : n + 2]).float().unsqueeze(-1)
-        unit = self.codebook[codes] / head_dim**0.5
-        return norm * (unit @ random_orthogonal(head_dim, ROTATION_SEED).T)
+        unit = on_device(self.codebook, packed.device)[codes] / head_dim**0.5
+        rot = on_device(random_orthogonal(head_dim, ROTATION_SEED), packed.device)
+        return norm * (unit @ rot.T)

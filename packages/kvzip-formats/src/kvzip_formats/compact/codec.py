@@ -24,6 +24,7 @@ from kvzip_formats.base import (
     check_kind,
     check_kv,
     check_packed,
+    on_device,
 )
 from kvzip_formats.calibration import Calibration, CalibrationError, as_calibration
 from kvzip_formats.compact import codebook
@@ -137,7 +138,7 @@ class CompactFormat(KVFormat):
                 "got NaN, inf or a larger value"
             )
         self._check_shape(x.shape[1], x.shape[2])
-        return apply(xf, self.transform_of(kind, layer))
+        return apply(xf, _on(self.transform_of(kind, layer), xf.device))
 
     def quantize(self, y: torch.Tensor, *, kind: str) -> torch.Tensor:
         """Step 2: transformed ``y`` float32 ``[T, H, d]`` -> packed rows uint8."""
@@ -147,13 +148,14 @@ class CompactFormat(KVFormat):
         if torch.isinf(s0).any():
             raise FormatError(f"{self.name}: a transformed vector's RMS exceeds float16's range")
         u = torch.where(s0 > 0, y / torch.where(s0 > 0, s0, 1.0), 0.0)
-        codes = torch.empty(y.shape, dtype=torch.int64)
-        lv = torch.empty(y.shape, dtype=torch.float32)
+        dev = y.device
+        codes = torch.empty(y.shape, dtype=torch.int64, device=dev)
+        lv = torch.empty(y.shape, dtype=torch.float32, device=dev)
         for start, n, bits in _spans(layout):
             seg = u[..., start : start + n].contiguous()
-            c = torch.bucketize(seg, self.edges(bits), right=False)
+            c = torch.bucketize(seg, on_device(self.edges(bits), dev), right=False)
             codes[..., start : start + n] = c
-            lv[..., start : start + n] = self.levels(bits)[c]
+            lv[..., start : start + n] = on_device(self.levels(bits), dev)[c]
         if self.refit_scale:
             fit = (y * lv).sum(-1, keepdim=True) / (lv * lv).sum(-1, keepdim=True)
             s = fit.to(torch.float16).float()
@@ -168,9 +170,10 @@ class CompactFormat(KVFormat):
         check_packed(packed, layout.row_bytes)
         codes = layout.unpack(packed[..., : layout.code_bytes])
         s = bytes_to_f16(packed[..., layout.code_bytes :]).float().unsqueeze(-1)
-        lv = torch.empty(codes.shape, dtype=torch.float32)
+        lv = torch.empty(codes.shape, dtype=torch.float32, device=packed.device)
         for start, n, bits in _spans(layout):
-            lv[..., start : start + n] = self.levels(bits)[codes[..., start : start + n]]
+            levels = on_device(self.levels(bits), packed.device)
+            lv[..., start : start + n] = levels[codes[..., start : start + n]]
         return s * lv
 
     def levels(self, bits: int) -> torch.Tensor:
@@ -187,15 +190,17 @@ class CompactFormat(KVFormat):
         check_kind(kind)
         self._check_shape(packed.shape[1] if packed.dim() == 3 else -1, head_dim)
         y = self.dequantize(packed, kind=kind, head_dim=head_dim)
-        return unapply(y, self.transform_of(kind, layer))
+        return unapply(y, _on(self.transform_of(kind, layer), y.device))
 
-    def roundtrip(self, x, *, kind, layer, start: int = 0):
-        out = super().roundtrip(x, kind=kind, layer=layer)
-        n = max(0, min(self.spec.sink_tokens - start, x.shape[0]))
-        if n:
-            # sink tokens are read from their bf16 copies, not from the rows
-            out[:n] = x[:n].to(torch.bfloat16).to(out.dtype)
-        return out
+    @property
+    def sink_tokens(self) -> int:  # read back from bf16 copies by KVFormat.roundtrip
+        return self.spec.sink_tokens
+
+
+def _on(t: Transform, device) -> Transform:
+    if t.mean.device == device:
+        return t
+    return Transform(*(on_device(m, device) for m in (t.mean, t.encode, t.decode)))
 
 
 def _spans(layout: RowLayout):

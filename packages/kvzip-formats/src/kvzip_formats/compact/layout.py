@@ -96,17 +96,19 @@ class RowLayout:
             v = (c[..., p.start : p.start + p.size] >> p.shift) & ((1 << p.width) - 1)
             per = 8 // p.width
             v = v.reshape(*v.shape[:-1], p.size // per, per)
-            sh = torch.arange(per, dtype=torch.int64) * p.width
+            sh = torch.arange(per, dtype=torch.int64, device=c.device) * p.width
             out.append((v << sh).sum(-1).to(torch.uint8))
         return torch.cat(out, -1)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """``[..., code_bytes]`` uint8 -> ``[..., head_dim]`` int64 codes."""
-        codes = torch.zeros(*packed.shape[:-1], self.head_dim, dtype=torch.int64)
+        codes = torch.zeros(
+            *packed.shape[:-1], self.head_dim, dtype=torch.int64, device=packed.device
+        )
         for p in self.planes:
             per = 8 // p.width
             byt = packed[..., p.offset : p.offset + p.nbytes].to(torch.int64)
-            sh = torch.arange(per, dtype=torch.int64) * p.width
+            sh = torch.arange(per, dtype=torch.int64, device=packed.device) * p.width
             v = ((byt.unsqueeze(-1) >> sh) & ((1 << p.width) - 1)).flatten(-2)
             codes[..., p.start : p.start + p.size] |= v << p.shift
         return codes
