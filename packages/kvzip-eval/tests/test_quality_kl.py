@@ -87,3 +87,38 @@ def test_left_padding_positions(loaded):
 def test_windows_must_be_2d(loaded):
     with pytest.raises(ValueError, match=r"LongTensor\[n, T\]"):
         measure_kl(loaded, {}, torch.zeros(5, dtype=torch.long), progress=False)
+
+
+class _SinkDamaged(Damaged):
+    """A lossy row codec whose first two positions are read back exactly (as compact formats'
+    sink token), through the base ``KVFormat.roundtrip``: the hook batches it."""
+
+    sink_tokens = 2
+
+
+class _SinkDamagedPerRow(_SinkDamaged):
+    """The same codec with its own ``roundtrip``: the hook calls it row by row."""
+
+    def roundtrip(self, x, *, kind, layer, start=0):
+        return super().roundtrip(x, kind=kind, layer=layer, start=start)
+
+
+def test_batched_sink_rows_equal_row_by_row(loaded):
+    # Left-padded rows: the sink slots sit at a different cache index in each row, and only
+    # real tokens (never pad slots) may count as sink positions.
+    torch.manual_seed(0)
+    x = torch.randn(3, loaded.info.num_kv_heads, 6, loaded.info.head_dim).bfloat16()
+    pads = [0, 3, 1]
+    outs = []
+    for fmt in (_SinkDamaged(), _SinkDamagedPerRow()):
+        cache = FormatCache(loaded.model.config, fmt, pad=pads)
+        prefill = cache._apply(x, "k", 0, 0)
+        step = cache._apply(x[:, :, :1], "k", 0, 6)  # a decode step at cache index 6
+        outs.append((prefill, step))
+    (pb, sb), (pr, sr) = outs
+    for b, p in enumerate(pads):
+        real = slice(p, None)
+        assert torch.equal(pb[b, :, real], pr[b, :, real])
+        assert torch.equal(pb[b, :, p : p + 2], x[b, :, p : p + 2])  # positions 0, 1: exact
+        assert not torch.equal(pb[b, :, p + 2 :], x[b, :, p + 2 :])  # later ones: lossy
+    assert torch.equal(sb, sr) and not torch.equal(sb, x[:, :, :1])

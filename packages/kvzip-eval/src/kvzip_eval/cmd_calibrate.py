@@ -9,7 +9,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
-from kvzip_eval.options import model_option, text_file_option  # noqa: E402
+from kvzip_eval.options import (  # noqa: E402
+    device_option,
+    model_option,
+    resolve_device,
+    text_file_option,
+)
 
 #: 8 windows of 2,048 tokens: 16k tokens per layer. The statistics are per-channel means and
 #: second moments (3 numbers per channel), which need far fewer tokens than that.
@@ -19,6 +24,7 @@ DEFAULT_LENGTH = 2048
 
 @click.command("calibrate")
 @model_option
+@device_option
 @click.option(
     "--out",
     "out_dir",
@@ -43,7 +49,7 @@ DEFAULT_LENGTH = 2048
     help="Tokens per window (capped at the model's context).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-def command(model_path, out_dir, text_file, windows, length, seed) -> None:
+def command(model_path, device, out_dir, text_file, windows, length, seed) -> None:
     """Stream calibration text through the model; write calibration.json + .safetensors.
 
     Calibration uses the "calib" split of the text, disjoint from what `kvzip eval` scores.
@@ -55,7 +61,7 @@ def command(model_path, out_dir, text_file, windows, length, seed) -> None:
 
     t0 = time.perf_counter()
     try:
-        loaded = load_model(model_path)
+        loaded = load_model(model_path, device=resolve_device(device))
     except ModelError as e:
         raise click.UsageError(str(e)) from e
     info = loaded.info

@@ -12,7 +12,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
-from kvzip_eval.options import model_option, text_file_option  # noqa: E402
+from kvzip_eval.options import (  # noqa: E402
+    device_option,
+    model_option,
+    resolve_device,
+    text_file_option,
+)
 from kvzip_eval.quality.suite import PRESETS  # noqa: E402
 
 _PRESET_HELP = "; ".join(
@@ -92,6 +97,7 @@ def resolve_formats(
 
 @click.command("eval")
 @model_option
+@device_option
 @click.option(
     "--formats", default=None, help="Comma-separated formats (default: every registered one)."
 )
@@ -154,6 +160,7 @@ def resolve_formats(
 )
 def command(
     model_path,
+    device,
     formats,
     preset,
     text_file,
@@ -208,8 +215,18 @@ def command(
         raise click.BadParameter(
             f"unknown tasks {bad}; tasks: {', '.join(TASKS)}", param_hint="--tasks"
         )
+    device = resolve_device(device)
+    if device == "cpu" and batch_size is None:
+        s = replace(s, gen_batch=min(s.gen_batch, 8))  # wider batches only pad more on 2 cores
+    if device == "cpu" and preset == "full":
+        click.echo(
+            "note: --full is design.md's whole protocol (8 windows of the model's context, "
+            "32 x 256 tokens, 600 retrieval samples per format): hours on a few CPU cores, "
+            "minutes with --device cuda",
+            err=True,
+        )
     try:
-        loaded = load_model(model_path)
+        loaded = load_model(model_path, device=device)
     except ModelError as e:
         raise click.UsageError(str(e)) from e
     names = [f.strip() for f in formats.split(",") if f.strip()] if formats else list_formats()
@@ -262,6 +279,7 @@ def command(
             "head_dim": info.head_dim,
             "max_context": info.max_context,
         },
+        "device": device,
         "text": text_file or "pydoc_data.topics",
         "preset": preset or "default",
         "settings": settings_dict(used),

@@ -211,11 +211,14 @@ def _info(config, name: str, source: Path, folder: Path) -> ModelInfo:
     )
 
 
-def load_model(path: str | Path | None = None, *, dtype=torch.bfloat16) -> LoadedModel:
+def load_model(
+    path: str | Path | None = None, *, dtype=torch.bfloat16, device: str | torch.device = "cpu"
+) -> LoadedModel:
     """Load the embedded model (``path=None``), a Llama HF folder or a Llama ``.gguf``.
 
-    Returns the transformers CausalLM in eval mode on the CPU, its tokenizer and its
-    ``ModelInfo``. Raises ``ModelError`` for a missing path or a non-Llama model.
+    Returns the transformers CausalLM in eval mode on ``device`` (default the CPU), its
+    tokenizer and its ``ModelInfo``. Raises ``ModelError`` for a missing path or a non-Llama
+    model.
     """
     src = _resolve(path)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -226,7 +229,7 @@ def load_model(path: str | Path | None = None, *, dtype=torch.bfloat16) -> Loade
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
+    model.eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if path is None:
         name = EMBEDDED_NAME
@@ -252,11 +255,12 @@ def capture_kv(
     from transformers import DynamicCache
 
     cache = DynamicCache(config=loaded.model.config)
+    input_ids = input_ids.to(loaded.model.device)
     loaded.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     out = []
     for layer in cache.layers:
         # cache tensors are [batch, kv_heads, T, head_dim]
-        k = layer.keys[0].transpose(0, 1).to(torch.bfloat16).contiguous()
-        v = layer.values[0].transpose(0, 1).to(torch.bfloat16).contiguous()
+        k = layer.keys[0].transpose(0, 1).to("cpu", torch.bfloat16).contiguous()
+        v = layer.values[0].transpose(0, 1).to("cpu", torch.bfloat16).contiguous()
         out.append((k, v))
     return out

@@ -12,6 +12,27 @@ model_option = click.option(
 )
 
 
+device_option = click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Where the model and the formats run (auto: CUDA when a GPU is visible).",
+)
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without one is an
+    error that says so."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
+    return name
+
+
 def text_file_option(help: str):  # noqa: A002  (click's own keyword)
     """``--text-file PATH``: an existing text file; ``help`` says which split is used."""
     return click.option(

@@ -32,7 +32,12 @@ def versions() -> dict[str, str]:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            pass
+            if name.startswith("kvzip-"):  # run from source (PYTHONPATH), not installed
+                try:
+                    mod = __import__(f"{name.replace('-', '_')}._version", fromlist=["x"])
+                    out[name] = f"{mod.__version__} (source)"
+                except ImportError:
+                    pass
     return out
 
 

@@ -18,11 +18,12 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     if _ACTIVE:
         acc = _ACTIVE[-1]
         for b in range(query.shape[0]):
+            # the statistics accumulate in float64 on the CPU, wherever the model runs
             acc.update(
                 module.layer_idx,
-                query[b].transpose(0, 1),
-                key[b].transpose(0, 1),
-                value[b].transpose(0, 1),
+                query[b].transpose(0, 1).cpu(),
+                key[b].transpose(0, 1).cpu(),
+                value[b].transpose(0, 1).cpu(),
             )
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -67,8 +68,8 @@ def fit(loaded, windows: torch.Tensor, *, fit_record: dict | None = None, progre
     with _hooked(model, acc):
         for ids in tqdm(windows, desc="calibrate", unit="window", disable=not progress):
             # logits_to_keep=1: only the attention layers matter here, not the 49k-way head
-            model(input_ids=ids.unsqueeze(0), use_cache=False, logits_to_keep=1)
-    o_proj = [layer.self_attn.o_proj.weight.detach().float() for layer in model.model.layers]
+            model(input_ids=ids.unsqueeze(0).to(model.device), use_cache=False, logits_to_keep=1)
+    o_proj = [layer.self_attn.o_proj.weight.detach().float().cpu() for layer in model.model.layers]
     record = dict(
         fit_record or {}, windows=int(windows.shape[0]), window_tokens=int(windows.shape[1])
     )

@@ -48,8 +48,11 @@ def generate(
         batch = prompts[s : s + batch_size]
         width = max(len(p) for p in batch)
         pads = [width - len(p) for p in batch]
-        ids = torch.tensor([[pad_id] * n + p for n, p in zip(pads, batch, strict=True)])
-        mask = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pads, batch, strict=True)])
+        dev = model.device
+        ids = torch.tensor([[pad_id] * n + p for n, p in zip(pads, batch, strict=True)], device=dev)
+        mask = torch.tensor(
+            [[0] * n + [1] * len(p) for n, p in zip(pads, batch, strict=True)], device=dev
+        )
         cache = FormatCache(
             model.config, fmt, pad=pads, probes={k: probes[k] for k in exact} if probes else None
         )

@@ -11,10 +11,11 @@ would not give for free.
 Left-padded batches pass ``pad`` (left pads per row): cache index ``i`` of row ``b`` holds
 absolute position ``i - pad[b]``; pad slots are masked out by attention and left as they are.
 
-Formats that keep the base ``KVFormat.roundtrip`` (``decode(encode(x))``) do not depend on
-position, and encode every token row on its own (a paged cache writes tokens one by one),
-so a whole batch goes through them in one call; measured on batch-8 decode of SmolLM2 with
-int4, one call per row made generation 1.9x slower than bf16.
+Formats that keep the base ``KVFormat.roundtrip`` (every token row on its own through
+``roundtrip_rows``, the first ``sink_tokens`` positions of a sequence read from bf16 copies)
+go through in one call per layer for the whole batch, the sink slots picked out of each row
+by its pads; measured on batch-8 decode of SmolLM2 with int4, one call per row made
+generation 1.9x slower than bf16. Formats with their own ``roundtrip`` take the per-row path.
 
 ``probes`` lets a reference run check, at no extra forward cost, whether a format is exact
 on every K/V the model produced (``roundtrip(x) == x`` bit for bit); such a format would
@@ -30,7 +31,8 @@ from kvzip_formats import KVFormat
 
 
 def position_free(fmt) -> bool:
-    """True when ``fmt.roundtrip`` is the base one: per-token and position independent."""
+    """True when ``fmt.roundtrip`` is the base one: every token row on its own
+    (``roundtrip_rows``), the first ``sink_tokens`` positions of a sequence read exactly."""
     return type(fmt).roundtrip is KVFormat.roundtrip
 
 
@@ -56,26 +58,40 @@ class FormatCache(DynamicCache):
         value_states = self._apply(value_states, "v", layer_idx, start)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def _sinks(self, x: torch.Tensor, rt: torch.Tensor, n: int, start: int) -> torch.Tensor:
+        """``rt`` with the cache slots holding absolute positions ``0..n-1`` taken from ``x``
+        (bf16), as ``KVFormat.roundtrip`` reads them; x, rt ``[batch, kv_heads, T, d]``."""
+        pads = self.pad if self.pad is not None else [0] * x.shape[0]
+        if n <= 0 or start >= n + max(pads):  # no slot of this step is a sink position
+            return rt
+        pad = torch.tensor(pads, device=x.device)
+        pos = start + torch.arange(x.shape[2], device=x.device)[None, :] - pad[:, None]
+        sink = ((pos >= 0) & (pos < n))[:, None, :, None]
+        return torch.where(sink, x.to(torch.bfloat16).to(rt.dtype), rt)
+
     def _apply(self, x: torch.Tensor, kind: str, layer: int, start: int) -> torch.Tensor:
         """x: ``[batch, kv_heads, T, head_dim]``, tokens at cache indices start..start+T-1."""
         if self.fmt is None and not self.exact:
             return x
-        out = x.clone() if self.fmt is not None else x
+        out = x
         B, H, T, D = x.shape
         flat = x.permute(0, 2, 1, 3).reshape(B * T, H, D)  # pad slots included: masked anyway
         for name in list(self.exact):
             probe = self.probes[name]
+            # rows alone decide exactness: sink positions are exact in every format
             if position_free(probe) and not torch.equal(
-                probe.roundtrip(flat, kind=kind, layer=layer, start=start), flat
+                probe.roundtrip_rows(flat, kind=kind, layer=layer), flat
             ):
                 self.exact.discard(name)
         if self.fmt is not None and position_free(self.fmt):
-            rt = self.fmt.roundtrip(flat, kind=kind, layer=layer, start=start)
-            out = rt.to(x.dtype).reshape(B, T, H, D).permute(0, 2, 1, 3)
+            rt = self.fmt.roundtrip_rows(flat, kind=kind, layer=layer)
+            rt = rt.to(x.dtype).reshape(B, T, H, D).permute(0, 2, 1, 3)
+            out = self._sinks(x, rt, self.fmt.sink_tokens, start)
         slow_probes = [n for n in self.exact if not position_free(self.probes[n])]
         slow_fmt = self.fmt is not None and not position_free(self.fmt)
         if not slow_probes and not slow_fmt:
             return out
+        out = out.clone()
         for b in range(x.shape[0]):
             pos = start - (self.pad[b] if self.pad is not None else 0)
             skip = max(0, -pos)  # left-pad slots: masked, never read

@@ -123,7 +123,7 @@ def measure_kl(
     exact_all = set(names) if reuse_exact else set()
     bar = tqdm(total=len(windows) * (len(names) + 1), desc="KL", unit="run", disable=not progress)
     for ids in windows:
-        ids = ids.unsqueeze(0)
+        ids = ids.unsqueeze(0).to(loaded.model.device)
         probes = {n: formats[n] for n in exact_all}
         h_ref, exact = final_hidden(loaded, ids, None, probes=probes)
         exact_all &= exact
@@ -138,6 +138,6 @@ def measure_kl(
             agrees[n].append(agree)
     bar.close()
     return {
-        n: summarize(torch.stack(kls[n]), torch.stack(agrees[n]), exact=n in exact_all)
+        n: summarize(torch.stack(kls[n]).cpu(), torch.stack(agrees[n]).cpu(), exact=n in exact_all)
         for n in names
     }

@@ -1,13 +1,12 @@
 """One evaluation run: KL, words changed and retrieval for several formats on the same inputs.
 
-Settings presets (times measured on the 2-core development machine while other jobs shared
-it, see results/quality/): ``quick`` for tests and checks, ``default`` for a first look,
-``full`` for published numbers. design.md's protocol asks for windows of the model's full
-context; on 2 shared CPU cores an 8,192-token forward of SmolLM2-135M took 128 s (attention
-is quadratic: 2,048 tokens take ~15-25 s), so ``default`` uses shorter windows and ``full``
-is sized to finish in ~40 minutes for the five baselines, well short of the protocol
-(``PROTOCOL``: 8 windows, 32 prompts x 256 tokens, 50 samples up to 8,192 tokens, which
-would take days there). Every count can be raised with the command's options.
+Settings presets: ``quick`` (about a minute on 2 CPU cores) for tests and checks, ``default``
+(a few minutes there) for a first look, ``full`` for published numbers: design.md's protocol,
+8 windows of the model's full context, 32 prompts x 256 new tokens, 50 samples per retrieval
+task at 1,024, 2,048, 4,096 tokens and the full context. ``full`` is meant for a GPU
+(``--device cuda``): on 2 shared CPU cores an 8,192-token forward of SmolLM2-135M took
+128 s, so the protocol would take days there. Every count can be changed with the command's
+options.
 """
 
 from __future__ import annotations
@@ -65,30 +64,21 @@ PRESETS = {
         retrieval_lengths=(512,),
         retrieval_samples=2,
     ),
-    # Sized from one run per stage on the shared 2-core machine (int4-rot, ~40% of the
-    # cores free): an 8,192-token window 128 s + 16 s of logits; 8 prompts x 128 new tokens
-    # 69 s; 2 MK3 samples at 2,048 tokens 44 s. For the 5 baselines (bf16 reuses the
-    # reference) that is ~12 + 6 + 17 minutes. The published run (results/quality/
-    # baselines.json) took 14.3 + 8.9 + 18.2 = 41 minutes with the machine's load at 10-16.
+    # design.md's protocol. gen_batch 64 takes each retrieval group (50 samples of one task
+    # and length) in one batch on a GPU; on the CPU the command lowers it to 8.
     "full": Settings(
-        kl_windows=1,
+        kl_windows=8,
         kl_length=0,
-        prompts=8,
+        prompts=32,
         passage_tokens=192,
-        new_tokens=128,
-        retrieval_lengths=(512, 1024, 2048),
-        retrieval_samples=2,
+        new_tokens=256,
+        retrieval_lengths=(1024, 2048, 4096, 0),
+        retrieval_samples=50,
+        gen_batch=64,
     ),
 }
-#: What design.md's protocol asks for (hours on 2 CPU cores; minutes on a GPU).
-PROTOCOL = replace(
-    PRESETS["full"],
-    kl_windows=8,
-    prompts=32,
-    new_tokens=256,
-    retrieval_lengths=(1024, 2048, 4096, 0),
-    retrieval_samples=50,
-)
+#: What design.md's protocol asks for.
+PROTOCOL = PRESETS["full"]
 
 
 @dataclass
