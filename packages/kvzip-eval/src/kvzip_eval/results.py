@@ -65,6 +65,7 @@ def provenance() -> dict[str, object]:
         "versions": versions(),
         "command": " ".join(shlex.quote(a) for a in ["kvzip", *sys.argv[1:]])
         if Path(sys.argv[0]).name == "kvzip"
+        or Path(sys.argv[0]).parts[-2:] == ("kvzip_eval", "__main__.py")
         else " ".join(shlex.quote(a) for a in sys.argv),
     }
 
