@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 import kvzip_lossless
-from kvzip_vllm import support
+from kvzip_vllm import blocks, support
 from kvzip_vllm.store import BlockStore, block_key, namespace
 
 if TYPE_CHECKING:
@@ -269,13 +269,10 @@ class KvzipConnector(KVConnectorBase_V1):
             return int(digits[0]) if digits else 0
 
         for name, cache in kv_caches.items():
-            if cache.dtype != torch.bfloat16 or cache.dim() != 4:
-                raise support.UnsupportedConfigError(
-                    f"kvzip-vllm connector: layer {name} has a KV cache of dtype {cache.dtype} "
-                    f"and shape {tuple(cache.shape)}; supported: a bfloat16 paged cache viewed "
-                    "as [num_blocks, num_kv_heads, block_size, 2 * head_size] (the stock "
-                    "attention backends; not KVZIP_KV_FORMAT's packed cache)"
-                )
+            try:
+                blocks.check_paged_cache(name, cache)
+            except ValueError as e:
+                raise support.UnsupportedConfigError(f"kvzip-vllm connector: {e}") from None
         self._layers = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
         device = self._layers[0][1].device
         _, h, n, c = self._layers[0][1].shape
@@ -291,17 +288,8 @@ class KvzipConnector(KVConnectorBase_V1):
         if device.type == "cuda":
             from kvzip_vllm.cuda_pipeline import CudaTierPipeline
 
-            self._cuda = CudaTierPipeline(self._store, self._block_views, device, self._block_size)
-
-    def _block_views(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """CUDA: K and V of one block, all layers, as views ``[kv_heads, block_size, head]``
-        of the ``[H, N, C]`` manager view (C = K || V per token)."""
-        views = []
-        for _, cache in self._layers:
-            c = cache.shape[-1]
-            blk = cache[block_id]
-            views.append((blk[..., : c // 2], blk[..., c // 2 :]))
-        return views
+            caches = [cache for _, cache in self._layers]
+            self._cuda = CudaTierPipeline(self._store, caches, self._block_size)
 
     def _halves(self, block_id: int):
         """CPU: per layer, the flat K and V halves ``[kv_heads, block_size * head]`` of each
@@ -313,12 +301,7 @@ class KvzipConnector(KVConnectorBase_V1):
             yield page[:, 0], page[:, 1]
 
     def _gather(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
-        if self._cuda is not None:
-            return [
-                (k.permute(1, 0, 2).contiguous(), v.permute(1, 0, 2).contiguous())
-                for k, v in self._block_views(block_id)
-            ]
+        """CPU: per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
         n, d = self._page_shape
         out = []
         for k, v in self._halves(block_id):
@@ -341,12 +324,15 @@ class KvzipConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvzipConnectorMetadata)
         if meta.clear:
+            if self._cuda is not None:
+                self._cuda.drain()  # the store thread is done writing to the store
             self._report.dropped.extend(k for k in list(self._store._entries))
             self._store.clear()
         if not meta.loads:
             return
         if self._cuda is not None:
-            self._load_errors |= self._cuda.start_loads(meta.loads)
+            self._cuda.start_loads(meta.loads)
+            self._stats_dirty = True
             return
         t0 = time.perf_counter()
         reqs_hit: dict[str, int] = {}
@@ -377,7 +363,7 @@ class KvzipConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._cuda is not None:
-            self._cuda.wait_loads()
+            self._load_errors |= self._cuda.wait_loads()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any
@@ -414,6 +400,8 @@ class KvzipConnector(KVConnectorBase_V1):
         self._write_stats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if getattr(self, "_cuda", None) is not None:  # loads no layer waited for
+            self._load_errors |= self._cuda.wait_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -422,6 +410,9 @@ class KvzipConnector(KVConnectorBase_V1):
             stored, dropped = self._cuda.collect()
             self._report.stored.extend(stored)
             self._report.dropped.extend(dropped)
+            if stored or dropped or getattr(self, "_stats_dirty", False):
+                self._stats_dirty = False
+                self._write_stats()
         if not self._report.stored and not self._report.dropped:
             return None
         report, self._report = self._report, KvzipWorkerMetadata()

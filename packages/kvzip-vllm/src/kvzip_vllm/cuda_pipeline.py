@@ -1,119 +1,267 @@
-"""The connector's CUDA path: GPU encode/decode with kvzip-lossless, copies overlapped.
+"""The tier's loads and stores on the GPU (connector.py uses it when the paged cache is on CUDA).
 
-Written against vLLM 0.33 on CUDA; not run by this package's tests (vLLM runs on the CPU
-here, and kvzip-lossless's GPU codec and its restore pipeline are tested and timed on their
-own). What it does:
+No vLLM here: the pipeline sees the per-layer paged-cache views (:mod:`kvzip_vllm.blocks`) and
+the :class:`~kvzip_vllm.store.BlockStore`. On a CPU device it runs the same steps with no
+streams (the Triton decode kernel under ``TRITON_INTERPRET=1``), which is how it is tested
+without a GPU.
 
-- Loads: the blocks of one step are decoded on two side streams in turn, so block i's
-  host-to-device copy and decode overlap block i+1's; each decoded block is scattered into
-  the paged cache on its stream. ``wait_loads`` (called before the first layer reads the
-  cache) makes the compute stream wait for both.
-- Stores: after the forward, the blocks to store are copied device-to-device into staging
-  tensors on the compute stream (so vLLM may free the blocks at once); a worker thread
-  encodes them on its own stream with the GPU encoder and hands the blobs to the store;
-  completions are reported to the scheduler at the next step.
+Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
+cache): a step's blobs are staged slot-major (layer 0 K of every block, then layer 0 V, ...)
+in pinned host memory, in a few groups of slots; each group's host-to-device copy runs on a
+copy stream while the previous group is decoded on a decode stream, one kernel launch per slot
+for all blocks (:mod:`kvzip_vllm.batch_decode`). ``wait_loads`` makes the compute stream wait,
+reads one damage flag per block (the step's only synchronisation), drops damaged entries from
+the store and reports their blocks as failed (vLLM recomputes them), and copies the good ones
+from the decode buffer into the paged cache on the compute stream: a damaged blob's output
+never reaches the cache.
+
+Stores (``start_stores`` after the forward): the blocks are gathered token-major on the compute
+stream (so vLLM may reuse them at once); a worker thread encodes them on its own stream (GPU
+encoder for CUDA tensors once the table set exists), plans their decode, and puts them in the
+store; ``collect`` reports the keys stored and dropped (evicted, skipped, damaged or missing).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import kvzip_lossless
+from kvzip_vllm.batch_decode import ALIGN, BatchDecoder, BlobPlan, plan_blob
+from kvzip_vllm.blocks import gather_token_major, scatter_token_major
 from kvzip_vllm.store import BlockStore
+
+logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
+
+#: Slot groups per load step: copy of group g+1 overlaps decode of group g. Each group costs a
+#: copy and an event; its launches are the slots' own, so more groups add no kernel launches.
+COPY_GROUPS = 4
+
+
+@dataclass
+class _Load:
+    t0: float
+    failed: set[int] = field(default_factory=set)
+    dropped: list[bytes] = field(default_factory=list)
+    blocks: list[tuple[str, bytes, int]] = field(default_factory=list)  # decoded: (req, key, id)
+    out: torch.Tensor | None = None  # [2 * layers, n, block_size, kv_heads, head_size]
+    flags: list[torch.Tensor] = field(default_factory=list)
+    keep: list = field(default_factory=list)  # staging tensors alive until the step is done
+
+
+def plan_blobs(blobs: tuple[bytes, ...], tables) -> tuple[list[BlobPlan], int]:
+    """``BlockStore.put``'s ``plan`` hook: the decode plans of a block's blobs and their bytes."""
+    plans = [plan_blob(b, tables) for b in blobs]
+    return plans, sum(p.host_bytes for p in plans)
 
 
 class CudaTierPipeline:
-    def __init__(
-        self, store: BlockStore, block_views: Callable[[int], list], device, block_size: int
-    ):
+    def __init__(self, store: BlockStore, caches: list[torch.Tensor], block_size: int):
+        if not caches:
+            raise ValueError("caches must hold one paged-cache view per layer, got none")
         self.store = store
+        self.caches = caches
         self.block_size = block_size
-        self.block_views = block_views
-        self.device = device
-        self.load_streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
-        self.store_stream = torch.cuda.Stream(device)
+        self.device = caches[0].device
+        _, h, n, c = caches[0].shape
+        self.block_shape = (n, h, c // 2)  # token-major [block_size, kv_heads, head_size]
+        cuda = self.device.type == "cuda"
+        new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
+        self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
+        self._pinned = torch.empty(0, dtype=torch.uint8)
+        self._decoder = BatchDecoder(self.device, store.tables)
+        self._load: _Load | None = None
+        self._carry: set[int] = set()  # failures of loads finished by a later start_loads
+        self._dropped: list[bytes] = []
         self._done: queue.Queue = queue.Queue()
         self._jobs: queue.Queue = queue.Queue()
-        self._load_started: float | None = None
         self._thread = threading.Thread(target=self._store_loop, daemon=True)
         self._thread.start()
 
+    # -- helpers ------------------------------------------------------------------------
+    def _on(self, stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._pinned.numel() < nbytes:
+            cap = max(nbytes, 2 * self._pinned.numel())
+            self._pinned = torch.empty(
+                cap, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+            )
+        return self._pinned
+
     # -- loads --------------------------------------------------------------------------
-    def start_loads(self, loads) -> set[int]:
-        failed: set[int] = set()
-        self._load_started = time.perf_counter()
-        hits: dict[str, int] = {}
-        cur = torch.cuda.current_stream(self.device)
-        for i, (req_id, key, block_id) in enumerate(loads):
-            stream = self.load_streams[i % 2]
-            stream.wait_stream(cur)  # the blocks were just allocated on the compute stream
-            blobs = self.store.get_blobs(key)
-            if blobs is None:
-                failed.add(block_id)
+    def start_loads(self, loads: list[tuple[str, bytes, int]]) -> None:
+        """Begin restoring ``(req_id, key, block_id)`` into the paged cache (asynchronous)."""
+        self._carry = self.wait_loads()  # a previous step's loads, if never waited for
+        load = self._load = _Load(time.perf_counter())
+        n_tensors = 2 * len(self.caches)
+        numel = int(np.prod(self.block_shape))
+        good, plans, blobs = [], [], []
+        for req_id, key, block_id in loads:
+            got = self.store.get_entry(key)
+            entry_plans = None
+            if got is not None:
+                entry_blobs, entry_plans = got
+                try:
+                    if entry_plans is None:  # stored without plans
+                        entry_plans = plan_blobs(entry_blobs, self.store.tables)[0]
+                    if len(entry_blobs) != n_tensors or any(p.numel != numel for p in entry_plans):
+                        raise kvzip_lossless.CorruptBlobError("entry does not match the cache")
+                except kvzip_lossless.CorruptBlobError:
+                    self.store.drop(key)
+                    entry_plans = None
+            if entry_plans is None:
+                load.failed.add(block_id)
+                load.dropped.append(key)
                 continue
-            try:
-                with torch.cuda.stream(stream):
-                    for layer, (kd, vd) in enumerate(self.block_views(block_id)):
-                        for blob, dst in zip(
-                            blobs[2 * layer : 2 * layer + 2], (kd, vd), strict=True
-                        ):
-                            t = kvzip_lossless.decompress(
-                                blob, tables=self.store.tables, device=self.device
-                            )
-                            dst.copy_(t.permute(1, 0, 2), non_blocking=True)
-            except kvzip_lossless.CorruptBlobError:
+            good.append((req_id, key, block_id))
+            plans.append(entry_plans)
+            blobs.append(entry_blobs)
+        n = len(good)
+        load.blocks = good
+        if n == 0:
+            return
+        # slot-major order: item s * n + j is slot s (layer s // 2, K or V) of block j
+        item_plans = [plans[j][s] for s in range(n_tensors) for j in range(n)]
+        item_blobs = [blobs[j][s] for s in range(n_tensors) for j in range(n)]
+        sizes = np.array([p.nbytes for p in item_plans], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        total = -(-int(offsets[-1]) // ALIGN) * ALIGN
+        host = self._host_buffer(total)
+        host_np = host.numpy()
+        blob_dev = torch.empty(total, dtype=torch.uint8, device=self.device)
+        load.out = torch.empty(
+            (n_tensors, n, *self.block_shape), dtype=torch.bfloat16, device=self.device
+        )
+        out_offsets = np.arange(n_tensors * n, dtype=np.int64) * numel
+        if self._decoder.tables is not self.store.tables:
+            self._decoder = BatchDecoder(self.device, self.store.tables)
+        cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
+        for stream in (self.copy_stream, self.decode_stream):
+            if stream is not None:
+                stream.wait_stream(cur)  # the buffers above were allocated on the compute stream
+        bounds = np.linspace(0, n_tensors, min(COPY_GROUPS, n_tensors) + 1).astype(int) * n
+        for i0, i1 in zip(bounds[:-1], bounds[1:], strict=True):
+            for i in range(i0, i1):
+                a = int(offsets[i])
+                host_np[a : a + sizes[i]] = np.frombuffer(item_blobs[i], np.uint8)
+            a, b = int(offsets[i0]), int(offsets[i1])
+            with self._on(self.copy_stream):
+                blob_dev[a:b].copy_(host[a:b], non_blocking=True)
+                copied = torch.cuda.Event() if self.copy_stream is not None else None
+                if copied is not None:
+                    copied.record(self.copy_stream)
+            with self._on(self.decode_stream):
+                if copied is not None:
+                    self.decode_stream.wait_event(copied)
+                load.flags.append(
+                    self._decoder.run(
+                        item_plans[i0:i1],
+                        offsets[i0:i1],
+                        blob_dev,
+                        load.out,
+                        out_offsets[i0:i1],
+                        blobs=item_blobs[i0:i1],
+                    )
+                )
+        load.keep.append(blob_dev)
+
+    def wait_loads(self) -> set[int]:
+        """Finish the started loads; returns the block ids that failed (missing or damaged:
+        vLLM must recompute them). Idempotent: an empty set when nothing is pending."""
+        load, self._load = self._load, None
+        failed, self._carry = self._carry, set()
+        if load is None:
+            return failed
+        failed |= load.failed
+        s = self.store.stats
+        hits: dict[str, int] = {}
+        if load.blocks:
+            n = len(load.blocks)
+            if self.decode_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
+            bad = torch.cat(load.flags).view(-1, n).amax(0).cpu().numpy()  # the one sync
+            ok = [j for j in range(n) if not bad[j]]
+            for j in np.flatnonzero(bad):
+                _, key, block_id = load.blocks[j]
                 self.store.drop(key)
                 failed.add(block_id)
-                continue
-            hits[req_id] = hits.get(req_id, 0) + 1
-        s = self.store.stats
+                load.dropped.append(key)
+            if ok:
+                ids = torch.tensor([load.blocks[j][2] for j in ok], device=self.device)
+                out = (
+                    load.out if len(ok) == n else load.out[:, torch.tensor(ok, device=self.device)]
+                )
+                for layer, cache in enumerate(self.caches):
+                    scatter_token_major(cache, ids, out[2 * layer], out[2 * layer + 1])
+            for j in ok:
+                req_id = load.blocks[j][0]
+                hits[req_id] = hits.get(req_id, 0) + 1
         s.restore_hits += len(hits)
         s.blocks_restored += sum(hits.values())
         s.tokens_restored += sum(hits.values()) * self.block_size
-        s.load_errors += len(failed)
+        s.load_errors += len(load.dropped)  # one key per failed block
+        s.restore_seconds += time.perf_counter() - load.t0
+        self._dropped.extend(load.dropped)
         return failed
 
-    def wait_loads(self) -> None:
-        if self._load_started is None:
-            return
-        cur = torch.cuda.current_stream(self.device)
-        for stream in self.load_streams:
-            cur.wait_stream(stream)
-        for stream in self.load_streams:
-            stream.synchronize()
-        self.store.stats.restore_seconds += time.perf_counter() - self._load_started
-        self._load_started = None
-
     # -- stores -------------------------------------------------------------------------
-    def start_stores(self, stores) -> None:
-        for key, block_id in stores:
-            # D2D copies on the compute stream: the block may be freed once this returns
-            layers = [
-                (kd.permute(1, 0, 2).contiguous(), vd.permute(1, 0, 2).contiguous())
-                for kd, vd in self.block_views(block_id)
-            ]
+    def start_stores(self, stores: list[tuple[bytes, int]]) -> None:
+        """Queue ``(key, block_id)`` blocks for storing; their bytes are copied before this
+        returns (on the compute stream), so vLLM may reuse the blocks."""
+        if not stores:
+            return
+        keys = [key for key, _ in stores]
+        ids = torch.tensor([block_id for _, block_id in stores], device=self.device)
+        staged = [gather_token_major(cache, ids) for cache in self.caches]
+        event = None
+        if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
-            self._jobs.put((key, layers, event))
+            event.record(torch.cuda.current_stream(self.device))
+        self._jobs.put((keys, staged, event))
 
     def _store_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
+                self._jobs.task_done()
                 return
-            key, layers, event = job
-            with torch.cuda.stream(self.store_stream):
-                self.store_stream.wait_event(event)
-                nbytes, evicted = self.store.put(key, layers)  # GPU encoder for CUDA tensors
-            self._done.put((key, nbytes, evicted))
+            keys, staged, event = job
+            try:
+                with self._on(self.store_stream):
+                    if event is not None:
+                        self.store_stream.wait_event(event)
+                    for j, key in enumerate(keys):
+                        layers = [(k[j], v[j]) for k, v in staged]
+                        try:
+                            nbytes, evicted = self.store.put(
+                                key, layers, plan=lambda b: plan_blobs(b, self.store.tables)
+                            )
+                        except Exception:  # noqa: BLE001 (report the block as not stored)
+                            logger.exception("kvzip tier: storing a block failed")
+                            nbytes, evicted = 0, []
+                        self._done.put((key, nbytes, evicted))
+                    if self.store_stream is not None:
+                        self.store_stream.synchronize()  # staged is read there until now
+            finally:
+                self._jobs.task_done()
+
+    def drain(self) -> None:
+        """Wait until every queued store is in the store (tests, shutdown)."""
+        self._jobs.join()
 
     def collect(self) -> tuple[list[bytes], list[bytes]]:
-        stored, dropped = [], []
+        """Keys stored and keys no longer held since the last call."""
+        stored, dropped = [], self._dropped
+        self._dropped = []
         while True:
             try:
                 key, nbytes, evicted = self._done.get_nowait()

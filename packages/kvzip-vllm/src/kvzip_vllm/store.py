@@ -21,6 +21,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -52,10 +53,10 @@ class TierStats:
 
     budget_bytes: int = 0
     blocks_held: int = 0
-    bytes_held: int = 0  # compressed bytes held now
+    bytes_held: int = 0  # compressed bytes held now (with the GPU path's decode plans)
     raw_bytes_held: int = 0  # bf16 bytes those blocks would take uncompressed
     blocks_stored: int = 0  # cumulative
-    bytes_stored: int = 0  # cumulative compressed bytes written
+    bytes_stored: int = 0  # cumulative compressed bytes written (blobs only)
     raw_bytes_stored: int = 0  # cumulative bf16 bytes compressed
     blocks_skipped: int = 0  # larger than the whole budget
     evictions: int = 0
@@ -93,8 +94,9 @@ class TierStats:
 @dataclass
 class _Entry:
     blobs: tuple[bytes, ...]
-    nbytes: int
+    nbytes: int  # blob bytes plus ``aux_bytes``: what the entry holds against the budget
     raw_bytes: int
+    aux: object = None  # the GPU path's decode plans (kvzip_vllm.batch_decode.BlobPlan)
 
 
 class BlockStore:
@@ -137,35 +139,61 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(
-        self, key: bytes, layers: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[int, list[bytes]]:
-        """Compress and hold one block under ``key``: per layer ``(K, V)`` bf16
-        ``[block_size, kv_heads, head_size]``.
-
-        Returns (compressed bytes held, 0 if not stored; keys evicted to make room).
-        """
-        if key in self._entries:
-            return self.put_blobs(key, (), 0)
-        t0 = time.perf_counter()
+    def encode(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[bytes, ...]:
+        """The blobs of one block (layer 0 K, layer 0 V, layer 1 K, ...): with the table set
+        once there is one, else each embedding its own table. CUDA tensors are coded on the
+        GPU, except those embedding a table: they are coded on the host, which fits that table
+        there anyway, and kvzip-lossless's GPU coder keeps the device copy of every table it
+        has seen (so one per embedded-table blob, never freed)."""
         tables = self.tables
         blobs = []
         for layer, kv in enumerate(layers):
             for kind, t in zip(("k", "v"), kv, strict=True):
                 if tables is None:
-                    blobs.append(kvzip_lossless.compress(t))
+                    blobs.append(kvzip_lossless.compress(t.cpu()))
                 else:
                     slot = kvzip_lossless.kv_slot(layer, kind)
                     blobs.append(kvzip_lossless.compress(t, tables=tables, slot=slot))
+        return tuple(blobs)
+
+    def put(
+        self,
+        key: bytes,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        plan: Callable[[tuple[bytes, ...]], tuple[object, int]] | None = None,
+    ) -> tuple[int, list[bytes]]:
+        """Compress and hold one block under ``key``: per layer ``(K, V)`` bf16
+        ``[block_size, kv_heads, head_size]``. ``plan(blobs)`` may return ``(aux, aux_bytes)``
+        to keep beside the blobs (the GPU path's decode plans; their bytes count against the
+        budget).
+
+        Returns (bytes held for the entry, 0 if not stored; keys evicted to make room).
+        """
+        if key in self._entries:
+            return self.put_blobs(key, (), 0)
+        t0 = time.perf_counter()
+        blobs = self.encode(layers)
+        aux, aux_bytes = plan(blobs) if plan is not None else (None, 0)
         raw = sum(t.numel() * t.element_size() for kv in layers for t in kv)
-        result = self.put_blobs(key, tuple(blobs), raw, time.perf_counter() - t0)
+        result = self.put_blobs(
+            key, blobs, raw, time.perf_counter() - t0, aux=aux, aux_bytes=aux_bytes
+        )
         self._maybe_fit(layers)
         return result
 
     def put_blobs(
-        self, key: bytes, blobs: tuple[bytes, ...], raw_bytes: int, seconds: float = 0.0
+        self,
+        key: bytes,
+        blobs: tuple[bytes, ...],
+        raw_bytes: int,
+        seconds: float = 0.0,
+        *,
+        aux: object = None,
+        aux_bytes: int = 0,
     ) -> tuple[int, list[bytes]]:
-        nbytes = sum(len(b) for b in blobs)
+        blob_bytes = sum(len(b) for b in blobs)
+        nbytes = blob_bytes + aux_bytes
         evicted: list[bytes] = []
         with self._lock:
             s = self.stats
@@ -183,24 +211,30 @@ class BlockStore:
                 s.blocks_held -= 1
                 s.evictions += 1
                 evicted.append(old_key)
-            self._entries[key] = _Entry(blobs, nbytes, raw_bytes)
+            self._entries[key] = _Entry(blobs, nbytes, raw_bytes, aux)
             s.bytes_held += nbytes
             s.raw_bytes_held += raw_bytes
             s.blocks_held += 1
             s.blocks_stored += 1
-            s.bytes_stored += nbytes
+            s.bytes_stored += blob_bytes
             s.raw_bytes_stored += raw_bytes
         return nbytes, evicted
 
-    def get_blobs(self, key: bytes) -> tuple[bytes, ...] | None:
-        """The blobs of ``key`` (marking it most recently used), or None if not held."""
+    def get_entry(self, key: bytes) -> tuple[tuple[bytes, ...], object] | None:
+        """The blobs of ``key`` and what was kept beside them (marking it most recently used),
+        or None if not held."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end(key)
-            return entry.blobs
+            return entry.blobs, entry.aux
+
+    def get_blobs(self, key: bytes) -> tuple[bytes, ...] | None:
+        """The blobs of ``key`` (marking it most recently used), or None if not held."""
+        got = self.get_entry(key)
+        return None if got is None else got[0]
 
     def get(self, key: bytes, outs: list[torch.Tensor]) -> bool:
         """Decode ``key`` into ``outs`` (one per blob: layer 0 K, layer 0 V, layer 1 K, ...),
