@@ -1,10 +1,10 @@
 """The reference codecs run on the device of their input: the same rows on CUDA as on the CPU.
 
 ``kvzip eval --device cuda`` sends every layer's K/V through the formats on the GPU, so the
-quality it measures is only the CPU reference's if the codes agree. Rounding can differ where
-a value sits on a code boundary (the transforms are float64/float32 matrix products whose
-summation order differs between devices), so rows are compared at the byte level and
-allowed a small share of differences; decoded values of agreeing rows must match closely.
+quality it measures is only the CPU reference's if the codes agree. Formats that work element by
+element must give the same bytes. In the others a value on a code boundary can round either
+way (their rotations are float32/float64 matrix products whose summation order differs
+between devices), so a small share of rows may differ, and those must decode close by.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from kvzip_formats.calibration import Calibration
 
 GOLDEN = Path(__file__).parent / "golden" / "compact"
 FORMATS = ["bf16", "fp8", "int4", "int4-rot", "turbo4", "4bit", "3.5bit", "3bit"]
+#: Formats without a matrix product in encode: their rows must match bit for bit.
+ELEMENTWISE = ("bf16", "fp8", "int4")
 
 
 def _fmt(name: str):
@@ -56,8 +58,15 @@ def test_cuda_rows_agree_with_cpu(name):
         cpu = fmt.encode(x, kind=kind, layer=1)
         gpu = fmt.encode(x.cuda(), kind=kind, layer=1)
         assert gpu.device.type == "cuda" and gpu.dtype == torch.uint8
-        same = (cpu == gpu.cpu()).all(-1)
-        assert same.float().mean() >= 0.999, f"{name} {kind}: {1 - same.float().mean():.2e} differ"
+        same = (cpu == gpu.cpu()).all(-1).float().mean().item()
+        if name in ELEMENTWISE:  # IEEE division/rounding per element: the same on both
+            assert same == 1.0, f"{name} {kind}: {1 - same:.2e} of rows differ"
+        else:
+            # measured on the H200: int4-rot K 0.56% of rows differ (Hadamard in float32)
+            assert same >= 0.99, f"{name} {kind}: {1 - same:.2e} of rows differ"
+            a = fmt.decode(cpu, kind=kind, layer=1, head_dim=64)
+            b = fmt.decode(gpu.cpu(), kind=kind, layer=1, head_dim=64)
+            assert (a - b).norm() / a.norm() < 1e-2, f"{name} {kind}: rows decode apart"
         dc = fmt.decode(cpu, kind=kind, layer=1, head_dim=64)
         dg = fmt.decode(cpu.cuda(), kind=kind, layer=1, head_dim=64).cpu()
         err = (dc - dg).norm() / dc.norm().clamp_min(1e-30)
