@@ -122,3 +122,11 @@ def test_calibrated_formats_need_calibration(loaded, tmp_path, monkeypatch):
             ["int4", needs[0]], None, loaded.info, auto_calibrate=lambda: calls.append(1)
         )
     assert calls == [1]
+
+
+def test_device_cuda_without_gpu_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(command, [*TINY, "--device", "cuda"])
+    assert res.exit_code == 2 and "torch sees no CUDA GPU" in res.output
