@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 
 import kvzip_lossless  # noqa: E402
 from kvzip_lossless import blob as B  # noqa: E402
-from kvzip_vllm.batch_decode import BatchDecoder, plan_blob  # noqa: E402
+from kvzip_vllm.batch_decode import DecodeStep, plan_block  # noqa: E402
 from kvzip_vllm.cuda_pipeline import CudaTierPipeline  # noqa: E402
 from kvzip_vllm.store import BlockStore  # noqa: E402
 
@@ -215,50 +215,56 @@ def test_budget_evicts_lru_and_reports_dropped(make, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_batch_decoder_mixed_blobs(device):
-    """One batch of blobs with a table-set slot, embedded tables, escapes and a raw tile,
-    decoded at arbitrary offsets; a damaged one is flagged alone."""
+def test_decode_step_mixed_blobs(device):
+    """Two blocks whose blobs use table-set slots, embedded tables, escapes and a raw tile,
+    decoded in one step (slot-major, two launch groups); a damaged blob is flagged alone."""
     h, d = (2, 16) if device == "cpu" else (8, 128)
-    ts = calibrated_tables(1, h, d)
-    xs, blobs = [], []
-    for i in range(6):
-        x = kv_values((16, h, 2 * d), 1000, "cpu")[..., d * (i % 2) :][..., :d].contiguous()
-        x = x.roll(i, 0)
-        if i == 2:
-            x[3, 0, 1], x[5, 1, 2], x[9, 0, 0] = 3e38, -1e-38, float("nan")  # escapes
-        if i == 4:  # uniform bits: the tile does not shrink and is stored raw
-            g = torch.Generator().manual_seed(4)
-            x = torch.randint(-(1 << 15), 1 << 15, x.shape, generator=g, dtype=torch.int16)
-            x = x.view(torch.bfloat16)
-        xs.append(x)
-        slot = kvzip_lossless.kv_slot(0, "kv"[i % 2])
-        blobs.append(kvzip_lossless.compress(x, tables=ts, slot=slot) if i < 4 else
-                     kvzip_lossless.compress(x))  # fmt: skip
-    headers = [B.parse_header(memoryview(b)) for b in blobs]
+    ts = calibrated_tables(2, h, d)
+    xs, blocks = [], []
+    for j in range(2):
+        xs.append([])
+        for i in range(6):  # blob i: table-set slot i for i < 4
+            x = kv_values((16, h, 2 * d), 1000 + min(i, 3) // 2, "cpu").roll(j, 0)
+            x = x[..., :d] if i % 2 == 0 else x[..., d:]
+            x = x.contiguous()
+            if i == 2:
+                x[3, 0, 1], x[5, 1, 2], x[9, 0, 0] = 3e38, -1e-38, float("nan")  # escapes
+            if i == 4:  # uniform bits: the tile does not shrink and is stored raw
+                g = torch.Generator().manual_seed(4 + j)
+                x = torch.randint(-(1 << 15), 1 << 15, x.shape, generator=g, dtype=torch.int16)
+                x = x.view(torch.bfloat16)
+            xs[j].append(x)
+        blocks.append(
+            tuple(
+                kvzip_lossless.compress(x, tables=ts, slot=i)
+                if i < 4
+                else kvzip_lossless.compress(x)
+                for i, x in enumerate(xs[j])
+            )
+        )
+    headers = [B.parse_header(memoryview(b)) for b in blocks[0]]
     assert headers[2].n_exc.sum() >= 3 and (headers[4].modes == B.MODE_RAW).all()
     assert headers[5].embedded is not None and headers[0].embedded is None
-    plans = [plan_blob(b, ts) for b in blobs]
-    gap = 8  # blobs placed apart, not at the buffer's start
-    offsets = np.cumsum([gap] + [p.nbytes + gap for p in plans])[:-1]
+    plans = [plan_block(b, ts) for b in blocks]
     dev = torch.device(device)
-    for damaged in (None, 1):
-        staged = np.zeros(int(offsets[-1]) + plans[-1].nbytes, np.uint8)
-        for o, b in zip(offsets, blobs, strict=True):
-            staged[o : o + len(b)] = np.frombuffer(b, np.uint8)
+    for damaged in (None, (1, 1)):  # (block, blob)
+        step = DecodeStep(plans, blocks, dev, ts, {})
+        staged = np.zeros(step.total, np.uint8)
+        step.fill(staged, 0, 12)
         if damaged is not None:
-            staged[offsets[damaged] + plans[damaged].nbytes - 10] ^= 0x11
-        numel = xs[0].numel()
-        out = torch.zeros(len(blobs) * numel + 7, dtype=torch.bfloat16, device=dev)
-        out_offsets = np.arange(len(blobs)) * numel + 7
-        flags = BatchDecoder(dev, ts).run(
-            plans, offsets, torch.from_numpy(staged).to(dev), out, out_offsets, blobs=blobs
-        )
-        flags = flags.cpu().tolist()
-        assert [bool(f) for f in flags] == [i == damaged for i in range(len(blobs))]
-        for i, x in enumerate(xs):
-            if i != damaged:
-                got = out[out_offsets[i] : out_offsets[i] + numel].cpu()
-                assert torch.equal(bits(got), bits(x.reshape(-1))), f"blob {i}"
+            item = damaged[1] * 2 + damaged[0]
+            staged[step.offsets[item + 1] - 10] ^= 0x11
+        out = torch.zeros((6, 2, 16, h, d), dtype=torch.bfloat16, device=dev)
+        blob_dev = torch.from_numpy(staged).to(dev)
+        step.upload()
+        step.decode(0, 3, blob_dev, out)
+        step.decode(3, 6, blob_dev, out)
+        flags = step.finish(blob_dev, out).view(6, 2).cpu()
+        for i in range(6):
+            for j in range(2):
+                assert bool(flags[i, j]) == ((j, i) == damaged), f"block {j} blob {i}"
+                if (j, i) != damaged:
+                    assert torch.equal(bits(out[i, j].cpu()), bits(xs[j][i])), f"block {j} blob {i}"
 
 
 def test_pipeline_module_imports_no_vllm():

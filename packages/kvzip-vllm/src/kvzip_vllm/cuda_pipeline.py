@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import kvzip_lossless
-from kvzip_vllm.batch_decode import ALIGN, BatchDecoder, BlobPlan, plan_blob
+from kvzip_vllm.batch_decode import BlockPlan, DecodeStep, plan_block
 from kvzip_vllm.blocks import gather_token_major, scatter_token_major
 from kvzip_vllm.store import BlockStore
 
@@ -52,14 +52,14 @@ class _Load:
     dropped: list[bytes] = field(default_factory=list)
     blocks: list[tuple[str, bytes, int]] = field(default_factory=list)  # decoded: (req, key, id)
     out: torch.Tensor | None = None  # [2 * layers, n, block_size, kv_heads, head_size]
-    flags: list[torch.Tensor] = field(default_factory=list)
+    flags: torch.Tensor | None = None  # [2 * layers * n] damage flags, slot-major
     keep: list = field(default_factory=list)  # staging tensors alive until the step is done
 
 
-def plan_blobs(blobs: tuple[bytes, ...], tables) -> tuple[list[BlobPlan], int]:
-    """``BlockStore.put``'s ``plan`` hook: the decode plans of a block's blobs and their bytes."""
-    plans = [plan_blob(b, tables) for b in blobs]
-    return plans, sum(p.host_bytes for p in plans)
+def plan_blobs(blobs: tuple[bytes, ...], tables) -> tuple[BlockPlan, int]:
+    """``BlockStore.put``'s ``plan`` hook: the decode plan of a block's blobs and its bytes."""
+    plan = plan_block(blobs, tables)
+    return plan, plan.host_bytes
 
 
 class CudaTierPipeline:
@@ -76,7 +76,7 @@ class CudaTierPipeline:
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
         self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
         self._pinned = torch.empty(0, dtype=torch.uint8)
-        self._decoder = BatchDecoder(self.device, store.tables)
+        self._tables, self._slot_tables = store.tables, {}  # device copies of the set's tables
         self._load: _Load | None = None
         self._carry: set[int] = set()  # failures of loads finished by a later start_loads
         self._dropped: list[bytes] = []
@@ -107,53 +107,46 @@ class CudaTierPipeline:
         good, plans, blobs = [], [], []
         for req_id, key, block_id in loads:
             got = self.store.get_entry(key)
-            entry_plans = None
+            plan = None
             if got is not None:
-                entry_blobs, entry_plans = got
+                entry_blobs, plan = got
                 try:
-                    if entry_plans is None:  # stored without plans
-                        entry_plans = plan_blobs(entry_blobs, self.store.tables)[0]
-                    if len(entry_blobs) != n_tensors or any(p.numel != numel for p in entry_plans):
+                    if plan is None:  # stored without a plan
+                        plan = plan_block(entry_blobs, self.store.tables)
+                    if plan.sizes.size != n_tensors or (plan.numel != numel).any():
                         raise kvzip_lossless.CorruptBlobError("entry does not match the cache")
                 except kvzip_lossless.CorruptBlobError:
                     self.store.drop(key)
-                    entry_plans = None
-            if entry_plans is None:
+                    plan = None
+            if plan is None:
                 load.failed.add(block_id)
                 load.dropped.append(key)
                 continue
             good.append((req_id, key, block_id))
-            plans.append(entry_plans)
+            plans.append(plan)
             blobs.append(entry_blobs)
         n = len(good)
         load.blocks = good
         if n == 0:
             return
-        # slot-major order: item s * n + j is slot s (layer s // 2, K or V) of block j
-        item_plans = [plans[j][s] for s in range(n_tensors) for j in range(n)]
-        item_blobs = [blobs[j][s] for s in range(n_tensors) for j in range(n)]
-        sizes = np.array([p.nbytes for p in item_plans], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        total = -(-int(offsets[-1]) // ALIGN) * ALIGN
-        host = self._host_buffer(total)
+        if self._tables is not self.store.tables:
+            self._tables, self._slot_tables = self.store.tables, {}
+        step = DecodeStep(plans, blobs, self.device, self._tables, self._slot_tables)
+        host = self._host_buffer(step.total)
         host_np = host.numpy()
-        blob_dev = torch.empty(total, dtype=torch.uint8, device=self.device)
-        load.out = torch.empty(
+        blob_dev = torch.empty(step.total, dtype=torch.uint8, device=self.device)
+        out = torch.empty(
             (n_tensors, n, *self.block_shape), dtype=torch.bfloat16, device=self.device
         )
-        out_offsets = np.arange(n_tensors * n, dtype=np.int64) * numel
-        if self._decoder.tables is not self.store.tables:
-            self._decoder = BatchDecoder(self.device, self.store.tables)
         cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
         for stream in (self.copy_stream, self.decode_stream):
             if stream is not None:
                 stream.wait_stream(cur)  # the buffers above were allocated on the compute stream
-        bounds = np.linspace(0, n_tensors, min(COPY_GROUPS, n_tensors) + 1).astype(int) * n
-        for i0, i1 in zip(bounds[:-1], bounds[1:], strict=True):
-            for i in range(i0, i1):
-                a = int(offsets[i])
-                host_np[a : a + sizes[i]] = np.frombuffer(item_blobs[i], np.uint8)
-            a, b = int(offsets[i0]), int(offsets[i1])
+        with self._on(self.decode_stream):
+            step.upload()
+        bounds = np.linspace(0, n_tensors, min(COPY_GROUPS, n_tensors) + 1).astype(int)
+        for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
+            a, b = step.fill(host_np, s0 * n, s1 * n)
             with self._on(self.copy_stream):
                 blob_dev[a:b].copy_(host[a:b], non_blocking=True)
                 copied = torch.cuda.Event() if self.copy_stream is not None else None
@@ -162,17 +155,11 @@ class CudaTierPipeline:
             with self._on(self.decode_stream):
                 if copied is not None:
                     self.decode_stream.wait_event(copied)
-                load.flags.append(
-                    self._decoder.run(
-                        item_plans[i0:i1],
-                        offsets[i0:i1],
-                        blob_dev,
-                        load.out,
-                        out_offsets[i0:i1],
-                        blobs=item_blobs[i0:i1],
-                    )
-                )
-        load.keep.append(blob_dev)
+                step.decode(s0, s1, blob_dev, out)
+        with self._on(self.decode_stream):
+            load.flags = step.finish(blob_dev, out)
+        load.out = out
+        load.keep += [blob_dev, step]
 
     def wait_loads(self) -> set[int]:
         """Finish the started loads; returns the block ids that failed (missing or damaged:
@@ -188,7 +175,7 @@ class CudaTierPipeline:
             n = len(load.blocks)
             if self.decode_stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
-            bad = torch.cat(load.flags).view(-1, n).amax(0).cpu().numpy()  # the one sync
+            bad = load.flags.view(-1, n).amax(0).cpu().numpy()  # the step's one sync
             ok = [j for j in range(n) if not bad[j]]
             for j in np.flatnonzero(bad):
                 _, key, block_id = load.blocks[j]
