@@ -24,18 +24,6 @@ def check_paged_cache(name: str, cache: torch.Tensor) -> None:
         )
 
 
-def block_views(
-    caches: list[torch.Tensor], block_id: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """K and V of one block, every layer, as strided views ``[kv_heads, block_size, head_size]``."""
-    views = []
-    for cache in caches:
-        blk = cache[block_id]
-        d = blk.shape[-1] // 2
-        views.append((blk[..., :d], blk[..., d:]))
-    return views
-
-
 def gather_token_major(
     cache: torch.Tensor, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,10 @@ class CudaTierPipeline:
         _, h, n, c = caches[0].shape
         self.block_shape = (n, h, c // 2)  # token-major [block_size, kv_heads, head_size]
         cuda = self.device.type == "cuda"
+        if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
+            from kvzip_lossless import gpu
+
+            logger.info("kvzip tier: GPU coder %s", gpu.default_backend(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
         self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
         self._pinned = torch.empty(0, dtype=torch.uint8)
@@ -113,9 +117,15 @@ class CudaTierPipeline:
                 try:
                     if plan is None:  # stored without a plan
                         plan = plan_block(entry_blobs, self.store.tables)
-                    if plan.sizes.size != n_tensors or (plan.numel != numel).any():
-                        raise kvzip_lossless.CorruptBlobError("entry does not match the cache")
-                except kvzip_lossless.CorruptBlobError:
+                    if (
+                        plan.sizes.size != n_tensors
+                        or len(entry_blobs) != n_tensors
+                        or (plan.numel != numel).any()
+                        or any(len(b) != sz for b, sz in zip(entry_blobs, plan.sizes, strict=True))
+                    ):
+                        raise kvzip_lossless.CorruptBlobError("entry does not match its plan")
+                except kvzip_lossless.CorruptBlobError as e:
+                    logger.warning("kvzip tier: block %s dropped: %s", key[:4].hex(), e)
                     self.store.drop(key)
                     plan = None
             if plan is None:
@@ -179,6 +189,7 @@ class CudaTierPipeline:
             ok = [j for j in range(n) if not bad[j]]
             for j in np.flatnonzero(bad):
                 _, key, block_id = load.blocks[j]
+                logger.warning("kvzip tier: block %s failed its checksums: dropped", key[:4].hex())
                 self.store.drop(key)
                 failed.add(block_id)
                 load.dropped.append(key)
