@@ -21,18 +21,22 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 
-# Triton decides interpretation as it imports (its own library functions included), so the
-# CPU twin needs TRITON_INTERPRET=1 before anything imports triton; vLLM does (another test
-# module imports it first in a whole-directory run): nox's vllm session sets it up front.
-_INTERPRETABLE = os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton.language.standard  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+# Triton decides interpretation as each @triton.jit function is defined, its own library's
+# included: if anything imported triton before TRITON_INTERPRET=1 was set (vLLM does, and
+# another test module imports vLLM first in a whole-directory run), the interpreted kernels
+# fail calling them. nox's vllm session sets the variable before the run.
+_INTERPRETABLE = isinstance(triton.language.standard.cdiv, InterpretedFunction)
 
 import pytest  # noqa: E402
 
