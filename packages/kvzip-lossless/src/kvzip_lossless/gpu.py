@@ -154,19 +154,17 @@ if triton is not None:
         tl.store(counts + pid, cnt)
 
 
-_dev_tables: dict = {}
-
-
 def _table_tensors(table: Table, device):
-    key = (id(table), str(device))
-    if key not in _dev_tables:
-        _dev_tables[key] = (
+    """The table's device copies, kept on the table itself (freed with it: a blob with an
+    embedded table must not leave ~130 KB of GPU memory behind in a module-level cache)."""
+    key = ("device", str(device))
+    if key not in table._derived:
+        table._derived[key] = (
             torch.from_numpy(table.packed().astype(np.int32)).to(device),
             torch.tensor(table.buckets, dtype=torch.int32, device=device),
             torch.from_numpy(table.base.astype(np.int32)).to(device),
-            table,  # keep alive so id() stays unique
         )
-    return _dev_tables[key][:3]
+    return table._derived[key]
 
 
 def decode_plan(buf: memoryview, h: Header):
