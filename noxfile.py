@@ -101,6 +101,10 @@ def gpu(session: nox.Session) -> None:
         "-m",
         "pytest",
         *[f"packages/kvzip-{p}/tests" for p in PACKAGES if p != "vllm"],
+        # kvzip-vllm's GPU paths without vLLM (the H200 has none): the tier pipeline and the
+        # backend's kernel path
+        "packages/kvzip-vllm/tests/test_cuda_pipeline.py",
+        "packages/kvzip-vllm/tests/test_paged_kernels.py",
         "-m",
         "gpu",
         "-q",
