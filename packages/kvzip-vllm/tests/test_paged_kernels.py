@@ -292,7 +292,10 @@ def test_kernel_write_matches_reference_write(name, device):
         # measured on the CPU twin: 0 bytes differ for all four formats
         assert torch.equal(c.cache_ker, c.cache_ref), _diff_report(c.cache_ker, c.cache_ref, c.ref)
     if c.ref.sink_tokens:
-        assert torch.equal(c.ker.sinks, c.ref.sinks)
+        # the last entry is the spare that soaks up every non-sink token's write: on CUDA
+        # which of those duplicate writes lands is unspecified (seen on the H200), so only
+        # the blocks' entries are compared
+        assert torch.equal(c.ker.sinks[:-1], c.ref.sinks[:-1])
 
 
 # ----------------------------------------------------------------------------- (b) decode
