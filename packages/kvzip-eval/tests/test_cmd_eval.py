@@ -34,6 +34,7 @@ def run(tmp_path_factory, loaded):
             str(out / "q.json"),
             "--report",
             str(out / "rep"),
+            "--noise-floor",
         ],
     )
     assert res.exit_code == 0, res.output
@@ -64,6 +65,16 @@ def test_json_schema_and_values(run):
     assert int4["kl_mean"] > 0 and int4["bits"] == 4.25 and bf16["bits"] == 16
     prov = data["provenance"]
     assert {"date", "machine", "versions", "command"} <= set(prov)
+
+
+def test_noise_floor_is_zero_on_the_cpu(run):
+    # the CPU computes bit-reproducibly: the reference run twice agrees with itself exactly
+    _, data, out = run
+    nf = data["reference"]["noise_floor"]
+    assert nf["kl_mean"] == 0 and nf["top1_agree"] == 1
+    assert nf["words_changed"] == 0 and nf["identical"] == 1
+    assert "noise floor" in (out / "rep" / "report.md").read_text()
+    assert "__bf16_rerun__" not in data["formats"]
 
 
 def test_table_and_report(run):

@@ -152,6 +152,12 @@ def resolve_formats(
 @click.option(
     "--batch-size", type=int, default=None, help="Override: prompts per generation batch."
 )
+@click.option(
+    "--noise-floor/--no-noise-floor",
+    default=None,
+    help="Run the bf16 reference twice and report their difference (default: on for CUDA, "
+    "whose kernels are not bit-reproducible; off for the CPU).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option(
     "--no-auto-calibrate",
@@ -177,6 +183,7 @@ def command(
     retrieval_samples,
     tasks,
     batch_size,
+    noise_floor,
     no_progress,
     no_auto_calibrate,
 ):
@@ -216,6 +223,7 @@ def command(
             f"unknown tasks {bad}; tasks: {', '.join(TASKS)}", param_hint="--tasks"
         )
     device = resolve_device(device)
+    s = replace(s, noise_floor=device == "cuda" if noise_floor is None else noise_floor)
     if device == "cpu" and batch_size is None:
         s = replace(s, gen_batch=min(s.gen_batch, 8))  # wider batches only pad more on 2 cores
     if device == "cpu" and preset == "full":

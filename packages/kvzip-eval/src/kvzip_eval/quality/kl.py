@@ -17,6 +17,8 @@ from kvzip_eval.quality.hook import FormatCache
 
 #: Positions per logits chunk: 512 x 49,152 float32 = 100 MB per tensor.
 CHUNK = 512
+#: Name under which ``measure_kl(rerun_reference=True)`` reports the reference against itself.
+RERUN = "__bf16_rerun__"
 #: KL-by-position is reported as the mean over this many equal spans of the window.
 POSITION_BUCKETS = 8
 
@@ -101,12 +103,17 @@ def measure_kl(
     *,
     reuse_exact: bool = True,
     progress: bool = True,
+    rerun_reference: bool = False,
 ) -> dict[str, KLStats]:
     """KL of each format against the bf16 reference on ``windows`` (``LongTensor[n, T]``).
 
     The reference runs once per window. With ``reuse_exact`` a format that is bit-exact on
     every K/V of the reference run (e.g. ``bf16``) is not run again: its forward would repeat
     the reference's bit for bit, so its KL is exactly 0 (``KLStats.exact`` says so).
+
+    ``rerun_reference`` runs the bf16 reference a second time per window and adds its KL
+    against the first under ``RERUN``: 0 where the device computes bit-reproducibly (the
+    CPU), the run's noise floor where it does not.
 
     Example::
 
@@ -117,10 +124,10 @@ def measure_kl(
     """
     if windows.dim() != 2:
         raise ValueError(f"windows must be LongTensor[n, T], got shape {tuple(windows.shape)}")
-    names = list(formats)
+    names = list(formats) + ([RERUN] if rerun_reference else [])
     kls = {n: [] for n in names}
     agrees = {n: [] for n in names}
-    exact_all = set(names) if reuse_exact else set()
+    exact_all = set(formats) if reuse_exact else set()
     bar = tqdm(total=len(windows) * (len(names) + 1), desc="KL", unit="run", disable=not progress)
     for ids in windows:
         ids = ids.unsqueeze(0).to(loaded.model.device)
@@ -131,7 +138,10 @@ def measure_kl(
         hs = {}
         for n in names:
             bar.set_postfix_str(n)
-            hs[n] = h_ref if n in exact_all else final_hidden(loaded, ids, formats[n])[0]
+            if n == RERUN:
+                hs[n] = final_hidden(loaded, ids, None)[0]
+            else:
+                hs[n] = h_ref if n in exact_all else final_hidden(loaded, ids, formats[n])[0]
             bar.update(1)
         for n, (kl, agree) in kl_positions_many(loaded, h_ref, hs).items():
             kls[n].append(kl)

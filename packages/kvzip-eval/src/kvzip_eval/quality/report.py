@@ -76,6 +76,17 @@ def retrieval_rows(result: dict) -> list[dict]:
     return rows
 
 
+def _noise_note(result: dict) -> list[str]:
+    nf = result.get("reference", {}).get("noise_floor")
+    if not nf:
+        return []
+    return [
+        f"- noise floor (the bf16 reference run twice in this process): KL mean "
+        f"{nf['kl_mean']:.4f}, top-1 agree {nf['top1_agree']:.3f}, words changed "
+        f"{nf['words_changed']:.3f}, identical {nf['identical']:.2f}"
+    ]
+
+
 def _protocol_note(s: dict) -> list[str]:
     """Say so when a run used less than design.md's protocol asks for."""
     from kvzip_eval.quality.suite import PROTOCOL
@@ -198,6 +209,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         f"retrieval {', '.join(s['tasks'])} at {', '.join(map(str, s['retrieval_lengths']))} "
         f"tokens, {s['retrieval_samples']} samples each; seed {s['seed']}",
         f"- stage wall times on this machine (s): {result.get('timings_s')}",
+        *_noise_note(result),
         *_protocol_note(s),
         "",
         "bits: effective bits per element by design.md's accounting (Llama-3.1-8B shape). "

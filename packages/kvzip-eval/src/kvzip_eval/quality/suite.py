@@ -35,6 +35,9 @@ class Settings:
     tasks: tuple[str, ...] = retrieval.TASKS
     gen_batch: int = 8
     seed: int = 0
+    #: run the bf16 reference twice (KL and words changed) and report the difference: the
+    #: noise floor of a device whose kernels are not bit-reproducible (GPUs)
+    noise_floor: bool = False
 
     def resolved(self, max_context: int) -> Settings:
         """Lengths of 0 (or beyond the model) become the model's context length."""
@@ -110,6 +113,13 @@ def run_words(loaded, formats: dict, prompts: list[str], s: Settings, progress: 
     )
     ref_text = [tok.decode(o, skip_special_tokens=True) for o in ref]
     out = {}
+    if s.noise_floor:
+        bar.set_postfix_str("bf16 again")
+        again, _ = generate(
+            loaded, sorted_ids, None, max_new_tokens=s.new_tokens, batch_size=s.gen_batch
+        )
+        again_text = [tok.decode(o, skip_special_tokens=True) for o in again]
+        out["__rerun__"] = words.summarize(ref_text, again_text, ref, again)
     for name, fmt in formats.items():
         bar.set_postfix_str(name)
         if name in exact:
@@ -213,7 +223,7 @@ def run_suite(
     wins = token_windows(
         loaded.tokenizer, s.kl_windows, s.kl_length, text_file=text_file, seed=s.seed
     )
-    kl = kl_mod.measure_kl(loaded, formats, wins, progress=progress)
+    kl = kl_mod.measure_kl(loaded, formats, wins, progress=progress, rerun_reference=s.noise_floor)
     t["kl"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -248,8 +258,18 @@ def run_suite(
             "kl_positions": k.positions,
             "reused_reference": {"kl": k.exact, "words": wc[name]["exact"]},
         }
+    reference = {"retrieval": rt["__reference__"], "outputs": wc["__reference__"]["outputs"]}
+    if s.noise_floor:
+        again = kl[kl_mod.RERUN]
+        reference["noise_floor"] = {
+            "kl_mean": again.kl_mean,
+            "kl_p99": again.kl_p99,
+            "top1_agree": again.top1_agree,
+            "words_changed": wc["__rerun__"]["words_changed"],
+            "identical": wc["__rerun__"]["identical"],
+        }
     extra = {
-        "reference": {"retrieval": rt["__reference__"], "outputs": wc["__reference__"]["outputs"]},
+        "reference": reference,
         "prompts": prompts,
         "timings_s": {k: round(v, 1) for k, v in t.items()},
     }
