@@ -30,7 +30,7 @@ import kvzip_lossless  # noqa: E402
 from kvzip_lossless import blob as B  # noqa: E402
 from kvzip_vllm.batch_decode import DecodeStep, plan_block  # noqa: E402
 from kvzip_vllm.cuda_pipeline import CudaTierPipeline  # noqa: E402
-from kvzip_vllm.store import BlockStore  # noqa: E402
+from kvzip_vllm.store import BlockStore, pack_record  # noqa: E402
 
 pytest.importorskip("triton", reason="kvzip-lossless's GPU decode kernel is a Triton kernel")
 
@@ -175,12 +175,11 @@ def test_damaged_or_missing_blocks_refused(make, device):
     for k, damage in ((key(1), "flip"), (key(3), "truncate")):
         entry = store._entries[k]
         blobs = list(entry.blobs)
-        bad = bytearray(blobs[3])  # layer 1 V
-        if damage == "flip":
+        if damage == "flip":  # in place, in the record the load copies to the device
+            bad = np.frombuffer(blobs[3], np.uint8)  # layer 1 V
             bad[len(bad) - 6] ^= 0x5A  # inside the last tile's rANS words (or raw values)
         else:
-            bad = bad[: len(bad) // 2]
-        blobs[3] = bytes(bad)
+            blobs[3] = blobs[3][: len(blobs[3]) // 2]
         entry.blobs = tuple(blobs)
     buf.view(torch.int16).fill_(-1)
     loads = [("a", key(0), 5), ("a", key(1), 6), ("a", key(2), 7), ("b", key(9), 8)]
@@ -222,7 +221,8 @@ def test_budget_evicts_lru_and_reports_dropped(make, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_step_mixed_blobs(device):
     """Two blocks whose blobs use table-set slots, embedded tables, escapes and a raw tile,
-    decoded in one step (slot-major, two launch groups); a damaged blob is flagged alone."""
+    decoded in one step from their records (two block groups, plans shifted on the device);
+    a damaged blob is flagged alone."""
     h, d = (2, 16) if device == "cpu" else (8, 128)
     ts = calibrated_tables(2, h, d)
     xs, blocks = [], []
@@ -250,20 +250,25 @@ def test_decode_step_mixed_blobs(device):
     headers = [B.parse_header(memoryview(b)) for b in blocks[0]]
     assert headers[2].n_exc.sum() >= 3 and (headers[4].modes == B.MODE_RAW).all()
     assert headers[5].embedded is not None and headers[0].embedded is None
-    plans = [plan_block(b, ts) for b in blocks]
+    full = [plan_block(b, ts) for b in blocks]
+    plans = [p.without_tail() for p in full]
+    records = [pack_record(b, p.tail)[0].numpy() for b, p in zip(blocks, full, strict=True)]
     dev = torch.device(device)
     for damaged in (None, (1, 1)):  # (block, blob)
         step = DecodeStep(plans, blocks, dev, ts, {})
-        staged = np.zeros(step.total, np.uint8)
-        step.fill(staged, 0, 12)
+        staged = np.full(step.total, 0xEE, np.uint8)  # padding the step must not read
+        for j, rec in enumerate(records):
+            staged[step.rec_base[j] : step.rec_base[j] + len(rec)] = rec
         if damaged is not None:
-            item = damaged[1] * 2 + damaged[0]
-            staged[step.offsets[item + 1] - 10] ^= 0x11
+            j, i = damaged
+            end = step.rec_base[j] + sum(len(b) for b in blocks[j][: i + 1])
+            staged[end - 10] ^= 0x11
         out = torch.zeros((6, 2, 16, h, d), dtype=torch.bfloat16, device=dev)
         blob_dev = torch.from_numpy(staged).to(dev)
         step.upload()
-        step.decode(0, 3, blob_dev, out)
-        step.decode(3, 6, blob_dev, out)
+        for j in range(2):  # one group per block, as two copy groups of a load
+            step.prepare(j, j + 1, blob_dev)
+            step.decode(j, j + 1, blob_dev, out)
         flags = step.finish(blob_dev, out).view(6, 2).cpu()
         for i in range(6):
             for j in range(2):
@@ -284,17 +289,62 @@ def test_pipeline_module_imports_no_vllm():
 
 
 # ------------------------------------------------------------------ timed restore (H200)
+def real_kv(kv_dir, layers, tokens, heads, head_size, t0):
+    """Per layer [tokens, heads, 2 * head_size] bf16 (K then V) from a real KV dump
+    (``K.npy``/``V.npy``: uint16 bf16 bits [layer, token, head, dim], e.g. SmolLM2's): layer
+    ``l`` takes dump layer ``l % L``, tokens from ``t0``, columns tiled to the shape."""
+    kv = [np.load(os.path.join(kv_dir, f"{x}.npy"), mmap_mode="r") for x in ("K", "V")]
+    L, T = kv[0].shape[:2]
+    if t0 + tokens > T:
+        raise ValueError(f"{kv_dir} holds {T} tokens, {t0 + tokens} needed")
+    cols = heads * head_size
+    out = []
+    for layer in range(layers):
+        parts = []
+        for a in kv:
+            x = np.asarray(a[layer % L, t0 : t0 + tokens]).reshape(tokens, -1)
+            x = np.tile(x, (1, -(-cols // x.shape[1])))[:, :cols].astype(np.int16)
+            parts.append(torch.from_numpy(x).view(torch.bfloat16).reshape(tokens, heads, -1))
+        out.append(torch.cat(parts, -1))
+    return out
+
+
 @pytest.mark.gpu
 def test_timed_restore_llama8b_shapes():
     """Store 64 blocks x 30 layers of Llama-8B-shaped KV (8 KV heads, head 128, block 16),
     restore them into other blocks (every tensor checked), time it beside a pinned
-    host-to-device copy of the same raw bytes."""
-    layers, heads, n, d, blocks = 30, 8, 16, 128, 64
-    dev = torch.device("cuda")
+    host-to-device copy of the same raw bytes. Synthetic KV-like data, or real KV tiled to the
+    shape when ``KVZIP_REAL_KV`` names a dump directory (``K.npy``, ``V.npy``; not in git)."""
+    timed_restore(torch.device("cuda"), layers=30, blocks=64)
+
+
+def timed_restore(dev, layers, blocks):
+    """The timed restore's body (``dev`` CPU: a dry run of the code on small shapes)."""
+    heads, n, d = 8, 16, 128
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     buf, caches = paged_caches(layers, heads, n, d, dev, "LBNHC", blocks=2 * blocks)
-    fill(caches, seed=5)
+    kv_dir = os.environ.get("KVZIP_REAL_KV")
+    if kv_dir:
+        tokens = 2 * blocks * n
+        for layer, x in enumerate(real_kv(kv_dir, layers, tokens, heads, d, 0)):
+            caches[layer].copy_(x.reshape(2 * blocks, n, heads, 2 * d).permute(0, 2, 1, 3))
+        fit = real_kv(kv_dir, layers, 512, heads, d, blocks * n)  # tokens not restored
+        tables = kvzip_lossless.build_kv_tables(
+            [[(x[..., :d].contiguous(), x[..., d:].contiguous()) for x in fit]]
+        )
+        data = (
+            f"real KV ({kv_dir}: K.npy/V.npy, layer l from dump layer l mod its layers, columns "
+            f"tiled to {heads}x{d}); table set fitted on 512 later tokens of the dump, not restored"
+        )
+    else:
+        fill(caches, seed=5)
+        tables = calibrated_tables(layers, heads, d, tokens=512)
+        data = (
+            "synthetic KV-like bf16 (per head-channel scale and offset, Gaussian noise); "
+            "table set fitted on 512 other tokens of the same law"
+        )
     want = [c.clone() for c in caches]
-    tables = calibrated_tables(layers, heads, d, tokens=512)
     store = BlockStore(64 << 30, tables=tables, fit_tokens=0)
     pipe = CudaTierPipeline(store, caches, n)
     try:
@@ -302,47 +352,49 @@ def test_timed_restore_llama8b_shapes():
         store_blocks(pipe, [(b"warm" + bytes(28), blocks)])
         pipe.start_loads([("w", b"warm" + bytes(28), blocks + 1)])
         assert pipe.wait_loads() == set()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         stored, _ = store_blocks(pipe, [(key(i), i) for i in range(blocks)])
         store_s = time.perf_counter() - t0
         assert len(stored) == blocks
-        runs, stage_runs = [], []
+        runs, stage_runs, plan_runs = [], [], []
         for _ in range(3):
             buf.view(torch.int16)[:].fill_(-1)
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             pipe.start_loads([("r", key(i), blocks + i) for i in range(blocks)])
             t1 = time.perf_counter()
             failed = pipe.wait_loads()
-            torch.cuda.synchronize()
+            sync()
             runs.append(time.perf_counter() - t0)
             stage_runs.append(t1 - t0)
+            plan_runs.append(pipe.last_host_s["plan"])
             assert failed == set()
             for i in range(blocks):
                 assert_block_equal(caches, blocks + i, want, i)
         raw = blocks * layers * 2 * n * heads * d * 2
-        host = torch.empty(raw, dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(raw, dtype=torch.uint8, pin_memory=cuda)
         dst = torch.empty(raw, dtype=torch.uint8, device=dev)
         raw_runs = []
         for _ in range(5):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             dst.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
+            sync()
             raw_runs.append(time.perf_counter() - t0)
         # the public one-blob API on one block's 60 blobs, for scale
         blobs = store.get_blobs(key(0))
         out = torch.empty(n, heads, d, dtype=torch.bfloat16, device=dev)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for b in blobs:
             kvzip_lossless.decompress(b, tables=tables, out=out)
-        torch.cuda.synchronize()
+        sync()
         one_block_api_s = time.perf_counter() - t0
         entries = [store.get_entry(key(i)) for i in range(blocks)]
-        compressed = sum(len(b) for bl, _ in entries for b in bl)
-        plan_bytes = sum(plan.host_bytes for _, plan in entries)
+        compressed = sum(len(b) for bl, _, _ in entries for b in bl)
+        plan_bytes = sum(plan.host_bytes + plan.tail_bytes for _, plan, _ in entries)
+        pinned = all(rec.is_pinned() for _, _, rec in entries)
     finally:
         pipe.close()
     from kvzip_lossless import gpu
@@ -350,7 +402,7 @@ def test_timed_restore_llama8b_shapes():
     res = {
         "what": f"kvzip-vllm CudaTierPipeline: store then restore of {blocks} blocks into other "
         "paged-cache blocks (LBNHC layout), every tensor compared bit for bit",
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),
         "versions": {
@@ -369,8 +421,7 @@ def test_timed_restore_llama8b_shapes():
             head_size=d,
             blobs=blocks * layers * 2,
         ),
-        "data": "synthetic KV-like bf16 (per head-channel scale and offset, Gaussian noise); "
-        "table set fitted on 512 other tokens of the same law",
+        "data": data,
         "raw_bytes": raw,
         "compressed_bytes": compressed,
         "plan_bytes": plan_bytes,
@@ -379,6 +430,8 @@ def test_timed_restore_llama8b_shapes():
         "restore_s_runs": runs,
         "restore_s": statistics.median(runs),
         "restore_host_staging_s": statistics.median(stage_runs),
+        "restore_host_plan_s": statistics.median(plan_runs),
+        "records_pinned": pinned,
         "raw_pinned_h2d_s": statistics.median(raw_runs),
         "one_block_api_decompress_s": one_block_api_s,
         "every_tensor_exact": True,
@@ -403,6 +456,11 @@ def _markdown(r) -> str:
             ms("restore_s"),
         ),
         ("... of which host staging and launches (start_loads)", ms("restore_host_staging_s")),
+        ("... ... of which the step's per-blob plan (DecodeStep)", ms("restore_host_plan_s")),
+        (
+            "store records page-locked (copied to the GPU from where they lie)",
+            str(r["records_pinned"]),
+        ),  # fmt: skip
         ("pinned host-to-device copy of the same raw bf16 bytes", ms("raw_pinned_h2d_s")),
         ("restore / raw copy", f"{r['restore_vs_raw_copy']}x"),
         ("store of those blocks (encode, plans, worker thread)", f"{r['store_s']:.3f} s"),
@@ -411,6 +469,10 @@ def _markdown(r) -> str:
             ms("one_block_api_decompress_s"),
         ),
         ("ratio (blobs only; table set not counted)", f"{r['ratio']}"),
+        (
+            "decode plans held (bytes per block, beside the blobs)",
+            f"{r['plan_bytes'] // s['blocks']}",
+        ),  # fmt: skip
     ]
     lines = [
         "# kvzip-vllm GPU tier: restore timing",

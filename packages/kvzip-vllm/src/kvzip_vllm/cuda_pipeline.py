@@ -6,10 +6,14 @@ streams (the Triton decode kernel under ``TRITON_INTERPRET=1``), which is how it
 without a GPU.
 
 Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
-cache): a step's blobs are staged slot-major (layer 0 K of every block, then layer 0 V, ...)
-in pinned host memory, in a few groups of slots; each group's host-to-device copy runs on a
-copy stream while the previous group is decoded on a decode stream, one kernel launch per slot
-for all blocks (:mod:`kvzip_vllm.batch_decode`). ``wait_loads`` makes the compute stream wait,
+cache): on CUDA the store keeps each entry as one page-locked record (its blobs, then its
+decode plan's bulk: :func:`kvzip_vllm.store.pack_record`), so each block is one host-to-device
+copy from where it lies, with no staging memcpy (staging 117 MB of blobs was most of the 54.9
+ms of host time of a 64-block restore on the H200, results/vllm/cuda_tier_restore.md, before
+this layout). Every copy is issued first on a copy stream, in a few block groups; on a decode
+stream each group's plan is shifted on the device (:meth:`DecodeStep.prepare`) and decoded,
+one kernel launch per table-set slot for the group's blocks (:mod:`kvzip_vllm.batch_decode`),
+as soon as its copies have landed. ``wait_loads`` makes the compute stream wait,
 reads one damage flag per block (the step's only synchronisation), drops damaged entries from
 the store and reports their blocks as failed (vLLM recomputes them), and copies the good ones
 from the decode buffer into the paged cache on the compute stream: a damaged blob's output
@@ -36,12 +40,12 @@ import torch
 import kvzip_lossless
 from kvzip_vllm.batch_decode import BlockPlan, DecodeStep, plan_block
 from kvzip_vllm.blocks import gather_token_major, scatter_token_major
-from kvzip_vllm.store import BlockStore
+from kvzip_vllm.store import BlockStore, pack_record, record_tail_offset
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
-#: Slot groups per load step: copy of group g+1 overlaps decode of group g. Each group costs a
-#: copy and an event; its launches are the slots' own, so more groups add no kernel launches.
+#: Block groups per load step: the copies of group g+1 overlap the decode of group g. Each
+#: group costs an event, ~40 small ops shifting its plan and one decode launch per slot.
 COPY_GROUPS = 4
 
 
@@ -53,13 +57,16 @@ class _Load:
     blocks: list[tuple[str, bytes, int]] = field(default_factory=list)  # decoded: (req, key, id)
     out: torch.Tensor | None = None  # [2 * layers, n, block_size, kv_heads, head_size]
     flags: torch.Tensor | None = None  # [2 * layers * n] damage flags, slot-major
-    keep: list = field(default_factory=list)  # staging tensors alive until the step is done
+    keep: list = field(default_factory=list)  # tensors alive until the step is done
+    host_plan_s: float = 0.0  # host time: the step's per-blob plan (DecodeStep)
+    host_s: float = 0.0  # host time of start_loads (lookups, plan, copies and launches)
 
 
-def plan_blobs(blobs: tuple[bytes, ...], tables) -> tuple[BlockPlan, int]:
-    """``BlockStore.put``'s ``plan`` hook: the decode plan of a block's blobs and its bytes."""
+def plan_blobs(blobs: tuple[bytes, ...], tables) -> tuple[BlockPlan, int, np.ndarray]:
+    """``BlockStore.put``'s ``plan`` hook: the decode plan of a block's blobs, its host bytes,
+    and its tail (kept after the blobs in the entry's record)."""
     plan = plan_block(blobs, tables)
-    return plan, plan.host_bytes
+    return plan.without_tail(), plan.host_bytes, plan.tail
 
 
 class CudaTierPipeline:
@@ -79,9 +86,10 @@ class CudaTierPipeline:
             logger.info("kvzip tier: GPU coder %s", gpu.default_backend(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
         self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
-        self._pinned = torch.empty(0, dtype=torch.uint8)
+        store.pin_memory = cuda  # records page-locked from now on: copied from where they lie
         self._tables, self._slot_tables = store.tables, {}  # device copies of the set's tables
         self._load: _Load | None = None
+        self.last_host_s: dict[str, float] = {}  # host time of the last load step, by part
         self._carry: set[int] = set()  # failures of loads finished by a later start_loads
         self._dropped: list[bytes] = []
         self._done: queue.Queue = queue.Queue()
@@ -93,14 +101,6 @@ class CudaTierPipeline:
     def _on(self, stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._pinned.numel() < nbytes:
-            cap = max(nbytes, 2 * self._pinned.numel())
-            self._pinned = torch.empty(
-                cap, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
-            )
-        return self._pinned
-
     # -- loads --------------------------------------------------------------------------
     def start_loads(self, loads: list[tuple[str, bytes, int]]) -> None:
         """Begin restoring ``(req_id, key, block_id)`` into the paged cache (asynchronous)."""
@@ -108,20 +108,25 @@ class CudaTierPipeline:
         load = self._load = _Load(time.perf_counter())
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
-        good, plans, blobs = [], [], []
+        good, plans, blobs, records = [], [], [], []
+        cuda = self.device.type == "cuda"
         for req_id, key, block_id in loads:
             got = self.store.get_entry(key)
             plan = None
             if got is not None:
-                entry_blobs, plan = got
+                entry_blobs, plan, data = got
                 try:
-                    if plan is None:  # stored without a plan
+                    if plan is None:  # stored without a plan (by the CPU path)
                         plan = plan_block(entry_blobs, self.store.tables)
+                        data, _ = pack_record(entry_blobs, plan.tail, pin_memory=cuda)
+                        plan = plan.without_tail()
                     if (
                         plan.sizes.size != n_tensors
                         or len(entry_blobs) != n_tensors
                         or (plan.numel != numel).any()
-                        or any(len(b) != sz for b, sz in zip(entry_blobs, plan.sizes, strict=True))
+                        or list(map(len, entry_blobs)) != plan.sizes.tolist()
+                        or data.numel()
+                        != record_tail_offset(int(plan.sizes.sum())) + plan.tail_bytes
                     ):
                         raise kvzip_lossless.CorruptBlobError("entry does not match its plan")
                 except kvzip_lossless.CorruptBlobError as e:
@@ -135,15 +140,16 @@ class CudaTierPipeline:
             good.append((req_id, key, block_id))
             plans.append(plan)
             blobs.append(entry_blobs)
+            records.append(data)
         n = len(good)
         load.blocks = good
         if n == 0:
             return
+        t_host = time.perf_counter()
         if self._tables is not self.store.tables:
             self._tables, self._slot_tables = self.store.tables, {}
         step = DecodeStep(plans, blobs, self.device, self._tables, self._slot_tables)
-        host = self._host_buffer(step.total)
-        host_np = host.numpy()
+        load.host_plan_s = time.perf_counter() - t_host
         blob_dev = torch.empty(step.total, dtype=torch.uint8, device=self.device)
         out = torch.empty(
             (n_tensors, n, *self.block_shape), dtype=torch.bfloat16, device=self.device
@@ -154,22 +160,32 @@ class CudaTierPipeline:
                 stream.wait_stream(cur)  # the buffers above were allocated on the compute stream
         with self._on(self.decode_stream):
             step.upload()
-        bounds = np.linspace(0, n_tensors, min(COPY_GROUPS, n_tensors) + 1).astype(int)
-        for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
-            a, b = step.fill(host_np, s0 * n, s1 * n)
-            with self._on(self.copy_stream):
-                blob_dev[a:b].copy_(host[a:b], non_blocking=True)
-                copied = torch.cuda.Event() if self.copy_stream is not None else None
-                if copied is not None:
-                    copied.record(self.copy_stream)
+        # every record straight from the store's (pinned) memory, no host staging copy; all
+        # copies issued first (the copy engine never waits for the host's decode launches),
+        # each block group's plan shift and decode waits for its own copies only
+        bounds = np.linspace(0, n, min(COPY_GROUPS, n) + 1).astype(int)
+        events = []
+        with self._on(self.copy_stream):
+            for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True):
+                for j in range(j0, j1):
+                    a = int(step.rec_base[j])
+                    blob_dev[a : a + records[j].numel()].copy_(records[j], non_blocking=True)
+                if self.copy_stream is not None:
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self.copy_stream)
+        for g, (j0, j1) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             with self._on(self.decode_stream):
-                if copied is not None:
-                    self.decode_stream.wait_event(copied)
-                step.decode(s0, s1, blob_dev, out)
+                if events:
+                    self.decode_stream.wait_event(events[g])
+                step.prepare(j0, j1, blob_dev)
+                step.decode(j0, j1, blob_dev, out)
         with self._on(self.decode_stream):
             load.flags = step.finish(blob_dev, out)
         load.out = out
-        load.keep += [blob_dev, step]
+        # the records stay referenced until the step is done (an entry evicted meanwhile keeps
+        # its memory until then; torch's pinned allocator also waits for the copies' events)
+        load.keep += [blob_dev, step, records]
+        load.host_s = time.perf_counter() - load.t0
 
     def wait_loads(self) -> set[int]:
         """Finish the started loads; returns the block ids that failed (missing or damaged:
@@ -179,6 +195,7 @@ class CudaTierPipeline:
         if load is None:
             return failed
         failed |= load.failed
+        self.last_host_s = {"start_loads": load.host_s, "plan": load.host_plan_s}
         s = self.store.stats
         hits: dict[str, int] = {}
         if load.blocks:

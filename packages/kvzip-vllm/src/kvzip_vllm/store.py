@@ -24,9 +24,41 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 import kvzip_lossless
+
+#: An entry's record: its blobs back to back, zeros to a multiple of this, then the tail that
+#: the ``plan`` hook returned (the GPU path's decode plan in the layout its kernels read).
+RECORD_ALIGN = 16
+
+
+def record_tail_offset(blob_bytes: int) -> int:
+    """Where an entry's tail starts in its record, after ``blob_bytes`` bytes of blobs."""
+    return -(-blob_bytes // RECORD_ALIGN) * RECORD_ALIGN
+
+
+def pack_record(
+    blobs, tail: np.ndarray | None = None, *, pin_memory: bool = False
+) -> tuple[torch.Tensor, tuple[memoryview, ...]]:
+    """One uint8 tensor holding ``blobs`` and ``tail`` (layout: :data:`RECORD_ALIGN`), page-
+    locked when ``pin_memory`` (the GPU path copies it to the device straight from there), and
+    the blobs as read-only-by-convention views into it (what the CPU path decodes)."""
+    sizes = [memoryview(b).nbytes for b in blobs]
+    tail_off = record_tail_offset(sum(sizes))
+    tail = np.zeros(0, np.uint8) if tail is None else np.ascontiguousarray(tail).view(np.uint8)
+    n = tail_off + tail.nbytes
+    data = torch.empty(n, dtype=torch.uint8, pin_memory=pin_memory and n > 0)
+    arr = data.numpy()
+    views, a = [], 0
+    for b, size in zip(blobs, sizes, strict=True):
+        arr[a : a + size] = np.frombuffer(b, np.uint8)
+        views.append(memoryview(arr[a : a + size]))
+        a += size
+    arr[a:tail_off] = 0
+    arr[tail_off:] = tail
+    return data, tuple(views)
 
 
 def block_key(namespace: bytes, block_hash: bytes) -> bytes:
@@ -93,10 +125,11 @@ class TierStats:
 
 @dataclass
 class _Entry:
-    blobs: tuple[bytes, ...]
-    nbytes: int  # blob bytes plus ``aux_bytes``: what the entry holds against the budget
+    blobs: tuple[memoryview, ...]  # views into ``data``
+    nbytes: int  # blob and tail bytes plus ``aux_bytes``: what it holds against the budget
     raw_bytes: int
-    aux: object = None  # the GPU path's decode plans (kvzip_vllm.batch_decode.BlobPlan)
+    aux: object = None  # the GPU path's decode plans (kvzip_vllm.batch_decode.BlockPlan)
+    data: torch.Tensor | None = None  # the record: blobs, then the tail (pack_record)
 
 
 class BlockStore:
@@ -108,6 +141,7 @@ class BlockStore:
         *,
         tables: kvzip_lossless.TableSet | None = None,
         fit_tokens: int = 1024,
+        pin_memory: bool = False,
     ):
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -117,6 +151,10 @@ class BlockStore:
         self.stats = TierStats(budget_bytes=budget_bytes)
         self.tables = tables
         self.fit_tokens = fit_tokens
+        # records page-locked (set by the CUDA pipeline): a restore then copies each entry to
+        # the GPU from where it lies, with no staging copy (54.9 of a 56.3 ms restore of 64
+        # blocks went to host staging on the H200, results/vllm/cuda_tier_restore.md, before)
+        self.pin_memory = pin_memory
         self._fit: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # blocks for the fit
         if tables is not None:
             self.stats.table_bytes = tables.nbytes
@@ -161,12 +199,12 @@ class BlockStore:
         key: bytes,
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         *,
-        plan: Callable[[tuple[bytes, ...]], tuple[object, int]] | None = None,
+        plan: Callable[[tuple[bytes, ...]], tuple[object, int, np.ndarray | None]] | None = None,
     ) -> tuple[int, list[bytes]]:
         """Compress and hold one block under ``key``: per layer ``(K, V)`` bf16
-        ``[block_size, kv_heads, head_size]``. ``plan(blobs)`` may return ``(aux, aux_bytes)``
-        to keep beside the blobs (the GPU path's decode plans; their bytes count against the
-        budget).
+        ``[block_size, kv_heads, head_size]``. ``plan(blobs)`` may return ``(aux, aux_bytes,
+        tail)``: ``aux`` kept beside the blobs, ``tail`` (bytes) after them in the entry's
+        record (the GPU path's decode plans; their bytes count against the budget).
 
         Returns (bytes held for the entry, 0 if not stored; keys evicted to make room).
         """
@@ -174,10 +212,10 @@ class BlockStore:
             return self.put_blobs(key, (), 0)
         t0 = time.perf_counter()
         blobs = self.encode(layers)
-        aux, aux_bytes = plan(blobs) if plan is not None else (None, 0)
+        aux, aux_bytes, tail = plan(blobs) if plan is not None else (None, 0, None)
         raw = sum(t.numel() * t.element_size() for kv in layers for t in kv)
         result = self.put_blobs(
-            key, blobs, raw, time.perf_counter() - t0, aux=aux, aux_bytes=aux_bytes
+            key, blobs, raw, time.perf_counter() - t0, aux=aux, aux_bytes=aux_bytes, tail=tail
         )
         self._maybe_fit(layers)
         return result
@@ -191,10 +229,14 @@ class BlockStore:
         *,
         aux: object = None,
         aux_bytes: int = 0,
+        tail: np.ndarray | None = None,
     ) -> tuple[int, list[bytes]]:
-        blob_bytes = sum(len(b) for b in blobs)
-        nbytes = blob_bytes + aux_bytes
+        blob_bytes = sum(memoryview(b).nbytes for b in blobs)
+        nbytes = blob_bytes + aux_bytes + (0 if tail is None else tail.nbytes)
         evicted: list[bytes] = []
+        data = views = None
+        if key not in self._entries and nbytes <= self.budget_bytes:  # packed outside the lock
+            data, views = pack_record(blobs, tail, pin_memory=self.pin_memory)
         with self._lock:
             s = self.stats
             s.store_seconds += seconds
@@ -211,7 +253,9 @@ class BlockStore:
                 s.blocks_held -= 1
                 s.evictions += 1
                 evicted.append(old_key)
-            self._entries[key] = _Entry(blobs, nbytes, raw_bytes, aux)
+            if data is None:  # raced with a drop of the same key
+                data, views = pack_record(blobs, tail, pin_memory=self.pin_memory)
+            self._entries[key] = _Entry(views, nbytes, raw_bytes, aux, data)
             s.bytes_held += nbytes
             s.raw_bytes_held += raw_bytes
             s.blocks_held += 1
@@ -220,16 +264,16 @@ class BlockStore:
             s.raw_bytes_stored += raw_bytes
         return nbytes, evicted
 
-    def get_entry(self, key: bytes) -> tuple[tuple[bytes, ...], object] | None:
-        """The blobs of ``key`` and what was kept beside them (marking it most recently used),
-        or None if not held."""
+    def get_entry(self, key: bytes) -> tuple[tuple[memoryview, ...], object, torch.Tensor] | None:
+        """The blobs of ``key``, what was kept beside them and its record (marking it most
+        recently used), or None if not held."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end(key)
-            return entry.blobs, entry.aux
+            return entry.blobs, entry.aux, entry.data
 
     def get_blobs(self, key: bytes) -> tuple[bytes, ...] | None:
         """The blobs of ``key`` (marking it most recently used), or None if not held."""
