@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 import kvzip_lossless  # noqa: E402
 from kvzip_lossless import blob as B  # noqa: E402
+from kvzip_vllm import cuda_pipeline  # noqa: E402
 from kvzip_vllm.batch_decode import DecodeStep, plan_block  # noqa: E402
 from kvzip_vllm.cuda_pipeline import CudaTierPipeline  # noqa: E402
 from kvzip_vllm.store import BlockStore, pack_record  # noqa: E402
@@ -138,7 +139,8 @@ def make(request):
 @pytest.mark.parametrize(
     "layout,tables", [("LBNHC", "calibrated"), ("BLNHC", "fit"), ("LBHNC", "embedded")]
 )
-def test_restore_into_other_blocks_bit_exact(make, device, layout, tables):
+def test_restore_into_other_blocks_bit_exact(make, monkeypatch, device, layout, tables):
+    monkeypatch.setattr(cuda_pipeline, "BLOCKS_PER_GROUP", 2)  # two copy/decode block groups
     buf, caches, store, pipe = make(device, layout, tables=tables)
     fill(caches, seed=1)
     want = [c.clone() for c in caches]

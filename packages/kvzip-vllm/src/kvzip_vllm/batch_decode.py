@@ -265,22 +265,31 @@ class DecodeStep:
         self.evals = torch.empty(self.n_exc, dtype=torch.int16, device=dev)
         self.sums = torch.zeros(self.n_tiles, dtype=torch.int32, device=dev)
         self.err = torch.zeros(max(self.n_rows, 1), dtype=torch.int32, device=dev)
+        # where each row of the three tables lies (int32 units), its block, its index in the
+        # block: from the counts alone, once per step (so before any record has landed)
+        self._where, self._cum = {}, {}
+        for lens, start, width in (("R", "rows32", ROW_W), ("T", "tiles32", TILE_W),
+                                   ("X", "exc32", EXC_W)):  # fmt: skip
+            counts = getattr(self, lens)
+            self._cum[lens] = np.concatenate([[0], np.cumsum(counts)])
+            seg, pos = _segments(self._dev[lens], int(counts.sum()))
+            self._where[lens] = (self._dev[start][seg] + pos * width, seg, pos)
 
-    def _table(self, j0: int, j1: int, b32, lens: str, start: str, width: int):
+    def _table(self, j0: int, j1: int, b32, lens: str, width: int):
         """Rows of one of the tails' tables, blocks ``[j0, j1)``: int64 ``[rows, width]``, the
         block of each row and the row's index in its block."""
-        d = self._dev
-        seg, pos = _segments(d[lens][j0:j1], int(getattr(self, lens)[j0:j1].sum()))
-        at = d[start][j0:j1][seg] + pos * width
+        cum = self._cum[lens]
+        a, b = int(cum[j0]), int(cum[j1])
+        at, j, pos = (x[a:b] for x in self._where[lens])
         cols = torch.arange(width, device=self.device)
-        return b32[at[:, None] + cols].to(torch.int64), seg + j0, pos
+        return b32[at[:, None] + cols].to(torch.int64), j, pos
 
     def prepare(self, j0: int, j1: int, blob_dev: torch.Tensor) -> None:
         """Shift the plans of blocks ``[j0, j1)`` (their records on ``blob_dev`` already) to
         where their blobs, outputs and tiles sit in the step (on the current stream)."""
         d, n, S, numel = self._dev, self.n, self.S, self.numel
         b32 = blob_dev.view(torch.int32)
-        t, j, pos = self._table(j0, j1, b32, "R", "rows32", ROW_W)
+        t, j, pos = self._table(j0, j1, b32, "R", ROW_W)
         if len(t):
             s = t[:, 8]
             item = s * n + j
@@ -293,13 +302,13 @@ class DecodeStep:
             desc[:, 7] += d["tile0"][item]  # tile index into the step's checksum array
             self.desc[dst] = desc
             self.row_item[dst] = item
-        t, j, _ = self._table(j0, j1, b32, "T", "tiles32", TILE_W)
+        t, j, _ = self._table(j0, j1, b32, "T", TILE_W)
         if len(t):
             item = t[:, 0] * n + j
             gt = d["tile0"][item] + t[:, 1]
             self.expect[gt] = t[:, 2].to(torch.int32)
             self.tile_item[gt] = item
-        t, j, _ = self._table(j0, j1, b32, "X", "exc32", EXC_W)
+        t, j, _ = self._table(j0, j1, b32, "X", EXC_W)
         if len(t):
             x0, x1 = int(self.exc0[j0]), int(self.exc0[j1])
             self.eidx[x0:x1] = t[:, 1] + (t[:, 0] * n + j) * numel

@@ -45,8 +45,11 @@ from kvzip_vllm.store import BlockStore, pack_record, record_tail_offset
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
 #: Block groups per load step: the copies of group g+1 overlap the decode of group g. Each
-#: group costs an event, ~40 small ops shifting its plan and one decode launch per slot.
-COPY_GROUPS = 4
+#: group costs the host ~45 small device ops (its plan shift) and one decode launch per slot
+#: (60 for Llama-8B), an estimated 0.5-1 ms; a group of 32 such blocks is 58 MB of records at
+#: the synthetic data's 1.075x, ~1 ms of copy at the H200's 55 GB/s (2.30 ms per 125.8 MB,
+#: results/vllm/cuda_tier_restore.md): so groups of at least 32 blocks, at most 8 groups.
+BLOCKS_PER_GROUP, MAX_GROUPS = 32, 8
 
 
 @dataclass
@@ -163,7 +166,8 @@ class CudaTierPipeline:
         # every record straight from the store's (pinned) memory, no host staging copy; all
         # copies issued first (the copy engine never waits for the host's decode launches),
         # each block group's plan shift and decode waits for its own copies only
-        bounds = np.linspace(0, n, min(COPY_GROUPS, n) + 1).astype(int)
+        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
+        bounds = np.linspace(0, n, groups + 1).astype(int)
         events = []
         with self._on(self.copy_stream):
             for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True):
