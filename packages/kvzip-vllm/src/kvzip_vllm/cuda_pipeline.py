@@ -8,16 +8,17 @@ without a GPU.
 Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
 cache): on CUDA the store keeps each entry as one page-locked record (its blobs, then its
 decode plan's bulk: :func:`kvzip_vllm.store.pack_record`), so each block is one host-to-device
-copy from where it lies, with no staging memcpy (staging 117 MB of blobs was most of the 54.9
-ms of host time of a 64-block restore on the H200, results/vllm/cuda_tier_restore.md, before
-this layout). Every copy is issued first on a copy stream, in a few block groups; on a decode
-stream each group's plan is shifted on the device (:meth:`DecodeStep.prepare`) and decoded,
-one kernel launch per table-set slot for the group's blocks (:mod:`kvzip_vllm.batch_decode`),
-as soon as its copies have landed. ``wait_loads`` makes the compute stream wait,
-reads one damage flag per block (the step's only synchronisation), drops damaged entries from
-the store and reports their blocks as failed (vLLM recomputes them), and copies the good ones
-from the decode buffer into the paged cache on the compute stream: a damaged blob's output
-never reaches the cache.
+copy from where it lies, with no staging memcpy, and the plans are shifted on the device (host
+staging and plan shift took 54.9 of the 56.3 ms of a 64-block restore on the H200 before,
+results/vllm/cuda_tier_restore.md; on this project's 2-core CPU host they were 18 ms of memcpy
+and 8-15 ms of numpy, now 0.7 ms of numpy and ~270 small device ops). Every copy is
+issued first on a copy stream, in a few block groups; on a decode stream each group's plan is
+shifted on the device (:meth:`DecodeStep.prepare`) and decoded, one kernel launch per
+table-set slot for the group's blocks (:mod:`kvzip_vllm.batch_decode`), as soon as its copies
+have landed. ``wait_loads`` makes the compute stream wait, reads one damage flag per block (the
+step's only synchronisation), drops damaged entries from the store and reports their blocks as
+failed (vLLM recomputes them), and copies the good ones from the decode buffer into the paged
+cache on the compute stream: a damaged blob's output never reaches the cache.
 
 Stores (``start_stores`` after the forward): the blocks are gathered token-major on the compute
 stream (so vLLM may reuse them at once); a worker thread encodes them on its own stream (GPU

@@ -153,7 +153,9 @@ class BlockStore:
         self.fit_tokens = fit_tokens
         # records page-locked (set by the CUDA pipeline): a restore then copies each entry to
         # the GPU from where it lies, with no staging copy (54.9 of a 56.3 ms restore of 64
-        # blocks went to host staging on the H200, results/vllm/cuda_tier_restore.md, before)
+        # blocks went to host staging and plans on the H200, results/vllm/cuda_tier_restore.md,
+        # before). torch's pinned allocator rounds each record up to a power of two and keeps
+        # freed ones for reuse: up to 2x the budget in page-locked memory, not counted in it.
         self.pin_memory = pin_memory
         self._fit: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # blocks for the fit
         if tables is not None:
