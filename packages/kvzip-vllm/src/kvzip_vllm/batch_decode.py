@@ -26,6 +26,7 @@ cached (kvzip-lossless's per-table cache keeps every embedded table alive).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ import kvzip_lossless
 from kvzip_lossless import blob as _blob
 from kvzip_lossless import codec as _codec
 from kvzip_lossless import gpu as _gpu
-from kvzip_vllm.store import RECORD_ALIGN
+from kvzip_vllm.store import RECORD_ALIGN, record_tail_offset
 
 #: The kernel reads 32-bit states at 4-aligned byte offsets and 16-bit words at even ones.
 #: Blob lengths are multiples of 4 (header, tiles and embedded table are each padded to 4:
@@ -84,6 +85,16 @@ class BlockPlan:
 
     def without_tail(self) -> BlockPlan:
         return replace(self, tail=None)
+
+    @cached_property
+    def shape_key(self) -> tuple:
+        """(blob lengths, values per blob if all equal else -1, record bytes): what a load
+        checks an entry against (a tuple comparison: 2.8 us a block here, 9.8 us in numpy)."""
+        uniform = (
+            int(self.numel[0]) if len(self.numel) and (self.numel == self.numel[0]).all() else -1
+        )
+        blob_bytes = int(self.sizes.sum())
+        return tuple(self.sizes.tolist()), uniform, record_tail_offset(blob_bytes) + self.tail_bytes
 
 
 def plan_block(blobs, tables: kvzip_lossless.TableSet | None) -> BlockPlan:

@@ -41,7 +41,7 @@ import torch
 import kvzip_lossless
 from kvzip_vllm.batch_decode import BlockPlan, DecodeStep, plan_block
 from kvzip_vllm.blocks import gather_token_major, scatter_token_major
-from kvzip_vllm.store import BlockStore, pack_record, record_tail_offset
+from kvzip_vllm.store import BlockStore, pack_record
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
@@ -124,13 +124,12 @@ class CudaTierPipeline:
                         plan = plan_block(entry_blobs, self.store.tables)
                         data, _ = pack_record(entry_blobs, plan.tail, pin_memory=cuda)
                         plan = plan.without_tail()
+                    sizes, plan_numel, record_bytes = plan.shape_key
                     if (
-                        plan.sizes.size != n_tensors
-                        or len(entry_blobs) != n_tensors
-                        or (plan.numel != numel).any()
-                        or list(map(len, entry_blobs)) != plan.sizes.tolist()
-                        or data.numel()
-                        != record_tail_offset(int(plan.sizes.sum())) + plan.tail_bytes
+                        len(sizes) != n_tensors
+                        or plan_numel != numel
+                        or tuple(map(len, entry_blobs)) != sizes
+                        or data.numel() != record_bytes
                     ):
                         raise kvzip_lossless.CorruptBlobError("entry does not match its plan")
                 except kvzip_lossless.CorruptBlobError as e:
