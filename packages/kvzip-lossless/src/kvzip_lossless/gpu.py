@@ -167,6 +167,24 @@ def _table_tensors(table: Table, device):
     return table._derived[key]
 
 
+def launch_decode(backend, blob_dev, desc, tabs, table, columns, o16, sums, err) -> None:
+    """One decode launch over the chunks ``desc`` (int64 ``[chunks, 8]``, from
+    :func:`decode_plan`, offsets into ``blob_dev``) with ``table``'s device tensors ``tabs``:
+    the CUDA C coder (``backend == "cuda"``) or the Triton one. Chunks of several blobs that
+    share a table may go in one launch (kvzip-vllm's batched restore does)."""
+    tab, bmap, base = tabs
+    if backend == "cuda":
+        from kvzip_lossless import _cuda
+
+        _cuda.decode(blob_dev, desc, desc.shape[0], tab, bmap, base, columns,
+                     table.n_buckets, o16, sums, err)  # fmt: skip
+    else:
+        _decode_kernel[(desc.shape[0],)](
+            blob_dev, blob_dev.view(torch.int16), blob_dev.view(torch.int32), tab, bmap, base,
+            desc, o16, sums, err, columns, table.n_buckets, num_warps=1,
+        )  # fmt: skip
+
+
 def decode_plan(buf: memoryview, h: Header):
     """CPU side of a GPU decode: chunk descriptors, raw tiles and escape patches.
 
@@ -249,38 +267,11 @@ class GpuBlob:
         o16 = out.view(-1).view(torch.int16)
         sums = torch.zeros(h.n_tiles, dtype=torch.int32, device=self.device)
         err = torch.zeros(max(self.n_chunks, 1), dtype=torch.int32, device=self.device)
-        if self.n_chunks and self.backend == "cuda":
-            from kvzip_lossless import _cuda
-
-            _cuda.decode(
-                blob_dev,
-                self.desc,
-                self.n_chunks,
-                tab,
-                bmap,
-                base,
-                h.columns,
-                self.table.n_buckets,
-                o16,
-                sums,
-                err,
-            )
-        elif self.n_chunks:
-            _decode_kernel[(self.n_chunks,)](
-                blob_dev,
-                blob_dev.view(torch.int16),
-                blob_dev.view(torch.int32),
-                tab,
-                bmap,
-                base,
-                self.desc,
-                o16,
-                sums,
-                err,
-                h.columns,
-                self.table.n_buckets,
-                num_warps=1,
-            )
+        if self.n_chunks:
+            launch_decode(
+                self.backend, blob_dev, self.desc, (tab, bmap, base), self.table, h.columns,
+                o16, sums, err,
+            )  # fmt: skip
         for ti, o, nv, out_off in self.raw:
             seg = blob_dev[o : o + 2 * nv].view(torch.int16)
             o16[out_off : out_off + nv] = seg

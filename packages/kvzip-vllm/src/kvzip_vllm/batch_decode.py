@@ -374,26 +374,5 @@ class DecodeStep:
 
 
 def _launch(blob_dev, desc, tabs, table, o16, sums, err) -> None:
-    tab, bmap, base = tabs
-    nch = desc.shape[0]
-    if _gpu.default_backend(blob_dev.device) == "cuda":
-        from kvzip_lossless import _cuda
-
-        _cuda.decode(blob_dev, desc, nch, tab, bmap, base, table.columns, table.n_buckets,
-                     o16, sums, err)  # fmt: skip
-    else:
-        _gpu._decode_kernel[(nch,)](
-            blob_dev,
-            blob_dev.view(torch.int16),
-            blob_dev.view(torch.int32),
-            tab,
-            bmap,
-            base,
-            desc,
-            o16,
-            sums,
-            err,
-            table.columns,
-            table.n_buckets,
-            num_warps=1,
-        )
+    backend = _gpu.default_backend(blob_dev.device)
+    _gpu.launch_decode(backend, blob_dev, desc, tabs, table, table.columns, o16, sums, err)
