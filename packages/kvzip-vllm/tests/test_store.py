@@ -125,3 +125,28 @@ def test_keys_depend_on_model_layout_and_prefix():
 def test_bad_budget_rejected():
     with pytest.raises(ValueError, match="budget_bytes"):
         BlockStore(0)
+
+
+def test_pinned_records_charged_at_the_allocators_size(monkeypatch):
+    # torch's pinned host allocator rounds every allocation up to a power of two: a pinned
+    # store charges that, so its budget bounds the page-locked memory. (Pinning itself needs
+    # an accelerator: here the record is packed unpinned and only the charge is checked.)
+    import kvzip_vllm.store as st
+
+    assert [st.pinned_overhead(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 0, 0, 1, 0, 4095]
+    real = st.pack_record
+    monkeypatch.setattr(st, "pack_record", lambda b, t=None, pin_memory=False: real(b, t))
+    block = _block(0)
+    plain, pinned = BlockStore(64 << 20), BlockStore(64 << 20, pin_memory=True)
+    n_plain, _ = plain.put(b"k" * 32, block)
+    n_pinned, _ = pinned.put(b"k" * 32, block)
+    blobs = plain.get_blobs(b"k" * 32)
+    rec = st.record_bytes(blobs)
+    assert n_pinned - n_plain == st.pinned_overhead(rec) > 0
+    assert (
+        pinned.stats.bytes_held == n_pinned
+        and (rec + st.pinned_overhead(rec)) & (rec + st.pinned_overhead(rec) - 1) == 0
+    )
+    # the budget counts the rounded size: one that fits the blobs but not the rounding refuses
+    tight = BlockStore(n_plain + 1, pin_memory=True)
+    assert tight.put(b"k" * 32, block)[0] == 0 and tight.stats.blocks_skipped == 1

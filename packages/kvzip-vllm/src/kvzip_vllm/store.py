@@ -61,6 +61,18 @@ def pack_record(
     return data, tuple(views)
 
 
+def record_bytes(blobs, tail: np.ndarray | None = None) -> int:
+    """The size of :func:`pack_record`'s tensor for ``blobs`` and ``tail``."""
+    tail_off = record_tail_offset(sum(memoryview(b).nbytes for b in blobs))
+    return tail_off + (0 if tail is None else np.asarray(tail).nbytes)
+
+
+def pinned_overhead(n: int) -> int:
+    """Bytes torch's pinned host allocator takes beyond ``n`` for one ``n``-byte tensor: it
+    rounds every allocation up to a power of two."""
+    return 0 if n <= 0 else (1 << (n - 1).bit_length()) - n
+
+
 def block_key(namespace: bytes, block_hash: bytes) -> bytes:
     """The store key of one KV block: sha256 over the namespace and vLLM's chained block hash."""
     return hashlib.sha256(namespace + b"\0" + bytes(block_hash)).digest()
@@ -154,8 +166,9 @@ class BlockStore:
         # records page-locked (set by the CUDA pipeline): a restore then copies each entry to
         # the GPU from where it lies, with no staging copy (54.9 of a 56.3 ms restore of 64
         # blocks went to host staging and plans on the H200, results/vllm/cuda_tier_restore.md,
-        # before). torch's pinned allocator rounds each record up to a power of two and keeps
-        # freed ones for reuse: up to 2x the budget in page-locked memory, not counted in it.
+        # before). torch's pinned allocator rounds each record up to a power of two (and keeps
+        # freed ones for reuse): a pinned entry is charged that rounded size, so the budget
+        # bounds the page-locked memory the records take.
         self.pin_memory = pin_memory
         self._fit: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # blocks for the fit
         if tables is not None:
@@ -237,6 +250,8 @@ class BlockStore:
         nbytes = blob_bytes + aux_bytes + (0 if tail is None else tail.nbytes)
         evicted: list[bytes] = []
         data = views = None
+        if self.pin_memory:
+            nbytes += pinned_overhead(record_bytes(blobs, tail))
         if key not in self._entries and nbytes <= self.budget_bytes:  # packed outside the lock
             data, views = pack_record(blobs, tail, pin_memory=self.pin_memory)
         with self._lock:
