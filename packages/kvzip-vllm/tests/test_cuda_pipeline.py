@@ -41,14 +41,19 @@ DEVICES = [
     pytest.param(
         "cpu",
         id="cpu",
+        # a GPU machine runs the CUDA cases instead; without CUDA, conftest.py guarantees the
+        # interpreter (checked below), so the CPU twin always runs there
         marks=pytest.mark.skipif(
-            not INTERPRET,
-            reason="the CPU twin needs TRITON_INTERPRET=1 set before triton is first imported "
-            "(tests/conftest.py sets it on machines without CUDA)",
+            not INTERPRET, reason="the CPU twin runs where there is no CUDA (Triton interpreted)"
         ),
     ),
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
+if not CUDA and not INTERPRET:
+    raise RuntimeError(
+        "no CUDA and Triton not interpreted: the CPU twins need TRITON_INTERPRET=1 set before "
+        "triton is first imported (tests/conftest.py sets it)"
+    )
 # (layers, kv_heads, block_size, head_size): small for the interpreter; Llama-8B's heads on CUDA
 SHAPES = {"cpu": (3, 2, 16, 16), "cuda": (4, 8, 16, 128)}
 NUM_BLOCKS = 12

@@ -139,11 +139,15 @@ SHAPES = {
 
 
 def _device_ok(device: str) -> None:
-    if not (triton_runs(torch.device(device)) and (device != "cpu" or _INTERPRETABLE)):
-        pytest.skip(
-            "the CPU twin needs TRITON_INTERPRET=1 set before triton is imported (vLLM imports "
-            "it): run `TRITON_INTERPRET=1 pytest ...` or `nox -s vllm`"
-        )
+    if triton_runs(torch.device(device)) and (device != "cpu" or _INTERPRETABLE):
+        return
+    msg = (
+        "the CPU twin needs TRITON_INTERPRET=1 set before triton is imported (vLLM imports it; "
+        "tests/conftest.py sets it on machines without CUDA)"
+    )
+    if torch.cuda.is_available():
+        pytest.skip(msg + "; this machine runs the CUDA cases instead")
+    pytest.fail(msg)
 
 
 def _fmt(name: str, s: Shape):
