@@ -77,7 +77,7 @@ def main() -> int:
     hf_wc = summarize([dec(t) for t in hf_base], [dec(t) for t in hf_comp], hf_base, hf_comp)
     bs, heads, d = comp["block_size"], 3, 64  # the embedded model: 3 KV heads, head_size 64
     page_bytes = heads * sum(PagedLayout.of(fmt, d, bs, k).page_bytes for k in "kv")
-    sinks = int(getattr(getattr(fmt, "spec", None), "sink_tokens", 0))
+    sinks = int(fmt.sink_tokens)
     sink_bytes = sinks * heads * d * 2 * 2
     s = example["stats"]
     payload = {

@@ -38,7 +38,7 @@ def _impl(fmt, heads, kv_heads, d, block_size):
     impl.scale = 1 / math.sqrt(d)
     impl.fmt, impl.block_size = fmt, block_size
     impl.layouts = {kind: PagedLayout.of(fmt, d, block_size, kind) for kind in "kv"}
-    impl.sink_tokens = int(getattr(getattr(fmt, "spec", None), "sink_tokens", 0))
+    impl.sink_tokens = int(fmt.sink_tokens)
     impl._sinks, impl._layer_index, impl._no_kernels = None, {}, None
     return impl
 
@@ -47,7 +47,7 @@ def _reference(fmt, q, k, v, scale):
     d = k.shape[-1]
     kr = fmt.decode(fmt.encode(k, kind="k", layer=3), kind="k", layer=3, head_dim=d)
     vr = fmt.decode(fmt.encode(v, kind="v", layer=3), kind="v", layer=3, head_dim=d)
-    sinks = int(getattr(getattr(fmt, "spec", None), "sink_tokens", 0))
+    sinks = int(fmt.sink_tokens)
     kr[:sinks], vr[:sinks] = k[:sinks].float(), v[:sinks].float()
     g = q.shape[1] // k.shape[1]
     kr, vr = kr.repeat_interleave(g, 1), vr.repeat_interleave(g, 1)

@@ -102,7 +102,7 @@ class PagedAttention:
         # sink tokens: the first positions of every sequence in bf16 (spec/4bit.md section 8);
         # sink_tokens x heads x head_size x 2 x bf16 per block and layer (1 sink, 3 heads, d 64:
         # 768 bytes next to a 26,112-byte 4bit block of 128 tokens, +2.9%)
-        self.sink_tokens = int(getattr(getattr(fmt, "spec", None), "sink_tokens", 0))
+        self.sink_tokens = int(fmt.sink_tokens)
         self.sinks: torch.Tensor | None = None  # [num_blocks + 1, sink_tokens, 2, heads, d]
 
     # -- layout -----------------------------------------------------------------------
