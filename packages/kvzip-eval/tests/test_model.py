@@ -77,3 +77,66 @@ def test_non_gguf_file_is_refused(tmp_path):
     f.write_bytes(b"\0")
     with pytest.raises(ModelError, match="not a .gguf"):
         load_model(f)
+
+
+def _tiny_llama_folder(path, seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return cfg
+
+
+def test_identity_hashes_weight_contents(tmp_path, monkeypatch):
+    """Two fine-tunes of one base (same file names and sizes, other bytes) are two models."""
+    from kvzip_eval import model
+
+    monkeypatch.setenv("KVZIP_CACHE_DIR", str(tmp_path / "cache"))
+    cfg_a = _tiny_llama_folder(tmp_path / "a", seed=0)
+    cfg_b = _tiny_llama_folder(tmp_path / "b", seed=1)
+    files_a = sorted((p.name, p.stat().st_size) for p in (tmp_path / "a").iterdir())
+    files_b = sorted((p.name, p.stat().st_size) for p in (tmp_path / "b").iterdir())
+    assert files_a == files_b  # same names and sizes: the old identity could not tell them apart
+    id_a = model.model_identity(tmp_path / "a", cfg_a)
+    id_b = model.model_identity(tmp_path / "b", cfg_b)
+    assert id_a != id_b and len(id_a) == len(id_b) == 16
+    # the same weights elsewhere (a copy in another folder) are the same model
+    import shutil
+
+    shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
+    assert model.model_identity(tmp_path / "a_copy", cfg_a) == id_a
+
+
+def test_file_hash_is_cached_and_invalidated(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    from kvzip_eval import model
+
+    monkeypatch.setenv("KVZIP_CACHE_DIR", str(tmp_path / "cache"))
+    reads = []
+    real = model._sha256_of
+    monkeypatch.setattr(model, "_sha256_of", lambda p: reads.append(p) or real(p))
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"x" * 1000)
+    want = hashlib.sha256(b"x" * 1000).hexdigest()
+    assert model.file_sha256(f) == want and len(reads) == 1
+    assert model.file_sha256(f) == want and len(reads) == 1  # cache hit: the file is not read
+    assert (tmp_path / "cache" / "file_sha256.json").is_file()
+    # rewritten in place with the same size: a new mtime makes it hashed again
+    f.write_bytes(b"y" * 1000)
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert model.file_sha256(f) == hashlib.sha256(b"y" * 1000).hexdigest() and len(reads) == 2
+    # a damaged cache file is ignored, not fatal
+    (tmp_path / "cache" / "file_sha256.json").write_text("{not json")
+    assert model.file_sha256(f) == hashlib.sha256(b"y" * 1000).hexdigest() and len(reads) == 3

@@ -47,7 +47,8 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     max_context: int
-    #: Stable hash of the config and the weight files' names and sizes; keys calibration/KV.
+    #: Stable hash of the config and the weight files' names and contents (SHA-256, cached
+    #: by ``file_sha256``); keys the calibration.
     identity: str
 
 
@@ -117,10 +118,67 @@ def check_supported(config) -> None:
         )
 
 
+#: Bump when what goes into a model identity changes (v2: file contents, not sizes).
+_IDENTITY_VERSION = 2
+
+
+def _hash_cache_path() -> Path:
+    return cache_dir() / "file_sha256.json"
+
+
+def _read_hash_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file's bytes, streamed; cached by (path, size, mtime_ns).
+
+    The cache is a small JSON file in ``cache_dir()`` (``file_sha256.json``), so a model's
+    weights are read once, not at every load; a file rewritten in place (new size or mtime)
+    is hashed again.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    key = str(p)
+    cache_file = _hash_cache_path()
+    entry = _read_hash_cache(cache_file).get(key)
+    if (
+        isinstance(entry, dict)
+        and entry.get("size") == st.st_size
+        and entry.get("mtime_ns") == st.st_mtime_ns
+        and isinstance(entry.get("sha256"), str)
+    ):
+        return entry["sha256"]
+    digest = _sha256_of(p)
+    # Re-read before writing: another process may have added entries meanwhile.
+    cache = _read_hash_cache(cache_file)
+    cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".file_sha256.", dir=cache_file.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(cache, f, indent=1, sort_keys=True)
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only cache only costs a re-hash next time
+    return digest
+
+
+def _sha256_of(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # streams the file
+
+
 def _file_identity(paths: list[Path], extra: str = "") -> str:
-    h = hashlib.sha256(extra.encode())
-    for p in sorted(paths):
-        h.update(f"{p.name}:{p.stat().st_size};".encode())
+    """Hash of ``extra`` and the files' names and contents (``file_sha256``): two models of
+    one architecture whose weights differ in any byte get different identities."""
+    h = hashlib.sha256(f"kvzip-model-identity-v{_IDENTITY_VERSION};{extra}".encode())
+    for p in sorted(paths, key=lambda q: q.name):
+        h.update(f"{p.name}:{file_sha256(p)};".encode())
     return h.hexdigest()[:16]
 
 
@@ -190,13 +248,19 @@ def _strip_quantization(config_json: Path) -> None:
         config_json.write_text(json.dumps(cfg, indent=2))
 
 
-def _info(config, name: str, source: Path, folder: Path) -> ModelInfo:
-    weights = [f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin")]
+def model_identity(folder: str | Path, config) -> str:
+    """The identity of a Hugging Face model folder: a hash of its config and of the names and
+    contents of its weight files (``.safetensors``/``.bin``). It keys the calibration that
+    `kvzip calibrate` writes and `kvzip eval` looks up."""
+    weights = [f for f in Path(folder).iterdir() if f.suffix in (".safetensors", ".bin")]
     # Leave out where the folder lies and which transformers wrote it: the same weights and
     # config must give the same identity from any cache location.
     cfg = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
     cfg.pop("transformers_version", None)
-    config_text = json.dumps(cfg, sort_keys=True, default=str)
+    return _file_identity(weights, json.dumps(cfg, sort_keys=True, default=str))
+
+
+def _info(config, name: str, source: Path, folder: Path) -> ModelInfo:
     num_q = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q
     return ModelInfo(
@@ -207,7 +271,7 @@ def _info(config, name: str, source: Path, folder: Path) -> ModelInfo:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_q,
         head_dim=head_dim,
         max_context=config.max_position_embeddings,
-        identity=_file_identity(weights, config_text),
+        identity=model_identity(folder, config),
     )
 
 
