@@ -136,8 +136,8 @@ BACKENDS = [b for b in args.backends.split(",") if b != "cuda" or DEV.type == "c
 if "cuda" in BACKENDS:
     from kvzip_lossless import _cuda
 
-    if not _cuda.available():
-        R["cuda_backend_error"] = _cuda._failed
+    if not _cuda.available(DEV):
+        R["cuda_backend_error"] = _cuda.failure(DEV)
         BACKENDS.remove("cuda")
 R["backends"] = BACKENDS
 

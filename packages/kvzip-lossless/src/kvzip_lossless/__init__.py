@@ -8,7 +8,7 @@ True
 
 from kvzip_lossless._version import __version__
 from kvzip_lossless.blob import FORMAT_VERSION, CorruptBlobError
-from kvzip_lossless.codec import compress, decompress
+from kvzip_lossless.codec import coder, compress, decompress
 from kvzip_lossless.tables import Table, TableSet, build_kv_tables, fit_table, kv_slot
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "TableSet",
     "__version__",
     "build_kv_tables",
+    "coder",
     "compress",
     "decompress",
     "fit_table",

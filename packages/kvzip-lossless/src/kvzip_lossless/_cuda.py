@@ -1,4 +1,7 @@
-"""The CUDA C coder (csrc/kvzl.cu), built with nvcc on first use and called through ctypes.
+"""The CUDA C coder (csrc/kvzl.cu), built with nvcc on first use for the GPU at hand (its
+compute capability: :func:`arch_flags`), called through ctypes. Where it cannot be built or
+loaded (no nvcc, an nvcc too old for the GPU, a GPU too old) the Triton coder runs instead
+(``gpu.default_backend``), and the reason is logged.
 
 Why not only Triton: the Triton decoder (gpu.py) measured 135 GB/s on the H200
 (results/lossless/lossless_gpu_h200_run1.json): each row costs a 32-lane scan plus a reduction
@@ -19,58 +22,93 @@ from pathlib import Path
 import torch
 
 _SRC = Path(__file__).parent / "csrc" / "kvzl.cu"
-_lib = None
-_failed: str | None = None
+_libs: dict[tuple[int, int], ctypes.CDLL] = {}
+_failed: dict[tuple[int, int], str] = {}
+#: The oldest GPU the kernels are written for (``__ballot_sync``, 32-bit atomics: Volta on).
+MIN_CAPABILITY = (7, 0)
 
 
-def _build() -> Path:
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    """nvcc flags that build csrc/kvzl.cu for a GPU of compute ``capability`` (major, minor):
+    its machine code (``sm_XY``) and its PTX (``compute_XY``, which the driver can JIT for a
+    newer GPU). The kernels use no arch-specific instructions, so no ``sm_XYa`` variant.
+    Raises ValueError for a GPU older than :data:`MIN_CAPABILITY`."""
+    major, minor = (int(c) for c in capability)
+    if (major, minor) < MIN_CAPABILITY or not 0 <= minor <= 9:
+        raise ValueError(
+            f"compute capability {major}.{minor} is not supported by the CUDA C coder "
+            f"(needs >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); the Triton coder is used"
+        )
+    cc = f"{major}{minor}"
+    return [
+        f"-gencode=arch=compute_{cc},code=sm_{cc}",
+        f"-gencode=arch=compute_{cc},code=compute_{cc}",
+    ]
+
+
+def _nvcc() -> str:
+    from torch.utils.cpp_extension import CUDA_HOME  # the CUDA toolkit torch's extensions use
+
+    if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return str(Path(CUDA_HOME) / "bin" / "nvcc")
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found (neither CUDA_HOME/bin/nvcc nor on PATH)")
+    return nvcc
+
+
+def _build(capability: tuple[int, int]) -> Path:
     pre = os.environ.get("KVZIP_LOSSLESS_CUDA_SO")
     if pre and Path(pre).exists():
         return Path(pre)
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    flags = arch_flags(capability)
     src = _SRC.read_bytes()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvzip"
     cache.mkdir(parents=True, exist_ok=True)
-    so = cache / f"kvzl-{hashlib.sha256(src).hexdigest()[:16]}.so"
+    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    so = cache / f"kvzl-sm{capability[0]}{capability[1]}-{key}.so"
     if not so.exists():
         tmp = so.with_suffix(f".{os.getpid()}.so")
-        subprocess.run(
-            [
-                nvcc,
-                "-O3",
-                "-arch=sm_90",
-                "-shared",
-                "-Xcompiler",
-                "-fPIC",
-                "-o",
-                str(tmp),
-                str(_SRC),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        cmd = [_nvcc(), "-O3", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp), str(_SRC)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}): {r.stderr.strip()[-500:]}")
         tmp.replace(so)
     return so
 
 
-def lib():
-    global _lib, _failed
-    if _lib is None and _failed is None:
+def capability_of(device=None) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def lib(device=None):
+    """The CUDA C coder built for ``device``'s GPU (None: the current one), or None when it
+    cannot be built or loaded there (the reason: :func:`failure`)."""
+    cap = capability_of(device)
+    if cap not in _libs and cap not in _failed:
         try:
-            L = ctypes.CDLL(str(_build()))
+            L = ctypes.CDLL(str(_build(cap)))
             P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
             L.kvzl_decode_launch.argtypes = [P, P, I, P, P, P, I, I, P, P, P, P]
             L.kvzl_encode_launch.argtypes = [P, P, I, P, P, P, I, I, I, P, P, P, P]
             L.kvzl_pack_launch.argtypes = [P, LL, LL, P, I, P, P, P, P]
             L.kvzl_compact_launch.argtypes = [P, P, P, I, I, P, P]
-            _lib = L
-        except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
-            _failed = f"{type(e).__name__}: {e}"
-    return _lib
+            _libs[cap] = L
+        except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
+            _failed[cap] = f"{type(e).__name__}: {e}"
+    return _libs.get(cap)
 
 
-def available() -> bool:
-    return torch.cuda.is_available() and lib() is not None
+def failure(device=None) -> str | None:
+    """Why the CUDA C coder is not available on ``device`` (None when it is)."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    return None if lib(device) is not None else _failed.get(capability_of(device))
+
+
+def available(device=None) -> bool:
+    """True when the CUDA C coder is built for (and loaded on) ``device``'s GPU."""
+    return failure(device) is None
 
 
 def _ptr(t: torch.Tensor):
@@ -88,7 +126,7 @@ def _check(rc: int, what: str) -> None:
 
 def decode(blob_dev, desc, n_chunks, tab, bmap, base, C, NB, out16, sums, err) -> None:
     _check(
-        lib().kvzl_decode_launch(
+        lib(blob_dev.device).kvzl_decode_launch(
             _ptr(blob_dev),
             _ptr(desc),
             n_chunks,
@@ -134,7 +172,7 @@ def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
     scratch = torch.empty(n_prog * rpt * 32, dtype=torch.int16, device=dev)
     counts = torch.empty(n_prog, dtype=torch.int32, device=dev)
     states = torch.empty(n_tiles * cols, dtype=torch.int32, device=dev)
-    L = lib()
+    L = lib(dev)
     _check(
         L.kvzl_encode_launch(
             _ptr(flat16),

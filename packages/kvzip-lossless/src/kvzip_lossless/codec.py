@@ -28,6 +28,19 @@ from kvzip_lossless.tables import BUCKETS_NONE, Table, TableSet, fit_table
 ROWS_PER_TILE = 1024
 
 
+def coder(device="cpu") -> str:
+    """Which coder :func:`compress` / :func:`decompress` run for tensors on ``device``:
+    ``"cuda"`` (the CUDA C coder, built for that GPU), ``"triton"``, or on the CPU ``"numpy"``.
+    On CUDA the choice is logged (logger ``kvzip_lossless``) with its reason."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        from kvzip_lossless import gpu
+
+        if gpu.available():
+            return gpu.default_backend(dev)
+    return "numpy"
+
+
 def _as_u16(x: torch.Tensor) -> np.ndarray:
     return x.detach().contiguous().cpu().view(torch.int16).numpy().view(np.uint16).ravel()
 

@@ -9,6 +9,7 @@ shared-memory tables: a chunk touches at most 32 columns x 8 buckets x 128 B = 3
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -25,6 +26,7 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
 LANES = 32
+logger = logging.getLogger("kvzip_lossless")
 
 
 def available() -> bool:
@@ -306,14 +308,52 @@ def decompress(buf: memoryview, h: Header, table: Table, *, device, out=None) ->
     return out
 
 
-def default_backend(device) -> str:
-    """'cuda' (csrc/kvzl.cu, built with nvcc) on a CUDA device when it builds, else 'triton'."""
-    if torch.device(device).type == "cuda" and os.environ.get("KVZIP_LOSSLESS_BACKEND") != "triton":
-        from kvzip_lossless import _cuda
+BACKENDS = ("cuda", "triton")
+_logged: set = set()
 
-        if _cuda.available():
-            return "cuda"
-    return "triton"
+
+def decide_backend(device_type: str, requested: str | None, cuda_c_failure) -> tuple[str, str]:
+    """The GPU coder for a device, and why: ``(backend, reason)``.
+
+    ``requested``: ``KVZIP_LOSSLESS_BACKEND`` (None/"" = choose); ``cuda_c_failure()``: None
+    when the CUDA C coder is built for this device's GPU, else why not (called only when
+    needed). The CUDA C coder is preferred on CUDA; Triton otherwise. Asking for ``cuda``
+    where it cannot run raises RuntimeError (with the reason) rather than silently running
+    another coder.
+    """
+    if requested and requested not in BACKENDS:
+        raise ValueError(
+            f"KVZIP_LOSSLESS_BACKEND={requested!r}: supported values are {', '.join(BACKENDS)}"
+        )
+    if requested == "triton":
+        return "triton", "KVZIP_LOSSLESS_BACKEND=triton"
+    if device_type != "cuda":
+        if requested == "cuda":
+            raise RuntimeError(f"KVZIP_LOSSLESS_BACKEND=cuda, but the device is {device_type}")
+        return "triton", f"{device_type} device (Triton interpreter)"
+    why = cuda_c_failure()
+    if why is None:
+        return "cuda", "CUDA C coder built for this GPU"
+    if requested == "cuda":
+        raise RuntimeError(f"KVZIP_LOSSLESS_BACKEND=cuda, but the CUDA C coder cannot run: {why}")
+    return "triton", f"CUDA C coder unavailable ({why})"
+
+
+def default_backend(device) -> str:
+    """'cuda' (csrc/kvzl.cu, built with nvcc for this GPU) on a CUDA device when it builds
+    and loads there, else 'triton'. The choice and its reason are logged once per device."""
+    dev = torch.device(device)
+    from kvzip_lossless import _cuda
+
+    backend, why = decide_backend(
+        dev.type, os.environ.get("KVZIP_LOSSLESS_BACKEND") or None, lambda: _cuda.failure(dev)
+    )
+    key = (str(dev), backend)
+    if key not in _logged:
+        _logged.add(key)
+        log = logger.warning if "unavailable" in why else logger.info
+        log("kvzip-lossless GPU coder on %s: %s (%s)", dev, backend, why)
+    return backend
 
 
 def encode_parts(
