@@ -1,26 +1,12 @@
-"""The printed table, the markdown report and its plots (matplotlib, PNG)."""
+"""The printed table, the markdown report and its plots (matplotlib, PNG).
+
+Reads the results that ``suite`` measures (one direction: ``suite`` never imports this)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from kvzip_eval.results import markdown_table, provenance_markdown
-
-
-def bits_of(fmt, info) -> dict:
-    """Effective bits per element: design.md's accounting (Llama-3.1-8B shape, 131k tokens)
-    and at the evaluated model's own shape."""
-    return {
-        "bits": round(fmt.bits_per_element(), 4),
-        "bits_model": round(
-            fmt.bits_per_element(
-                head_dim=info.head_dim,
-                num_layers=info.num_layers,
-                num_kv_heads=info.num_kv_heads,
-            ),
-            4,
-        ),
-    }
 
 
 def _retrieval_mean(r: dict) -> float | None:
