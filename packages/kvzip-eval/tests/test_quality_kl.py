@@ -37,7 +37,7 @@ def test_identity_format_is_exactly_zero(stats):
 
 def test_int4_positive_and_damaged_large(stats):
     int4, bad = stats["int4"], stats["damaged"]
-    # design.md measured int4 at 0.128 on 2,048-token windows; short windows land nearby.
+    # results/quality/baselines/report.md: int4 0.128 on 8,192-token windows; short ones nearby.
     assert 0.02 < int4.kl_mean < 0.5
     assert int4.kl_median <= int4.kl_mean <= int4.kl_p99
     assert bad.kl_mean > 5 * int4.kl_mean and bad.kl_mean > 0.5

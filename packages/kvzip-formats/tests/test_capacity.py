@@ -6,7 +6,7 @@ def _row(rows, model, gpu, fmt):
     return r
 
 
-def test_design_md_reference_figures():
+def test_reference_figures_of_the_capacity_method():
     rows = capacity_rows(["bf16", "fp8", "int4"])
     assert _row(rows, "llama-3.1-8b", "h100-80g", "bf16")["sessions"] == 3
     assert _row(rows, "llama-3.1-8b", "h100-80g", "fp8")["sessions"] == 6
@@ -23,6 +23,6 @@ def test_bit_budgets_of_the_compact_formats_give_the_session_goals():
     h100 = DEPLOYMENTS[0]
     assert sessions(4.198, h100) == 13
     assert sessions(3.2, h100) == 17
-    # design.md's 3.64 budget gives 14 sessions; 15 need at most 3.638 bits.
+    # The 3.64-bit budget (docs/protocol.md, "Targets") gives 14 sessions; 15 need <= 3.638.
     assert sessions(3.64, h100) == 14
     assert sessions(3.638, h100) == 15

@@ -12,7 +12,7 @@ from kvzip_eval.results import markdown_table, provenance, provenance_markdown, 
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows as JSON.")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Write a table.")
 def command(formats: str | None, json_path: str | None, md_path: str | None) -> None:
-    """Sessions per GPU by design.md's formula: floor(KV budget / bytes of one session)."""
+    """Sessions per GPU, floor(KV budget / bytes of one session): docs/protocol.md, section 3."""
     from kvzip_formats import FormatError, list_formats
     from kvzip_formats.capacity import capacity_rows
 

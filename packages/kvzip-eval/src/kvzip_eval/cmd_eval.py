@@ -228,7 +228,7 @@ def command(
         s = replace(s, gen_batch=min(s.gen_batch, 8))  # wider batches only pad more on 2 cores
     if device == "cpu" and preset == "full":
         click.echo(
-            "note: --full is design.md's whole protocol (8 windows of the model's context, "
+            "note: --full is the protocol of docs/protocol.md (8 windows of the model's context, "
             "32 x 256 tokens, 600 retrieval samples per format): hours on a few CPU cores, "
             "minutes with --device cuda",
             err=True,

@@ -15,9 +15,9 @@ import torch
 
 Kind = Literal["k", "v"]
 
-#: design.md's accounting: per-sequence extras are amortised over this many tokens.
+#: Per-sequence extras are amortised over this many tokens (docs/protocol.md, "Bit accounting").
 REFERENCE_SEQ_LEN = 131_072
-#: design.md's accounting is stated at Llama-3.1-8B's shape.
+#: The bit accounting (docs/protocol.md) is stated at Llama-3.1-8B's shape.
 REFERENCE_HEAD_DIM = 128
 REFERENCE_NUM_LAYERS = 32
 
@@ -103,7 +103,7 @@ class KVFormat(ABC):
         seq_len: int = REFERENCE_SEQ_LEN,
         num_kv_heads: int = 8,
     ) -> float:
-        """Effective bits per KV element by design.md's accounting.
+        """Effective bits per KV element (docs/protocol.md, "Bit accounting").
 
         Every byte the cache holds for a token, plus per-sequence extras amortised over
         ``seq_len`` tokens; calibration tables are not counted.

@@ -1,8 +1,8 @@
-"""Concurrent long-context sessions per GPU, by design.md's capacity formula.
+"""Concurrent long-context sessions per GPU (docs/protocol.md, "Capacity method").
 
 sessions = floor(KV budget / bytes of one 131,072-token session), where the KV budget is 92%
-of GPU memory less the bf16 weights and 4 GB of activations per GPU. The two budgets design.md
-states are used as given (58.6 GB for Llama-3.1-8B on one 80 GB H100; 416 GB for
+of GPU memory less the bf16 weights and 4 GB of activations per GPU. The two reference budgets
+of docs/protocol.md are used as given (58.6 GB for Llama-3.1-8B on one 80 GB H100; 416 GB for
 Llama-3.1-70B on 8x H100); the H200 budget follows the same rule in decimal GB:
 0.92 x 141 GB - 16.06 GB of weights - 4 GB = 109.66 GB.
 """

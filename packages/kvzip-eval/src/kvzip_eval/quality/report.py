@@ -74,7 +74,7 @@ def _noise_note(result: dict) -> list[str]:
 
 
 def _protocol_note(s: dict) -> list[str]:
-    """Say so when a run used less than design.md's protocol asks for."""
+    """Say so when a run used less than the quality protocol (docs/protocol.md) asks for."""
     from kvzip_eval.quality.suite import PROTOCOL
 
     short = []
@@ -93,8 +93,9 @@ def _protocol_note(s: dict) -> list[str]:
     if not short:
         return []
     return [
-        "- **smaller than design.md's protocol**: " + "; ".join(short) + ". Small samples: "
-        "retrieval accuracies and words-changed shares here are coarse."
+        "- **smaller than the quality protocol of docs/protocol.md**: "
+        + "; ".join(short)
+        + ". Small samples: retrieval accuracies and words-changed shares here are coarse."
     ]
 
 
@@ -132,7 +133,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
     fig.savefig(out / "kl.png", dpi=120)
     plt.close(fig)
 
-    # Capacity: sessions per GPU (design.md's formula), bars to scale from zero.
+    # Capacity: sessions per GPU (docs/protocol.md's capacity method), bars to scale from zero.
     from kvzip_formats import get_format
     from kvzip_formats.capacity import DEPLOYMENTS, sessions
 
@@ -198,7 +199,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         *_noise_note(result),
         *_protocol_note(s),
         "",
-        "bits: effective bits per element by design.md's accounting (Llama-3.1-8B shape). "
+        "bits: effective bits per element by docs/protocol.md's accounting (Llama-3.1-8B shape). "
         "KL: KL(P_bf16 || P_format) over the full vocabulary at every position. "
         "words_changed: word-level edit distance to the bf16 output / its words (mean over "
         "prompts); identical: share of outputs token-identical to bf16. retrieval: mean "
@@ -225,7 +226,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
             ["format", *[str(i) for i in range(len(next(iter(fmts.values()))["kl_by_position"]))]],
         ),
         "",
-        "## Capacity (sessions per GPU, design.md's formula)",
+        "## Capacity (sessions per GPU, docs/protocol.md's capacity method)",
         "",
         markdown_table([{"deployment": d, **v} for d, v in cap.items()], ["deployment", *names]),
         "",

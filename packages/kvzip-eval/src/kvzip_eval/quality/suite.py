@@ -1,12 +1,12 @@
 """One evaluation run: KL, words changed and retrieval for several formats on the same inputs.
 
 Settings presets: ``quick`` (about a minute on 2 CPU cores) for tests and checks, ``default``
-(a few minutes there) for a first look, ``full`` for published numbers: design.md's protocol,
-8 windows of the model's full context, 32 prompts x 256 new tokens, 50 samples per retrieval
-task at 1,024, 2,048, 4,096 tokens and the full context. ``full`` is meant for a GPU
-(``--device cuda``): on 2 shared CPU cores an 8,192-token forward of SmolLM2-135M took
-128 s, so the protocol would take days there. Every count can be changed with the command's
-options.
+(a few minutes there) for a first look, ``full`` for published numbers: the quality protocol
+of docs/protocol.md, 8 windows of the model's full context, 32 prompts x 256 new tokens, 50
+samples per retrieval task at 1,024, 2,048, 4,096 tokens and the full context. ``full`` is
+meant for a GPU (``--device cuda``): on 2 shared CPU cores an 8,192-token forward of
+SmolLM2-135M took 128 s, so the protocol would take days there. Every count can be changed
+with the command's options.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ PRESETS = {
         retrieval_lengths=(512,),
         retrieval_samples=2,
     ),
-    # design.md's protocol. gen_batch 64 takes each retrieval group (50 samples of one task
-    # and length) in one batch on a GPU; on the CPU the command lowers it to 8.
+    # The quality protocol of docs/protocol.md. gen_batch 64 takes each retrieval group (50
+    # samples of one task and length) in one batch on a GPU; on the CPU the command lowers it
+    # to 8.
     "full": Settings(
         kl_windows=8,
         kl_length=0,
@@ -80,7 +81,7 @@ PRESETS = {
         gen_batch=64,
     ),
 }
-#: What design.md's protocol asks for.
+#: What the quality protocol asks for (docs/protocol.md, "Quality protocol").
 PROTOCOL = PRESETS["full"]
 
 
