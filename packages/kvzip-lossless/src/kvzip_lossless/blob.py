@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvzip_lossless.tables import Table
+from kvzip_lossless.tables import NSYM, TABLE_HEAD, Table
 
 MAGIC = b"KVZL"
 FORMAT_VERSION = 1
@@ -212,11 +212,50 @@ def expected_min_len(mode: int, nvals: int, columns: int, n_exc: int) -> int:
     return tile_layout(nvals, columns, n_exc)["words"]
 
 
-def load_embedded(h: Header) -> Table:
+def embedded_table_size(columns: int, n_buckets: int) -> int:
+    """Bytes of an uncompressed table (spec section 4) of ``columns`` and ``n_buckets``."""
+    return TABLE_HEAD.size + NSYM + columns + 2 * columns * n_buckets * NSYM
+
+
+def inflate_embedded(data: bytes, columns: int) -> bytes:
+    """The embedded table's bytes, inflated no further than the size its own header declares
+    for the blob's ``columns`` (a zlib bomb is refused after at most that many bytes)."""
+    d = zlib.decompressobj()
     try:
-        raw = zlib.decompress(h.embedded)
+        head = d.decompress(data, TABLE_HEAD.size)
+        if len(head) < TABLE_HEAD.size:
+            raise CorruptBlobError("blob's embedded table is damaged: shorter than its header")
+        _, _, nb, cols = TABLE_HEAD.unpack(head)
+        if cols != columns or not 1 <= nb <= NSYM:
+            raise CorruptBlobError(
+                f"blob's embedded table declares {cols} columns and {nb} buckets; the blob has "
+                f"{columns} columns (buckets must be 1..{NSYM})"
+            )
+        size = embedded_table_size(cols, nb)
+        raw = head + d.decompress(d.unconsumed_tail, size - len(head))
+        if len(raw) < size:
+            raise CorruptBlobError(
+                f"blob's embedded table is damaged: {len(raw)} bytes, its header declares {size}"
+            )
+        if d.decompress(d.unconsumed_tail, 1):
+            raise CorruptBlobError(
+                f"blob's embedded table inflates to more than the {size} bytes its header "
+                "declares (refused)"
+            )
+        if not d.eof:
+            raise CorruptBlobError("blob's embedded table is damaged: its zlib stream is cut")
+        if d.unused_data:
+            raise CorruptBlobError("blob's embedded table is damaged: bytes after its zlib stream")
+    except zlib.error as e:
+        raise CorruptBlobError(f"blob's embedded table is damaged: {e}") from None
+    return raw
+
+
+def load_embedded(h: Header) -> Table:
+    raw = inflate_embedded(h.embedded, h.columns)
+    try:
         table, end = Table.from_bytes(raw)
-    except (zlib.error, ValueError, Exception) as e:  # noqa: BLE001 - any parse failure
+    except (ValueError, struct.error) as e:
         raise CorruptBlobError(f"blob's embedded table is damaged: {e}") from None
     if end != len(raw) or table.table_id() != h.table_id:
         raise CorruptBlobError("blob's embedded table does not match its table id")

@@ -35,6 +35,8 @@ BUCKETS_V = BUCKETS_NONE
 _TABLE_MAGIC = b"KVZT"
 _TABLESET_MAGIC = b"KVZS"
 _TABLE_VERSION = 1
+#: A table's fixed header: magic, version, n_buckets, columns (spec/blob.md section 4).
+TABLE_HEAD = struct.Struct("<4sHHI")
 
 
 def symbolize(vals: np.ndarray, base: np.ndarray) -> np.ndarray:
@@ -81,7 +83,7 @@ class Table:
         return int(self.freq.shape[1])
 
     def to_bytes(self) -> bytes:
-        head = struct.pack("<4sHHI", _TABLE_MAGIC, _TABLE_VERSION, self.n_buckets, self.columns)
+        head = TABLE_HEAD.pack(_TABLE_MAGIC, _TABLE_VERSION, self.n_buckets, self.columns)
         return (
             head
             + bytes(self.buckets)
@@ -91,7 +93,9 @@ class Table:
 
     @classmethod
     def from_bytes(cls, buf: bytes, pos: int = 0) -> tuple[Table, int]:
-        magic, ver, nb, cols = struct.unpack_from("<4sHHI", buf, pos)
+        if len(buf) - pos < TABLE_HEAD.size:
+            raise ValueError("kvzip table truncated")
+        magic, ver, nb, cols = TABLE_HEAD.unpack_from(buf, pos)
         if magic != _TABLE_MAGIC or ver != _TABLE_VERSION:
             raise ValueError(f"not a kvzip table (magic {magic!r}, version {ver})")
         pos += 12

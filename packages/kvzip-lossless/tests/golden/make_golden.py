@@ -7,12 +7,14 @@ Run: uv run python packages/kvzip-lossless/tests/golden/make_golden.py
 """
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import kvzip_lossless as kl
+from kvzip_lossless import blob as B
 
 HERE = Path(__file__).parent
 
@@ -48,6 +50,22 @@ def tables():
     return kl.build_kv_tables([[(mk(), mk())]])
 
 
+def zlib_bomb(blob: bytes, size: int) -> bytes:
+    """``blob`` with its embedded table replaced by a zlib stream that starts like the right
+    table (same columns, one bucket) but inflates to ``size`` bytes (16 MiB from 16 KB), the
+    header and its CRC rewritten to match: only a size cap stops it."""
+    buf = memoryview(blob)
+    h = B.parse_header(buf)
+    assert h.embedded is not None
+    good = zlib.decompress(h.embedded)
+    bomb = zlib.compress(good[:12] + bytes(size - 12), 9)
+    head = B.pack_header(
+        h.shape, h.columns, h.rows_per_tile, h.table_id, h.table_slot, bomb,
+        h.lengths, h.modes, h.n_exc, h.checksums,
+    )  # fmt: skip
+    return head + bytes(buf[h.tiles_start :])
+
+
 def main():
     invalid = {}
     ts = tables()
@@ -74,6 +92,7 @@ def main():
         "header_bitflip": (kv[:45] + bytes([kv[45] ^ 1]) + kv[46:], "header checksum mismatch"),
         "payload_bitflip": (kv[:-20] + bytes([kv[-20] ^ 4]) + kv[-19:], "tile"),
         "empty": (b"", "blob truncated"),
+        "embedded_bomb": (zlib_bomb(kv, 16 << 20), "inflates to more than the 2124 bytes"),
     }
     for name, (b, msg) in cases.items():
         (HERE / f"invalid_{name}.kvzl").write_bytes(b)
