@@ -161,3 +161,81 @@ def test_block_strided_cache(device):
     kv = torch.zeros(3, 2, 2, want.shape[2], dtype=torch.uint8, device=device)
     cache_write(fmt, x, kv[:, 1], slots, kind="v", block_size=16, block_stride=kv.stride(0))
     assert torch.equal(kv[:, 1], want) and not kv[:, 0].any()
+
+
+# spec/4bit.md section 9 and spec/baselines.md: NaN, inf or |x| > 65504 is rejected.
+BAD_VALUES = [float("nan"), float("inf"), float("-inf"), 7e4]
+
+
+def _bad_case(name, kind, value, head_dim=128, rms=False):
+    """4 tokens of 2 KV heads in float32; token 2, head 1 holds ``value`` at channel 5 (or,
+    ``rms``, is +-65504 everywhere: finite and in range, but its transformed RMS overflows)."""
+    g = torch.Generator().manual_seed(11)
+    cal = synthetic_calibration(2, head_dim) if name[0].isdigit() else None
+    fmt = get_format(name, calibration=cal)
+    x = torch.randn(4, 2, head_dim, generator=g) * 2
+    if rms:
+        x[2, 1] = torch.sign(torch.randn(head_dim, generator=g)) * 65504
+    else:
+        x[2, 1, 5] = value
+    return fmt, x
+
+
+@pytest.mark.parametrize("name", ["4bit", "3.5bit", "3bit", "int4", "int4-rot"])
+@pytest.mark.parametrize("value", [*BAD_VALUES, "rms"])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_rejected_values(name, value, kind, device):
+    """Every path rejects what the reference rejects, with its message and the token: the ops
+    reference, the kernel (checked), and the kernel unchecked (no raise, but the rejected row
+    decodes to NaN while every other row is written as the reference writes it)."""
+    from kvzip_kernels.cache_write import check_status, new_status
+
+    if value == "rms" and not name[0].isdigit():
+        pytest.skip("the RMS rule is the compact formats' (int4 has no transform)")
+    rms = value == "rms"
+    fmt, x = _bad_case(name, "k", None if rms else value, rms=rms)
+    match = "RMS exceeds" if rms else "finite values within the float16 range"
+    slots = torch.tensor([3, 17, 20, 8])
+    lay = PagedLayout.of(fmt, 128, 16, kind)
+    want = new_paged_cache(fmt, 2, 2, 16, 128, kind=kind)
+    with pytest.raises(FormatError, match=match):
+        ref_cache_write(fmt, x, want, slots, kind=kind, block_size=16)
+    assert not want.any()  # the reference writes nothing
+    got = new_paged_cache(fmt, 2, 2, 16, 128, kind=kind, device=device)
+    xd, sd = x.to(device), slots.to(device)
+    with pytest.raises(FormatError, match=match + r".*token 2 of this write"):
+        cache_write(fmt, xd, got, sd, kind=kind, block_size=16)
+    # unchecked: the same kernel, its verdict in a status word read afterwards
+    got.zero_()
+    status = new_status(device)
+    cache_write(fmt, xd, got, sd, kind=kind, block_size=16, check_values=False, status=status)
+    with pytest.raises(FormatError, match=match):
+        check_status(fmt, status, kind)
+    rows = gather_rows(got.cpu(), lay, torch.arange(2), 32, kind)[slots]
+    fixed = x.clone()
+    fixed[2, 1] = 0.0  # what every other row must hold: the rows encoded without the bad one
+    if name[0].isdigit():  # given y (float32, as test_compact_write)
+        wrows = fmt.quantize(codebook_y(fmt, fixed, kind, 0), kind=kind)
+    else:
+        wrows = fmt.encode(fixed, kind=kind, layer=0)
+    ok = torch.ones(4, 2, dtype=torch.bool)
+    ok[2, 1] = False
+    cb = lay.code_bytes
+    assert torch.equal(rows[ok][:, :cb], wrows[ok][:, :cb])
+    got16, want16 = (r[ok][:, cb:].contiguous().view(torch.int16).int() for r in (rows, wrows))
+    assert (got16 - want16).abs().max() <= (1 if device == "cuda" and name[0].isdigit() else 0)
+    bad = fmt.decode(rows[2:3], kind=kind, layer=0, head_dim=128)
+    assert torch.isnan(bad[0, 1]).all()  # the rejected row decodes to NaN
+    assert torch.isfinite(bad[0, 0]).all()  # its token's other head is a valid row
+
+
+@pytest.mark.parametrize("name", ["4bit", "int4"])
+def test_rejected_value_in_skipped_token_is_not_an_input(name, device):
+    """A padding token (slot -1) is never encoded: its NaN raises on no path."""
+    fmt, x = _bad_case(name, "k", float("nan"))
+    slots = torch.tensor([3, 17, -1, 8])
+    want = new_paged_cache(fmt, 2, 2, 16, 128, kind="v")
+    ref_cache_write(fmt, x, want, slots, kind="v", block_size=16)
+    got = new_paged_cache(fmt, 2, 2, 16, 128, kind="v", device=device)
+    cache_write(fmt, x.to(device), got, slots.to(device), kind="v", block_size=16)
+    assert torch.equal(got.cpu(), want)

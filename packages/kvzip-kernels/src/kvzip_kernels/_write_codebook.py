@@ -8,6 +8,14 @@ least-squares scale ``s = f16(<y, l> / <l, l>)`` (``s0`` where that is not finit
 positive), then the bit planes of each channel group. One program per token, all KV heads.
 Reductions may run in another order than torch's (the spec allows ``s`` to differ in the last
 fp16 place).
+
+Rejected inputs (spec/4bit.md section 9) are found here, per row, as the reference finds them:
+an element of ``x`` that is NaN, infinite or beyond float16's range (``not |x| <= 65504``), or
+a token scale ``s0`` that is not finite (the RMS of ``y`` overflows float16). Such a row is
+written with a NaN token scale, so that it decodes to NaN and never to a plausible value, and
+the kernel records the failure in ``status`` (see ``kvzip_kernels.cache_write.check_status``):
+``status[0]`` ORs ``X_BAD`` / ``RMS_BAD``, ``status[1]`` keeps ``2**31 - 1 - first failing token``
+(an atomic max, so that a zero-filled word is a fresh one).
 """
 
 from __future__ import annotations
@@ -16,6 +24,27 @@ import triton
 import triton.language as tl
 
 from kvzip_kernels._decode_codebook import _level
+
+X_BAD = 1  # an element of x is NaN, inf or |x| > 65504
+RMS_BAD = 2  # a transformed row's RMS is not finite in float16
+
+
+@triton.jit
+def _rows_out_of_range(x_ptr, tok, stride_xt, stride_xh, h, hm, D: tl.constexpr):
+    """[H_P] int1: heads of token ``tok`` whose row of ``x`` holds NaN, inf or |x| > 65504."""
+    d = tl.arange(0, D)
+    xp = x_ptr + tok.to(tl.int64) * stride_xt + h.to(tl.int64)[:, None] * stride_xh + d[None, :]
+    x = tl.load(xp, mask=hm[:, None], other=0.0).to(tl.float32)
+    bad = (tl.abs(x) <= 65504.0) == 0  # NaN compares false
+    return (tl.max(bad.to(tl.int32), 1) != 0) & hm
+
+
+@triton.jit
+def _report(status_ptr, tok, flags):
+    """Record a rejected token: OR its flags into status[0], the lowest token into status[1]
+    (as ``2**31 - 1 - tok``, by atomic max: a zero-filled status is a fresh one)."""
+    tl.atomic_or(status_ptr, flags, mask=flags != 0)
+    tl.atomic_max(status_ptr + 1, 2147483647 - tok, mask=flags != 0)
 
 
 @triton.jit
@@ -125,12 +154,16 @@ def _group_planes(
 
 @triton.jit
 def _codebook_write_kernel(
+    x_ptr,
     y_ptr,
     cache_ptr,
     cache16_ptr,
     slot_ptr,
     edge_ptr,
     lev_ptr,
+    status_ptr,
+    stride_xt,
+    stride_xh,
     stride_yt,
     stride_yh,
     num_kv_heads,
@@ -168,6 +201,11 @@ def _codebook_write_kernel(
         den += d1
     s = tl.math.div_rn(num, den).to(tl.float16).to(tl.float32)
     s = tl.where((s > 0) & (s < float("inf")), s, s0)
+    x_bad = _rows_out_of_range(x_ptr, tok, stride_xt, stride_xh, h, hm, D)
+    rms_bad = ((s0 < float("inf")) == 0) & hm & (x_bad == 0)
+    s = tl.where(x_bad | rms_bad, float("nan"), s)  # a rejected row decodes to NaN
+    flags = tl.max(x_bad.to(tl.int32), 0) | tl.max(rms_bad.to(tl.int32), 0) * 2  # X_BAD, RMS_BAD
+    _report(status_ptr, tok, flags)
     base = blk * blk_stride + h * page_bytes
     _group_planes(
         cache_ptr, base, t, yrow, hm, s0, 0, N0, B0, O0, P0, edge_ptr, CB, PS, CHANNEL_MAJOR

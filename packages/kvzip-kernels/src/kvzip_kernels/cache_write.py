@@ -8,6 +8,8 @@ token-head row is only 36-68 bytes, so a program per row would be launch-bound.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -16,6 +18,7 @@ from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops.cache_write import check_slot_mapping
 from kvzip_kernels._device_consts import codebook_edges_levels, on_device, transform_consts
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
+from kvzip_kernels._write_codebook import RMS_BAD, X_BAD, _report, _rows_out_of_range
 
 
 @triton.jit
@@ -28,11 +31,15 @@ def _rne(v):
 @triton.jit
 def _int4_write_kernel(
     x_ptr,
+    xin_ptr,
     cache_ptr,
     cache16_ptr,
     slot_ptr,
+    status_ptr,
     stride_xt,
     stride_xh,
+    stride_it,
+    stride_ih,
     num_kv_heads,
     page_bytes,
     blk_stride,
@@ -64,6 +71,12 @@ def _int4_write_kernel(
     co = tl.minimum(tl.maximum(_rne(tl.math.div_rn(xo - z[:, None], safe)), 0.0), 15.0)
     ce = tl.where(s[:, None] > 0, ce, 0.0).to(tl.uint8)
     co = tl.where(s[:, None] > 0, co, 0.0).to(tl.uint8)
+    # baselines.md: NaN, inf or |x| > 65504 (before the rotation) is rejected; such a row
+    # gets NaN scale and zero (it decodes to NaN) and is reported in status
+    bad = _rows_out_of_range(xin_ptr, tok, stride_it, stride_ih, h, hm, D)
+    scale16 = tl.where(bad, float("nan"), scale16.to(tl.float32)).to(tl.float16)
+    zero16 = tl.where(bad, float("nan"), zero16.to(tl.float32)).to(tl.float16)
+    _report(status_ptr, tok, tl.max(bad.to(tl.int32), 0))
     base = blk * blk_stride + h * page_bytes  # int64 [H_P]
     if CHANNEL_MAJOR:  # V pages: byte j of token t at j * PS + t
         code = base[:, None] + j[None, :] * PS + t
@@ -142,6 +155,8 @@ def cache_write(
     layer: int = 0,
     check_slots: bool = True,
     block_stride: int | None = None,
+    check_values: bool = True,
+    status: torch.Tensor | None = None,
 ) -> None:
     """Write ``x`` ``[num_tokens, num_kv_heads, head_dim]`` (bf16/fp16/fp32) into ``cache``
     ``[num_blocks, num_kv_heads, block_size * token_head_bytes]`` (uint8) at ``slot_mapping``
@@ -150,6 +165,15 @@ def cache_write(
     ``check_slots=False`` skips the range check of the slots (it reads them on the host, a
     device sync): for callers such as vLLM that guarantee valid slots. ``block_stride``
     (bytes) admits a cache strided in its block dimension (see ``check_strided_cache``).
+
+    Values the format rejects (``int4``, ``int4-rot`` and the compact formats: NaN, inf or
+    ``|x| > 65504``; the compact formats also a transformed row whose RMS overflows float16;
+    spec/4bit.md section 9, spec/baselines.md) raise ``FormatError`` as the reference does,
+    after the kernel ran: the rejected rows hold a NaN scale (they decode to NaN), the other
+    tokens are written. ``check_values=False`` skips that check (it reads a flag on the host,
+    a device sync); the rejected rows still decode to NaN, never to a plausible value, and
+    ``status=`` (an int32 ``[2]`` tensor, filled by the kernel: see ``check_status``) lets
+    a caller read the verdict later. Skipped tokens (slot ``-1``) are not inputs: never checked.
 
     Example::
 
@@ -183,19 +207,33 @@ def cache_write(
     if x.stride(2) != 1:
         x = x.contiguous()
     hp = triton.next_power_of_2(h)
+    if status is None:  # unchecked without a status: a scratch word nobody reads
+        status = new_status(x.device) if check_values else _scratch_status(x.device)
+    elif (
+        not isinstance(status, torch.Tensor)
+        or status.dtype != torch.int32
+        or status.shape != (2,)
+        or status.device != x.device
+    ):
+        raise FormatError(f"status must be an int32 [2] tensor on {x.device} (see new_status)")
     if spec.family == "codebook":
-        _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride)
+        _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status)
     elif spec.family == "int4":
+        xin = x
         if spec.rotation is not None:
             rot = on_device(spec.rotation, x.device, lambda r: r.float().contiguous())
             x = x.float() @ rot  # same op as the reference encode
         _int4_write_kernel[(n,)](
             x,
+            xin,
             cache,
             cache.view(torch.float16),
             slot_mapping,
+            status,
             x.stride(0),
             x.stride(1),
+            xin.stride(0),
+            xin.stride(1),
             h,
             lay.page_bytes,
             blk_stride,
@@ -223,6 +261,37 @@ def cache_write(
             CHANNEL_MAJOR=kind == "v",
             num_warps=2,
         )
+    if check_values and spec.family != "fp8":  # fp8 clamps inf and keeps NaN (baselines.md)
+        check_status(f, status, kind)
+
+
+def new_status(device) -> torch.Tensor:
+    """A fresh (zero) status word for ``cache_write(..., status=)``; the kernels OR their
+    flags into it, so one word can collect several writes before ``check_status`` reads it."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+@functools.cache
+def _scratch_status(device) -> torch.Tensor:
+    return new_status(device)
+
+
+def check_status(fmt: KVFormat | str, status: torch.Tensor, kind: str = "k") -> None:
+    """Raise the reference's ``FormatError`` if a write reported rejected values in ``status``
+    (reads it on the host: a device sync)."""
+    f = resolve(fmt)
+    flags, tok = status.tolist()
+    tok = 2**31 - 1 - tok
+    if flags & X_BAD:
+        raise FormatError(
+            f"{f.name} encodes finite values within the float16 range (|x| <= 65504); "
+            f"got NaN, inf or a larger value ({kind.upper()} of token {tok} of this write)"
+        )
+    if flags & RMS_BAD:
+        raise FormatError(
+            f"{f.name}: a transformed vector's RMS exceeds float16's range "
+            f"({kind.upper()} of token {tok} of this write)"
+        )
 
 
 def codebook_y(f, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
@@ -237,7 +306,7 @@ def codebook_y(f, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
     return torch.bmm(xc.transpose(0, 1), enc_t).transpose(0, 1)
 
 
-def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride) -> None:
+def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status) -> None:
     """The compact formats' write: ``y`` by torch, quantize + pack + scatter by a kernel."""
     from kvzip_kernels._formats import _kernel_groups
     from kvzip_kernels._write_codebook import _codebook_write_kernel
@@ -258,12 +327,16 @@ def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride) -> 
         consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
     y = codebook_y(f, x, kind, layer)
     _codebook_write_kernel[(n,)](
+        x,
         y,
         cache,
         cache.view(torch.float16),
         slot_mapping,
         edges,
         levels,
+        status,
+        x.stride(0),
+        x.stride(1),
         y.stride(0),
         y.stride(1),
         h,
