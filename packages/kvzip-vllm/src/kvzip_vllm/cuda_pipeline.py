@@ -266,6 +266,7 @@ class CudaTierPipeline:
                             )
                         except Exception:  # noqa: BLE001 (report the block as not stored)
                             logger.exception("kvzip tier: storing a block failed")
+                            self.store.stats.store_errors += 1
                             nbytes, evicted = 0, []
                         self._done.put((key, nbytes, evicted))
                     if self.store_stream is not None:

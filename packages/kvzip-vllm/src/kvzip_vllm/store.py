@@ -110,6 +110,10 @@ class TierStats:
     restore_seconds: float = 0.0
     store_seconds: float = 0.0
     load_errors: int = 0  # blocks missing or failing their checksum at load: recomputed
+    # blocks not stored because a block before them in their request failed to load this
+    # step (they were computed on KV that was not restored; vLLM recomputes and stores them)
+    stores_refused_after_load_error: int = 0
+    store_errors: int = 0  # stores that raised (the block is not held; recomputed if needed)
     misses: int = field(default=0)
     table_bytes: int = 0  # the per-model table set (stored once), 0 until fitted/loaded
     table_fit_tokens: int = 0  # tokens the set was fitted on by the store (0: loaded)

@@ -1,0 +1,79 @@
+"""What the tier's scheduler and worker send each other through vLLM, once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+class Load(NamedTuple):
+    """Restore ``key`` into the paged-cache block ``block_id``, block ``pos`` of ``req_id``."""
+
+    req_id: str
+    key: bytes
+    block_id: int
+    pos: int
+
+
+class Store(NamedTuple):
+    """Store the paged-cache block ``block_id`` (block ``pos`` of ``req_id``) under ``key``."""
+
+    req_id: str
+    key: bytes
+    block_id: int
+    pos: int
+
+
+class Refusal(NamedTuple):
+    """Block ``pos`` of ``req_id`` (``key``) was not stored: a load it depends on failed."""
+
+    req_id: str
+    pos: int
+    key: bytes
+
+
+@dataclass
+class KvzipConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, one step."""
+
+    loads: list[Load] = field(default_factory=list)  # before the forward
+    stores: list[Store] = field(default_factory=list)  # after it
+    #: for each request with stores this step, its paged-cache block ids from block 0 up to
+    #: its last store: the worker refuses a store when any earlier block failed to load
+    req_blocks: dict[str, list[int]] = field(default_factory=dict)
+    clear: bool = False  # empty the tier (reset_cache)
+    #: the last worker report the scheduler had taken in when it built this step: failures
+    #: reported up to it are known to the scheduler (vLLM recomputes from them), so the
+    #: worker stops refusing on their account
+    seen_report: int = 0
+    finished: list[str] = field(default_factory=list)  # requests finished since last step
+
+
+@dataclass
+class KvzipWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step: keys now held, keys no longer held, stores refused."""
+
+    stored: list[bytes] = field(default_factory=list)
+    dropped: list[bytes] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    #: (req_id, pos) of each load that failed: vLLM recomputes the request from there
+    failed_loads: list[tuple[str, int]] = field(default_factory=list)
+    seq: int = 0  # the worker's report number (echoed back as ``seen_report``)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvzipWorkerMetadata)
+        return KvzipWorkerMetadata(
+            self.stored + other.stored,
+            self.dropped + other.dropped,
+            self.refused + other.refused,
+            self.failed_loads + other.failed_loads,
+            max(self.seq, other.seq),
+        )
+
+    def empty(self) -> bool:
+        return not (self.stored or self.dropped or self.refused or self.failed_loads)

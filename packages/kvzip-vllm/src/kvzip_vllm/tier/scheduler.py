@@ -1,0 +1,188 @@
+"""The tier's scheduler half: which prompt blocks the worker holds, what to load and store.
+
+It keeps the set of block keys the worker holds (kept current by the worker's per-step
+report), counts each new request's leading blocks held (its external prefix hit), and plans
+each step's loads (before the forward) and stores (blocks that became full after it). A store
+the worker refused (a load it depends on failed) or a failed load moves the request's store
+frontier back, so the blocks vLLM recomputes are stored then, from correct values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvzip_vllm import support
+from kvzip_vllm.store import block_key
+from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, KvzipWorkerMetadata, Load, Store
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _ReqState:
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    num_stored_blocks: int = 0  # blocks [0, n) already considered for storing
+    local_tokens: int = 0  # block-aligned local hit seen by get_num_new_matched_tokens
+
+
+class KvzipScheduler:
+    """Scheduler side of ``KvzipConnector`` (one per engine)."""
+
+    def __init__(self, vllm_config, kv_cache_config, namespace: bytes):
+        self.block_size = vllm_config.cache_config.block_size
+        self.namespace = namespace
+        self._held: set[bytes] = set()
+        self._pending: set[bytes] = set()
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: list[Load] = []
+        self._finished: list[str] = []
+        self._clear = False
+        self._seen_report = 0
+        self._hash_ratio = self._resolve_hash_ratio(vllm_config, kv_cache_config)
+
+    def _resolve_hash_ratio(self, vllm_config, kv_cache_config) -> int:
+        """KV blocks per vLLM hash block (>1 when hashes are finer than blocks)."""
+        try:
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+            _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        except (ImportError, TypeError, AttributeError):
+            hash_block_size = self.block_size
+        if self.block_size % hash_block_size:
+            raise support.UnsupportedConfigError(
+                f"kvzip-vllm connector: block_size {self.block_size} is not a multiple of the "
+                f"prefix-hash block size {hash_block_size}"
+            )
+        return self.block_size // hash_block_size
+
+    def keys_of(self, request: Request, num_blocks: int | None = None) -> list[bytes]:
+        """The store keys of the request's first ``num_blocks`` full blocks (all if None)."""
+        hashes = request.block_hashes
+        r = self._hash_ratio
+        n = len(hashes) // r if num_blocks is None else min(num_blocks, len(hashes) // r)
+        return [block_key(self.namespace, hashes[(j + 1) * r - 1]) for j in range(n)]
+
+    def held(self, key: bytes) -> bool:
+        return key in self._held
+
+    # -- vLLM's scheduler-side connector calls ---------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        self._reqs.setdefault(request.request_id, _ReqState(request))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        state = self._reqs.setdefault(request.request_id, _ReqState(request))
+        state.local_tokens = num_computed_tokens
+        # At least one prompt token must be computed to produce the next token's logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit = 0
+        for key in self.keys_of(request, max_blocks):
+            if key not in self._held:
+                break
+            hit += 1
+        hit_tokens = hit * self.block_size
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        state = self._reqs[request.request_id]
+        block_ids = blocks.get_block_ids()[0]
+        first = state.local_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        keys = self.keys_of(request, last)
+        for j in range(first, last):
+            self._loads.append(Load(request.request_id, keys[j], block_ids[j], j))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvzipConnectorMetadata:
+        meta = KvzipConnectorMetadata(
+            loads=self._loads,
+            clear=self._clear,
+            seen_report=self._seen_report,
+            finished=self._finished,
+        )
+        self._loads, self._clear, self._finished = [], False, []
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            state.num_stored_blocks = 0
+            self._plan_stores(meta, state, new.num_computed_tokens + sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.num_stored_blocks = 0
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan_stores(meta, state, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        return meta
+
+    def _plan_stores(self, meta: KvzipConnectorMetadata, state: _ReqState, done: int) -> None:
+        """Store the blocks that are full once this step's tokens are computed."""
+        full = min(done // self.block_size, len(state.block_ids))
+        if full <= state.num_stored_blocks:
+            return
+        keys = self.keys_of(state.request, full)
+        req_id = state.request.request_id
+        last = -1
+        for j in range(state.num_stored_blocks, len(keys)):
+            key = keys[j]
+            if key in self._held or key in self._pending:
+                continue
+            self._pending.add(key)
+            meta.stores.append(Store(req_id, key, state.block_ids[j], j))
+            last = j
+        if last >= 0:
+            meta.req_blocks[req_id] = state.block_ids[: last + 1]
+        state.num_stored_blocks = len(keys)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(report, KvzipWorkerMetadata):
+            return
+        for key in report.stored:
+            self._pending.discard(key)
+            self._held.add(key)
+        for key in report.dropped:
+            self._pending.discard(key)
+            self._held.discard(key)
+        # vLLM recomputes a request from its first failed block: store from there again
+        for req_id, pos, key in report.refused:
+            self._pending.discard(key)
+            self._rewind(req_id, pos)
+        for req_id, pos in report.failed_loads:
+            self._rewind(req_id, pos)
+        self._seen_report = max(self._seen_report, report.seq)
+
+    def _rewind(self, req_id: str, pos: int) -> None:
+        state = self._reqs.get(req_id)
+        if state is not None:
+            state.num_stored_blocks = min(state.num_stored_blocks, pos)
+
+    def request_finished(self, request: Request, block_ids: list[int]):
+        if self._reqs.pop(request.request_id, None) is not None:
+            self._finished.append(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool:
+        """``LLM.reset_prefix_cache(reset_connector=True)``: empty the tier as well."""
+        self._held.clear()
+        self._pending.clear()
+        self._clear = True
+        return True

@@ -1,0 +1,338 @@
+"""The tier's worker half: a :class:`~kvzip_vllm.store.BlockStore` of kvzip-lossless blobs in
+CPU memory, loads decoded into the paged cache before the forward, stores after it.
+
+A load that fails (the entry was evicted since the scheduler counted it, or fails its
+checksum) is reported through ``get_block_ids_with_load_errors``: vLLM recomputes the request
+from that block (the connector sets ``kv_load_failure_policy='recompute'``). Every block of
+that request from the failed one on, and of any request whose earlier blocks include the failed
+physical block, was computed this step on top of KV that was not restored: the worker refuses
+to store it (``stores_refused_after_load_error``) and reports it, and keeps refusing until the
+scheduler has seen the failure (vLLM then recomputes those blocks, and they are stored from the
+recomputation). The failures are known before any store of the step runs (CPU: loads finish in
+``start_load_kv``; CUDA: ``wait_for_save`` finishes them first), so a block computed on a
+failed one is never in the store, and a wrong prefix is never served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+
+import kvzip_lossless
+from kvzip_vllm import blocks, support
+from kvzip_vllm.store import BlockStore
+from kvzip_vllm.tier.metadata import (
+    KvzipConnectorMetadata,
+    KvzipWorkerMetadata,
+    Load,
+    Refusal,
+    Store,
+)
+
+if TYPE_CHECKING:
+    from kvzip_vllm.settings import ConnectorSettings
+
+logger = init_logger("vllm.kvzip.connector")
+
+
+def layer_index(name: str) -> int:
+    """The layer number in a KV cache layer name (``model.layers.7.self_attn.attn`` -> 7): its
+    first dot-separated part made of digits. A name without one is refused: the tier's
+    entries hold the layers in this order, so a guess would mix up layers."""
+    digits = [p for p in name.split(".") if p.isdigit()]
+    if not digits:
+        raise support.UnsupportedConfigError(
+            f"kvzip-vllm connector: KV cache layer {name!r} has no layer number; supported: "
+            "names with a dot-separated layer index, such as 'model.layers.0.self_attn.attn'"
+        )
+    return int(digits[0])
+
+
+def order_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The caches by layer number; refuses names without one, repeats and gaps."""
+    indexed = sorted(((layer_index(n), n, c) for n, c in kv_caches.items()), key=lambda t: t[0])
+    got = [i for i, _, _ in indexed]
+    if got != list(range(len(got))):
+        names = {i: n for i, n, _ in indexed}
+        raise support.UnsupportedConfigError(
+            f"kvzip-vllm connector: KV cache layers numbered {got} (names {list(names.values())}); "
+            "supported: one cache per layer, numbered 0 to n-1"
+        )
+    return [(n, c) for _, n, c in indexed]
+
+
+class KvzipWorker:
+    """Worker side of ``KvzipConnector`` (one per model worker)."""
+
+    def __init__(self, vllm_config, settings: ConnectorSettings):
+        self.vllm_config = vllm_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.settings = settings
+        self.stats_path = settings.stats_path
+        path = settings.tables_path
+        tables = kvzip_lossless.TableSet.load(path) if path else None
+        self.store = BlockStore(
+            settings.budget_bytes, tables=tables, fit_tokens=settings.fit_tokens
+        )
+        self.layers: list[tuple[str, torch.Tensor]] = []
+        self._load_errors: set[int] = set()  # block ids, until get_block_ids_with_load_errors
+        self._report = KvzipWorkerMetadata()
+        self._seq = 0  # reports sent
+        # failures the scheduler has not seen yet, tagged with the report that carries them
+        self._bad_reqs: dict[str, tuple[int, int]] = {}  # req_id -> (first bad pos, report)
+        self._bad_blocks: dict[int, int] = {}  # block id -> report
+        self._cuda = None  # set in register_kv_caches when the cache is on a GPU
+        self._stats_dirty = False
+        logger.info(
+            "kvzip tier: budget %.1f MB, stats -> %s", settings.budget_bytes / 1e6, self.stats_path
+        )
+
+    # -- caches ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, cache in kv_caches.items():
+            try:
+                blocks.check_paged_cache(name, cache)
+            except ValueError as e:
+                raise support.UnsupportedConfigError(f"kvzip-vllm connector: {e}") from None
+        self.layers = order_layers(kv_caches)
+        device = self.layers[0][1].device
+        _, h, n, c = self.layers[0][1].shape
+        self._page_shape = (n, c // 2)
+        if device.type == "cpu":
+            from kvzip_vllm.cpu_layout import probe_orders
+
+            cfg = self.vllm_config
+            orders = probe_orders(n, c // 2, cfg.model_config.dtype, cfg.cache_config.cache_dtype)
+            identity = torch.arange(n * c // 2)
+            self._orders = orders or (identity, identity)
+            logger.info("kvzip tier: CPU page order %s", "probed" if orders else "as stored")
+        if device.type == "cuda":
+            from kvzip_vllm.cuda_pipeline import CudaTierPipeline
+
+            caches = [cache for _, cache in self.layers]
+            self._cuda = CudaTierPipeline(self.store, caches, self.block_size)
+
+    def _halves(self, block_id: int):
+        """CPU: per layer, the flat K and V halves ``[kv_heads, block_size * head]`` of each
+        head's page (``CPU_ATTN`` keeps K's rows, then V's, per (block, head))."""
+        for _, cache in self.layers:
+            blk = cache[block_id]
+            h, n, c = blk.shape
+            page = blk.view(h, 2, n * c // 2)
+            yield page[:, 0], page[:, 1]
+
+    def _gather(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """CPU: per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
+        n, d = self._page_shape
+        out = []
+        for k, v in self._halves(block_id):
+            h = k.shape[0]
+            out.append(
+                tuple(
+                    half[:, order].view(h, n, d).permute(1, 0, 2).contiguous()
+                    for half, order in zip((k, v), self._orders, strict=True)
+                )
+            )
+        return out
+
+    def _scatter(self, block_id: int, outs: list[torch.Tensor]) -> None:
+        for layer, halves in enumerate(self._halves(block_id)):
+            for i, (half, order) in enumerate(zip(halves, self._orders, strict=True)):
+                x = outs[2 * layer + i]  # [N, H, D]
+                half[:, order] = x.permute(1, 0, 2).reshape(half.shape)
+
+    def _block_outputs(self) -> list[torch.Tensor]:
+        """CPU: one token-major ``[block_size, kv_heads, head_size]`` buffer per layer and kind."""
+        h, n, c = self.layers[0][1].shape[1:]
+        return [
+            torch.empty(n, h, c // 2, dtype=torch.bfloat16) for _ in range(2 * len(self.layers))
+        ]
+
+    def read_block(self, key: bytes) -> list[torch.Tensor] | None:
+        """The decoded tensors of ``key`` (layer 0 K, layer 0 V, ...) token-major, or None if
+        not held or damaged (for tests and inspection; a damaged entry is dropped)."""
+        outs = self._block_outputs()
+        return outs if self.store.get(key, outs) else None
+
+    # -- the step -------------------------------------------------------------------------
+    def start_load_kv(self, meta: KvzipConnectorMetadata) -> None:
+        self._forget_seen(meta)
+        if meta.clear:
+            if self._cuda is not None:
+                self._cuda.drain()  # the store thread is done writing to the store
+            self._report.dropped.extend(k for k in list(self.store._entries))
+            self.store.clear()
+        if not meta.loads:
+            return
+        if self._cuda is not None:
+            self._cuda_loads = {load.block_id: load for load in meta.loads}
+            self._cuda.start_loads([(ld.req_id, ld.key, ld.block_id) for ld in meta.loads])
+            self._stats_dirty = True
+            return
+        t0 = time.perf_counter()
+        reqs_hit: dict[str, int] = {}
+        outs = self._block_outputs()
+        failed = []
+        for load in meta.loads:
+            if self.store.get(load.key, outs):
+                self._scatter(load.block_id, outs)
+                reqs_hit[load.req_id] = reqs_hit.get(load.req_id, 0) + 1
+            else:
+                failed.append(load)
+                self._report.dropped.append(load.key)
+                self.store.stats.load_errors += 1
+        self._record_failures(failed)
+        s = self.store.stats
+        s.restore_seconds += time.perf_counter() - t0
+        s.restore_hits += len(reqs_hit)
+        s.blocks_restored += sum(reqs_hit.values())
+        s.tokens_restored += sum(reqs_hit.values()) * self.block_size
+        logger.info(
+            "kvzip tier: restored %d blocks for %d requests in %.3f s%s",
+            sum(reqs_hit.values()),
+            len(reqs_hit),
+            time.perf_counter() - t0,
+            f", {len(failed)} failed (recomputed)" if failed else "",
+        )
+        self._write_stats()
+
+    def _record_failures(self, failed: list[Load]) -> None:
+        """Remember the step's failed loads until the scheduler has seen them."""
+        seq = self._seq + 1  # the report this step's failures go out with
+        for load in failed:
+            logger.warning(
+                "kvzip tier: block %d of request %s (%s) not restored: vLLM recomputes it",
+                load.pos,
+                load.req_id,
+                load.key[:4].hex(),
+            )
+            self._load_errors.add(load.block_id)
+            self._bad_blocks[load.block_id] = seq
+            pos, _ = self._bad_reqs.get(load.req_id, (load.pos, seq))
+            self._bad_reqs[load.req_id] = (min(pos, load.pos), seq)
+            self._report.failed_loads.append((load.req_id, load.pos))
+
+    def _forget_seen(self, meta: KvzipConnectorMetadata) -> None:
+        """Failures the scheduler has taken in are being recomputed: stop refusing for them."""
+        seen = meta.seen_report
+        self._bad_reqs = {
+            r: v for r, v in self._bad_reqs.items() if v[1] > seen and r not in meta.finished
+        }
+        self._bad_blocks = {b: q for b, q in self._bad_blocks.items() if q > seen}
+
+    def _finish_cuda_loads(self) -> None:
+        if self._cuda is None:
+            return
+        failed_ids = self._cuda.wait_loads()
+        if failed_ids:
+            by_id = getattr(self, "_cuda_loads", {})
+            self._record_failures([by_id[b] for b in sorted(failed_ids) if b in by_id])
+            self._load_errors |= failed_ids
+        self._cuda_loads = {}
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._finish_cuda_loads()
+
+    def _admit(self, meta: KvzipConnectorMetadata) -> list[Store]:
+        """The step's stores that depend on no failed load; the others are refused."""
+        if not self._bad_reqs and not self._bad_blocks:
+            return meta.stores
+        first_bad: dict[str, int] = {r: pos for r, (pos, _) in self._bad_reqs.items()}
+        if self._bad_blocks:
+            for req_id, ids in meta.req_blocks.items():
+                for pos, block_id in enumerate(ids):
+                    if block_id in self._bad_blocks:
+                        if pos < first_bad.get(req_id, pos + 1):
+                            first_bad[req_id] = pos
+                            self._bad_reqs[req_id] = (pos, self._bad_blocks[block_id])
+                        break
+        keep = []
+        for st in meta.stores:
+            bad = first_bad.get(st.req_id)
+            if bad is not None and st.pos >= bad:
+                self._report.refused.append(Refusal(st.req_id, st.pos, st.key))
+                self.store.stats.stores_refused_after_load_error += 1
+            else:
+                keep.append(st)
+        if len(keep) < len(meta.stores):
+            logger.warning(
+                "kvzip tier: %d blocks not stored: computed on top of a block that failed "
+                "to load (vLLM recomputes them; they are stored then)",
+                len(meta.stores) - len(keep),
+            )
+        return keep
+
+    def wait_for_save(self, meta: KvzipConnectorMetadata | None) -> None:
+        self._finish_cuda_loads()  # this step's failures are known before anything is stored
+        if meta is None or not meta.stores:
+            return
+        stores = self._admit(meta)
+        if self._cuda is not None:
+            self._cuda.start_stores([(st.key, st.block_id) for st in stores])
+            return
+        for st in stores:
+            try:
+                nbytes, evicted = self.store.put(st.key, self._gather(st.block_id))
+            except Exception:  # noqa: BLE001  (a block not stored is recomputed later)
+                logger.exception("kvzip tier: storing block %d of %s failed", st.pos, st.req_id)
+                self.store.stats.store_errors += 1
+                nbytes, evicted = 0, []
+            self._report.dropped.extend(evicted)
+            (self._report.stored if nbytes else self._report.dropped).append(st.key)
+        s = self.store.stats
+        logger.info(
+            "kvzip tier: %d blocks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
+            "the %.2f MB table set), %d evictions",
+            s.blocks_held,
+            s.bytes_held / 1e6,
+            s.raw_bytes_held / 1e6,
+            s.ratio,
+            s.ratio_with_tables,
+            s.table_bytes / 1e6,
+            s.evictions,
+        )
+        self._write_stats()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_cuda_loads()  # loads no layer waited for
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KvzipWorkerMetadata | None:
+        if self._cuda is not None:
+            stored, dropped = self._cuda.collect()
+            self._report.stored.extend(stored)
+            self._report.dropped.extend(dropped)
+            if stored or dropped or self._stats_dirty or self._report.refused:
+                self._stats_dirty = False
+                self._write_stats()
+        elif self._report.refused or self._report.failed_loads:
+            self._write_stats()
+        if self._report.empty():
+            return None
+        self._seq += 1
+        report, self._report = self._report, KvzipWorkerMetadata()
+        report.seq = self._seq
+        return report
+
+    def stats(self) -> dict:
+        """The tier's counters (also written to ``stats_path`` when set)."""
+        return self.store.stats.as_dict()
+
+    def _write_stats(self) -> None:
+        if not self.stats_path:
+            return
+        tmp = f"{self.stats_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.stats(), f, indent=1)
+        os.replace(tmp, self.stats_path)
+
+    def shutdown(self) -> None:
+        if self._cuda is not None:
+            self._cuda.close()
+        self._write_stats()

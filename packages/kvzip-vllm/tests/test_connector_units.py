@@ -1,0 +1,272 @@
+"""The tier's connector pieces without starting vLLM: settings, layer names, the factory
+registration, the load-failure policy, and the worker's refusal to store blocks computed on
+top of a block that failed to load (issue 15, deliverable 1)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvzip_vllm import support
+from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
+
+vllm = pytest.importorskip("vllm", reason="the connector needs vLLM")
+
+
+# ---------------------------------------------------------------------------- settings
+def test_settings_defaults_env_and_extra_config():
+    s = connector_settings({}, environ={})
+    assert (s.budget_bytes, s.stats_path, s.tables_path, s.fit_tokens) == (
+        4 << 30,
+        None,
+        None,
+        1024,
+    )
+    env = {"KVZIP_TIER_BYTES": "123", "KVZIP_STATS_PATH": "/tmp/s.json"}
+    s = connector_settings({}, environ=env)
+    assert (s.budget_bytes, s.stats_path) == (123, "/tmp/s.json")
+    # the config wins over the environment
+    s = connector_settings({"budget_bytes": 7, "fit_tokens": 0}, environ=env)
+    assert (s.budget_bytes, s.fit_tokens, s.stats_path) == (7, 0, "/tmp/s.json")
+
+
+def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
+    with pytest.raises(ConnectorSettingsError) as e:
+        connector_settings({"budget_byte": 1 << 20}, environ={})
+    msg = str(e.value)
+    assert "'budget_byte'" in msg
+    assert "known keys: budget_bytes, fit_tokens, stats_path, tables_path" in msg
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "match"),
+    [
+        ({"budget_bytes": -1}, {}, r"budget_bytes=-1 \(from kv_connector_extra_config\).*greater"),
+        ({"budget_bytes": True}, {}, "budget_bytes=True.*not a bool"),
+        ({"fit_tokens": 1.5}, {}, "fit_tokens=1.5.*fractional"),
+        ({}, {"KVZIP_TIER_BYTES": "8G"}, "budget_bytes='8G' .from environment variable KVZIP_TIER"),
+    ],
+)
+def test_bad_values_are_errors_naming_the_key_and_source(extra, env, match):
+    with pytest.raises(ConnectorSettingsError, match=match):
+        connector_settings(extra, environ=env)
+
+
+def test_connector_start_refuses_a_misspelled_key():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvzip_vllm.connector import KvzipConnector
+
+    cfg = _vllm_config(extra={"budgetbytes": 1})
+    with pytest.raises(support.UnsupportedConfigError, match="'budgetbytes'; known keys"):
+        KvzipConnector(cfg, KVConnectorRole.WORKER, None)
+
+
+# ---------------------------------------------------------------------------- layer names
+def test_layer_names_without_a_number_are_refused():
+    from kvzip_vllm.tier.worker import layer_index, order_layers
+
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    with pytest.raises(support.UnsupportedConfigError, match="'model.attn'.*no layer number"):
+        layer_index("model.attn")
+    cache = torch.zeros(2, 1, 16, 8, dtype=torch.bfloat16)
+    with pytest.raises(support.UnsupportedConfigError, match="'decoder.final.attn'"):
+        order_layers({"model.layers.0.attn": cache, "decoder.final.attn": cache})
+    with pytest.raises(support.UnsupportedConfigError, match=r"numbered \[0, 2\]"):
+        order_layers({"model.layers.0.attn": cache, "model.layers.2.attn": cache})
+    got = order_layers({"m.layers.1.a": cache, "m.layers.0.a": cache})
+    assert [n for n, _ in got] == ["m.layers.0.a", "m.layers.1.a"]
+
+
+def test_worker_refuses_a_cache_whose_layer_name_has_no_number():
+    w = _worker()
+    cache = torch.zeros(4, 1, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(support.UnsupportedConfigError, match="'lm_head_attn'"):
+        w.register_kv_caches({"lm_head_attn": cache})
+
+
+# ---------------------------------------------------------------------------- factory
+def test_plugin_registers_the_connector_by_name_once():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvzip_vllm import plugin
+    from kvzip_vllm.connector import KvzipConnector
+
+    plugin.register_connector()
+    assert plugin.register_connector() is False  # a second call is a no-op, not an error
+    plugin.register()  # the plugin entry point, with or without KVZIP_KV_FORMAT
+    cfg = KVTransferConfig(kv_connector="KvzipConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(cfg) is KvzipConnector
+
+
+# ---------------------------------------------------------------------------- policy
+def test_the_connector_sets_the_recompute_policy():
+    from vllm.config import KVTransferConfig
+
+    from kvzip_vllm.connector import require_recompute_policy
+
+    ktc = KVTransferConfig(kv_connector="KvzipConnector", kv_role="kv_both")
+    assert ktc.kv_load_failure_policy == "fail"  # vLLM's default: it would fail the request
+    require_recompute_policy(ktc)
+    assert ktc.kv_load_failure_policy == "recompute"
+    with pytest.raises(support.UnsupportedConfigError, match="no kv_load_failure_policy"):
+        require_recompute_policy(SimpleNamespace(kv_connector="KvzipConnector"))
+
+
+# ---------------------------------------------------------------------------- refusals
+BS, HEADS, HEAD, LAYERS, NBLOCKS = 16, 2, 8, 2, 12
+
+
+def _vllm_config(extra=None):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
+        model_config=SimpleNamespace(
+            architectures=["LlamaForCausalLM"],
+            dtype=torch.bfloat16,
+            get_head_size=lambda: HEAD,
+            model="m",
+            revision=None,
+            hf_config=None,
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS),
+    )
+
+
+def _worker():
+    from kvzip_vllm.settings import connector_settings
+    from kvzip_vllm.tier.worker import KvzipWorker
+
+    return KvzipWorker(_vllm_config(), connector_settings({"fit_tokens": 0}, environ={}))
+
+
+def _caches(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(
+            NBLOCKS, HEADS, BS, 2 * HEAD, generator=g
+        ).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
+
+
+def _step(w, *, loads=(), stores=(), req_blocks=None, seen=0):
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata
+
+    meta = KvzipConnectorMetadata(
+        loads=list(loads), stores=list(stores), req_blocks=req_blocks or {}, seen_report=seen
+    )
+    w.start_load_kv(meta)
+    w.wait_for_save(meta)
+    return w.get_block_ids_with_load_errors(), w.build_connector_worker_meta()
+
+
+def test_no_block_computed_on_a_failed_load_is_stored():
+    from kvzip_vllm.tier.metadata import Load, Store
+
+    w = _worker()
+    caches = _caches()
+    w.register_kv_caches(caches)
+    keys = [bytes([i]) * 32 for i in range(8)]
+    # request "a" computed blocks 0-3 (paged blocks 0-3): stored
+    _, rep = _step(w, stores=[Store("a", keys[i], i, i) for i in range(4)])
+    assert rep.stored == keys[:4] and rep.seq == 1
+    # damage block 1's entry: 16 bytes flipped in the middle of its first blob
+    blobs, _, data = w.store.get_entry(keys[1])
+    mid = len(blobs[0]) // 2
+    data[mid : mid + 16] ^= 0xFF
+    # request "b" restores blocks 0-3 into paged blocks 4-7 and computes blocks 4-5 (8-9);
+    # request "c" shares b's paged blocks 4-7 (a local hit on them) and computes block 4 (10);
+    # request "d" has nothing to do with them (paged block 11)
+    loads = [Load("b", keys[i], 4 + i, i) for i in range(4)]
+    stores = [
+        Store("b", keys[4], 8, 4),
+        Store("b", keys[5], 9, 5),
+        Store("c", keys[6], 10, 4),
+        Store("d", keys[7], 11, 0),
+    ]
+    req_blocks = {"b": [4, 5, 6, 7, 8, 9], "c": [4, 5, 6, 7, 10], "d": [11]}
+    errors, rep = _step(w, loads=loads, stores=stores, req_blocks=req_blocks, seen=1)
+    assert errors == {5}  # the damaged block, for vLLM to recompute
+    assert rep.failed_loads == [("b", 1)]
+    assert sorted((r.req_id, r.pos) for r in rep.refused) == [("b", 4), ("b", 5), ("c", 4)]
+    assert rep.stored == [keys[7]]  # only d's block
+    assert keys[1] in rep.dropped and keys[1] not in w.store
+    assert all(k not in w.store for k in keys[4:7])
+    s = w.stats()
+    assert s["load_errors"] == 1 and s["stores_refused_after_load_error"] == 3
+    # the good loads reached the cache bit for bit; the damaged one did not write
+    for name, cache in caches.items():
+        for i in (0, 2, 3):
+            assert torch.equal(cache[4 + i], cache[i]), (name, i)
+    # until the scheduler has seen that report (seq 2), b's later stores are still refused
+    _, rep = _step(w, stores=[Store("b", keys[4], 8, 4)], req_blocks={"b": [4, 5, 6, 7, 8]}, seen=1)
+    assert [(r.req_id, r.pos) for r in rep.refused] == [("b", 4)] and not rep.stored
+    # once it has (vLLM recomputes b from block 1), the recomputed blocks are stored
+    stores = [Store("b", keys[1], 5, 1), Store("b", keys[4], 8, 4)]
+    _, rep = _step(w, stores=stores, req_blocks={"b": [4, 5, 6, 7, 8]}, seen=rep.seq)
+    assert rep.stored == [keys[1], keys[4]] and not rep.refused
+
+
+def test_a_store_that_raises_is_reported_not_held():
+    from kvzip_vllm.tier.metadata import Store
+
+    w = _worker()
+    w.register_kv_caches(_caches())
+    keys = [bytes([i]) * 32 for i in range(3)]
+    real_put = w.store.put
+
+    def put(key, layers, **kw):
+        if key == keys[1]:
+            raise MemoryError("injected: out of memory")
+        return real_put(key, layers, **kw)
+
+    w.store.put = put
+    _, rep = _step(w, stores=[Store("a", k, i, i) for i, k in enumerate(keys)])
+    assert rep.stored == [keys[0], keys[2]] and rep.dropped == [keys[1]]
+    assert w.stats()["store_errors"] == 1 and keys[1] not in w.store
+
+
+def test_scheduler_rewinds_and_stores_again_after_a_refusal():
+    from kvzip_vllm.store import block_key
+    from kvzip_vllm.tier.metadata import KvzipWorkerMetadata, Refusal
+    from kvzip_vllm.tier.scheduler import KvzipScheduler
+
+    sched = KvzipScheduler(_vllm_config(), None, b"ns")
+    req = SimpleNamespace(
+        request_id="r", block_hashes=[bytes([i]) * 8 for i in range(4)], num_tokens=4 * BS + 1
+    )
+    keys = [block_key(b"ns", h) for h in req.block_hashes]
+    sched.on_new_request(req)
+
+    def out(new=(), cached=(), n=0):
+        return SimpleNamespace(
+            scheduled_new_reqs=list(new),
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[c[0] for c in cached],
+                new_block_ids=[None for _ in cached],
+                resumed_req_ids=set(),
+                num_computed_tokens=[c[1] for c in cached],
+            ),
+            num_scheduled_tokens={"r": n},
+        )
+
+    new = SimpleNamespace(req_id="r", block_ids=([0, 1, 2, 3, 4],), num_computed_tokens=0)
+    meta = sched.build_connector_meta(out(new=[new], n=4 * BS + 1))
+    assert [(s.key, s.pos) for s in meta.stores] == [(k, i) for i, k in enumerate(keys)]
+    assert meta.req_blocks == {"r": [0, 1, 2, 3]}
+    report = KvzipWorkerMetadata(
+        stored=keys[:2],
+        refused=[Refusal("r", 2, keys[2]), Refusal("r", 3, keys[3])],
+        failed_loads=[],
+        seq=5,
+    )
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    assert sched.held(keys[0]) and not sched.held(keys[2])
+    # vLLM recomputes from block 2: the next step stores blocks 2 and 3 again
+    meta = sched.build_connector_meta(out(cached=[("r", 2 * BS)], n=2 * BS + 1))
+    assert meta.seen_report == 5
+    assert [(s.key, s.pos) for s in meta.stores] == [(keys[2], 2), (keys[3], 3)]
