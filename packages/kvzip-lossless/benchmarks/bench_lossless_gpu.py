@@ -48,8 +48,8 @@ if args.smoke:
 os.makedirs(args.out, exist_ok=True)
 
 import kvzip_lossless as kl  # noqa: E402
+from kvzip_lossless import _torch, codec, gpu, tiles  # noqa: E402
 from kvzip_lossless import blob as B  # noqa: E402
-from kvzip_lossless import codec, gpu  # noqa: E402
 
 DEV = torch.device("cpu" if args.smoke else "cuda")
 R = {
@@ -144,9 +144,9 @@ R["backends"] = BACKENDS
 
 def gpu_blob_bytes(x, tables, slot, backend):
     shape = tuple(x.shape)
-    t = codec._resolve_table(tables, slot, shape, x.numel())
-    vals = codec._as_u16(x) if t is None else None
-    table, cols, tid, sl, emb = codec.prepare_table(vals, shape, t, tables, slot)
+    t = tiles.resolve_table(tables, slot, shape, x.numel())
+    vals = _torch.as_u16(x) if t is None else None
+    table, cols, tid, sl, emb = tiles.prepare_table(vals, shape, t, tables, slot)
     parts = gpu.encode_parts(x.to(DEV), table, cols, RPT, backend=backend)
     return gpu.assemble_host(x, parts, shape, cols, RPT, tid, sl, emb), table
 

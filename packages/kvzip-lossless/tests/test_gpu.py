@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kvzip_lossless as kl
+from kvzip_lossless import _torch, codec, gpu, tiles
 from kvzip_lossless import blob as B
-from kvzip_lossless import codec, gpu
 
 pytestmark = pytest.mark.skipif(not gpu.available(), reason="needs Triton (interpreter or CUDA)")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -23,9 +23,9 @@ def kv_like(t, h, d, seed=0):
 
 def gpu_encode(x, tables=None, slot=None, rpt=8):
     shape = tuple(x.shape)
-    t = codec._resolve_table(tables, slot, shape, x.numel())
-    table, cols, tid, sl, emb = codec.prepare_table(
-        codec._as_u16(x) if t is None else None, shape, t, tables, slot
+    t = tiles.resolve_table(tables, slot, shape, x.numel())
+    table, cols, tid, sl, emb = tiles.prepare_table(
+        _torch.as_u16(x) if t is None else None, shape, t, tables, slot
     )
     parts = gpu.encode_parts(x.to(DEV), table, cols, rpt)
     return gpu.assemble_host(x, parts, shape, cols, rpt, tid, sl, emb), table

@@ -135,3 +135,33 @@ def test_normalized_tables_properties():
     c[0] = 0
     f = normalize_counts(c)
     assert (f >= 1).all() and (f.astype(np.int64).sum(-1) == PROB_SCALE).all()
+
+
+def test_reference_checksum_matches_the_spec_formula_on_numpy_and_torch():
+    from kvzip_lossless import _torch
+    from kvzip_lossless.checksum import partial_sum, tile_checksums
+
+    def spec(vals):  # spec/blob.md section 6, one Python int at a time
+        def fmix(h):
+            h ^= h >> 16
+            h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+            h ^= h >> 13
+            h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+            return h ^ (h >> 16)
+
+        return sum(fmix((p * 0x9E3779B1 + int(v)) & 0xFFFFFFFF) for p, v in enumerate(vals))
+
+    g = np.random.default_rng(1)
+    vals = g.integers(0, 1 << 16, (3, 1000)).astype(np.uint16)
+    vals[0, :5] = [0, 0xFFFF, 0x7F80, 0xFF80, 1]
+    want = [spec(v) & 0xFFFFFFFF for v in vals]
+    assert tile_checksums(vals).tolist() == want
+    assert tile_checksums(vals[:, :0]).tolist() == [0, 0, 0]
+    t = torch.from_numpy(vals.view(np.int16))
+    assert [int(_torch.checksum(r)) & 0xFFFFFFFF for r in t] == want
+    idx = np.array([3, 17, 999])
+    # the share of a position set: the tile's sum less the others' share
+    rest = np.setdiff1d(np.arange(1000), idx)
+    assert (partial_sum(idx, vals[1][idx]) + partial_sum(rest, vals[1][rest])) % (1 << 32) == want[
+        1
+    ]

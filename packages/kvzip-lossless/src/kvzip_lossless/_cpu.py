@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvzip_lossless.checksum import tile_checksums
 from kvzip_lossless.tables import NSYM, PROB_BITS, Table, symbolize
 
 RANS_L = 1 << 16
@@ -20,26 +21,6 @@ MANT_BITS = 7
 
 class DecodeError(Exception):
     """Raised inside the coder; the public layer turns it into CorruptBlobError."""
-
-
-def checksum(vals: np.ndarray) -> np.ndarray:
-    """Per-tile checksum of bf16 bit patterns ``[tiles, n]``: see spec section 6.
-
-    sum over p of fmix32((p * 0x9E3779B1 + v_p) mod 2^32), mod 2^32, p = index in the tile.
-    Position-dependent and a sum, so a GPU computes it with one atomic add per block.
-    """
-    p = np.arange(vals.shape[-1], dtype=np.uint32)
-    h = p * np.uint32(0x9E3779B1) + vals.astype(np.uint32)
-    h ^= h >> np.uint32(16)
-    h *= np.uint32(0x85EBCA6B)
-    h ^= h >> np.uint32(13)
-    h *= np.uint32(0xC2B2AE35)
-    h ^= h >> np.uint32(16)
-    return (
-        h.astype(np.uint64).sum(-1).astype(np.uint32)
-        if h.shape[-1]
-        else np.zeros(vals.shape[:-1], np.uint32)
-    )
 
 
 def pack_mantissas(vals: np.ndarray) -> np.ndarray:
@@ -108,7 +89,7 @@ def encode_tiles(vals: np.ndarray, table: Table):
         words=w4[e4],
         escapes=esc,
         mant=pack_mantissas(flat),
-        checksum=checksum(flat),
+        checksum=tile_checksums(flat),
     )
 
 

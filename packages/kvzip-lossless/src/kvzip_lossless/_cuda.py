@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kvzip_lossless import _torch
+
 _SRC = Path(__file__).parent / "csrc" / "kvzl.cu"
 _libs: dict[tuple[int, int], ctypes.CDLL] = {}
 _failed: dict[tuple[int, int], str] = {}
@@ -145,29 +147,13 @@ def decode(blob_dev, desc, n_chunks, tab, bmap, base, C, NB, out16, sums, err) -
 
 
 def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
-    """Same outputs as gpu.encode_parts, from the CUDA kernels."""
+    """The outputs of ``gpu.encode_parts`` (its contract), from the CUDA kernels."""
     dev = x.device
     tab, bmap, base = tabs
     flat16 = x.contiguous().view(-1).view(torch.int16)
     n_all = flat16.numel()
     rows = n_all // cols
-    nch = -(-cols // 32)
-    n_tiles = -(-rows // rpt)
-    ti = torch.arange(n_tiles, dtype=torch.int64)
-    nr = torch.clamp(rows - ti * rpt, max=rpt)
-    desc = (
-        torch.stack(
-            [
-                (ti * rpt * cols).repeat_interleave(nch),
-                nr.repeat_interleave(nch),
-                (torch.arange(nch) * 32).repeat(n_tiles),
-                (ti * cols).repeat_interleave(nch),
-            ],
-            1,
-        )
-        .to(dev)
-        .contiguous()
-    )
+    desc, n_tiles, nch = _torch.encode_desc(rows, cols, rpt, dev)
     n_prog = n_tiles * nch
     scratch = torch.empty(n_prog * rpt * 32, dtype=torch.int16, device=dev)
     counts = torch.empty(n_prog, dtype=torch.int32, device=dev)
@@ -229,14 +215,11 @@ def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
             )
             mants += list(mant.view(nt, -1).unbind(0))
         else:  # odd-sized tiles: the torch path
-            from kvzip_lossless import gpu
-
             v = seg[: nt * n].to(torch.int32) & 0xFFFF
             for i in range(nt):
                 vi = v[i * n : (i + 1) * n]
-                mants += gpu._pack_mant_gpu(vi, r, cols, r)
-                s = gpu._gpu_checksum(vi.to(torch.int16))
-                sums[t0 + i] = s.to(torch.int32)
+                mants += _torch.pack_mantissas(vi, r, cols, r)
+                sums[t0 + i] = _torch.checksum(vi.to(torch.int16)).to(torch.int32)
                 colidx = torch.arange(n, device=dev) % cols
                 es = ((vi >> 7) & 255) - base[colidx] + 12
                 esc[(t0 + i) * rpt * cols :][:n] = ((es < 1) | (es > 15)).to(torch.uint8)

@@ -16,8 +16,18 @@ import os
 import numpy as np
 import torch
 
+from kvzip_lossless import _cuda, tiles
+from kvzip_lossless._torch import (
+    as_u16,
+    checksum,
+    encode_desc,
+    pack_mantissas,
+    table_tensors,
+    tile_checksums,
+)
 from kvzip_lossless.blob import MODE_RAW, CorruptBlobError, Header, tile_layout
-from kvzip_lossless.tables import MODE_SLOT, Table
+from kvzip_lossless.checksum import partial_sum
+from kvzip_lossless.tables import BUCKETS_NONE, MODE_SLOT, NSYM, Table, normalize_counts
 
 try:  # Triton comes with CUDA builds of torch; the CPU package never needs it.
     import triton
@@ -156,19 +166,6 @@ if triton is not None:
         tl.store(counts + pid, cnt)
 
 
-def _table_tensors(table: Table, device):
-    """The table's device copies, kept on the table itself (freed with it: a blob with an
-    embedded table must not leave ~130 KB of GPU memory behind in a module-level cache)."""
-    key = ("device", str(device))
-    if key not in table._derived:
-        table._derived[key] = (
-            torch.from_numpy(table.packed().astype(np.int32)).to(device),
-            torch.tensor(table.buckets, dtype=torch.int32, device=device),
-            torch.from_numpy(table.base.astype(np.int32)).to(device),
-        )
-    return table._derived[key]
-
-
 def launch_decode(backend, blob_dev, desc, tabs, table, columns, o16, sums, err) -> None:
     """One decode launch over the chunks ``desc`` (int64 ``[chunks, 8]``, from
     :func:`decode_plan`, offsets into ``blob_dev``) with ``table``'s device tensors ``tabs``:
@@ -176,8 +173,6 @@ def launch_decode(backend, blob_dev, desc, tabs, table, columns, o16, sums, err)
     share a table may go in one launch (kvzip-vllm's batched restore does)."""
     tab, bmap, base = tabs
     if backend == "cuda":
-        from kvzip_lossless import _cuda
-
         _cuda.decode(blob_dev, desc, desc.shape[0], tab, bmap, base, columns,
                      table.n_buckets, o16, sums, err)  # fmt: skip
     else:
@@ -220,8 +215,7 @@ def decode_plan(buf: memoryview, h: Header):
             raise CorruptBlobError(f"tile {ti}: escape positions out of range or unsorted")
         ev = arr[o + lay["exc_val"] : o + lay["mant"]].view("<u2")
         if ne:
-            p = idx.astype(np.uint32) * np.uint32(0x9E3779B1) + ev.astype(np.uint32)
-            expect[ti] = np.uint32((int(expect[ti]) - _mix_sum(p)) & 0xFFFFFFFF)
+            expect[ti] = np.uint32((int(expect[ti]) - partial_sum(idx, ev)) & 0xFFFFFFFF)
             eidx.append(idx + out_off)
             evals.append(ev)
         wstart = (o + lay["words"]) // 2 + np.concatenate([[0], np.cumsum(c)[:-1]])
@@ -233,16 +227,6 @@ def decode_plan(buf: memoryview, h: Header):
     e_i = np.concatenate(eidx) if eidx else np.zeros(0, np.int64)
     e_v = np.concatenate(evals) if evals else np.zeros(0, np.uint16)
     return desc, expect, raw, e_i, e_v
-
-
-def _mix_sum(h: np.ndarray) -> int:
-    h = h.astype(np.uint32)
-    h ^= h >> np.uint32(16)
-    h *= np.uint32(0x85EBCA6B)
-    h ^= h >> np.uint32(13)
-    h *= np.uint32(0xC2B2AE35)
-    h ^= h >> np.uint32(16)
-    return int(h.astype(np.uint64).sum() & 0xFFFFFFFF)
 
 
 class GpuBlob:
@@ -265,7 +249,7 @@ class GpuBlob:
         """Decode from ``blob_dev`` (uint8 on the GPU) into ``out``; returns a device flag
         tensor (nonzero = damaged) without synchronising unless ``check``."""
         h = self.h
-        tab, bmap, base = _table_tensors(self.table, self.device)
+        tab, bmap, base = table_tensors(self.table, self.device)
         o16 = out.view(-1).view(torch.int16)
         sums = torch.zeros(h.n_tiles, dtype=torch.int32, device=self.device)
         err = torch.zeros(max(self.n_chunks, 1), dtype=torch.int32, device=self.device)
@@ -277,26 +261,13 @@ class GpuBlob:
         for ti, o, nv, out_off in self.raw:
             seg = blob_dev[o : o + 2 * nv].view(torch.int16)
             o16[out_off : out_off + nv] = seg
-            sums[ti] = _gpu_checksum(seg).to(torch.int32)
+            sums[ti] = checksum(seg).to(torch.int32)
         if self.eidx.numel():
             o16[self.eidx] = self.evals
         flag = err.sum() + (sums != self.expect).sum()
         if check and int(flag):
             raise CorruptBlobError("GPU decode: checksum or stream check failed (damaged blob)")
         return flag
-
-
-def _gpu_checksum(seg16: torch.Tensor) -> torch.Tensor:
-    v = seg16.to(torch.int64) & 0xFFFF
-    p = torch.arange(v.numel(), device=v.device, dtype=torch.int64)
-    h = (p * 0x9E3779B1 + v) & 0xFFFFFFFF
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
-    h = h ^ (h >> 16)
-    s = h.sum() & 0xFFFFFFFF
-    return torch.where(s >= 1 << 31, s - (1 << 32), s)
 
 
 def decompress(buf: memoryview, h: Header, table: Table, *, device, out=None) -> torch.Tensor:
@@ -343,8 +314,6 @@ def default_backend(device) -> str:
     """'cuda' (csrc/kvzl.cu, built with nvcc for this GPU) on a CUDA device when it builds
     and loads there, else 'triton'. The choice and its reason are logged once per device."""
     dev = torch.device(device)
-    from kvzip_lossless import _cuda
-
     backend, why = decide_backend(
         dev.type, os.environ.get("KVZIP_LOSSLESS_BACKEND") or None, lambda: _cuda.failure(dev)
     )
@@ -362,26 +331,11 @@ def encode_parts(
     """Run the GPU encoder; returns device tensors for every tile (no host transfer)."""
     dev = x.device
     if (backend or default_backend(dev)) == "cuda":
-        from kvzip_lossless import _cuda
-
-        return _cuda.encode_parts(x, table, cols, rows_per_tile, _table_tensors(table, dev))
+        return _cuda.encode_parts(x, table, cols, rows_per_tile, table_tensors(table, dev))
     flat16 = x.contiguous().view(-1).view(torch.int16)
     rows = flat16.numel() // cols
-    tab, bmap, base = _table_tensors(table, dev)
-    nch = -(-cols // LANES)
-    n_tiles = -(-rows // rows_per_tile)
-    ti = torch.arange(n_tiles, dtype=torch.int64)
-    nr = torch.clamp(rows - ti * rows_per_tile, max=rows_per_tile)
-    desc = torch.stack(
-        [
-            (ti * rows_per_tile * cols).repeat_interleave(nch),
-            nr.repeat_interleave(nch),
-            (torch.arange(nch) * LANES).repeat(n_tiles),
-            (ti * cols).repeat_interleave(nch),
-        ],
-        1,
-    )
-    desc = desc.to(dev).contiguous()
+    tab, bmap, base = table_tensors(table, dev)
+    desc, n_tiles, nch = encode_desc(rows, cols, rows_per_tile, dev)
     n_prog = n_tiles * nch
     scratch = torch.empty(n_prog * rows_per_tile * LANES, dtype=torch.int16, device=dev)
     counts = torch.empty(n_prog, dtype=torch.int32, device=dev)
@@ -411,8 +365,8 @@ def encode_parts(
     colidx = torch.arange(flat16.numel(), device=dev) % cols
     es = ((v >> 7) & 255) - base[colidx] + MODE_SLOT
     esc = (es < 1) | (es > 15)
-    mant = _pack_mant_gpu(v, rows, cols, rows_per_tile)
-    sums = _tile_checksums_gpu(v, rows, cols, rows_per_tile)
+    mant = pack_mantissas(v, rows, cols, rows_per_tile)
+    sums = tile_checksums(v, rows, cols, rows_per_tile)
     return dict(
         counts=counts,
         states=states,
@@ -426,32 +380,9 @@ def encode_parts(
     )
 
 
-def _pack_mant_gpu(v, rows, cols, rpt):
-    out = []
-    for t0 in range(0, rows, rpt):
-        seg = v[t0 * cols : min(rows, t0 + rpt) * cols] & 127
-        n = seg.numel()
-        g = torch.nn.functional.pad(seg.to(torch.int64), (0, (-n) % 8)).view(-1, 8)
-        sh = torch.arange(7, -1, -1, device=v.device) * 7
-        w = (g << sh).sum(1)
-        bsh = torch.arange(6, -1, -1, device=v.device) * 8
-        out.append(((w[:, None] >> bsh) & 255).to(torch.uint8).view(-1)[: (7 * n + 7) // 8])
-    return out
-
-
-def _tile_checksums_gpu(v, rows, cols, rpt):
-    sums = []
-    for t0 in range(0, rows, rpt):
-        seg = v[t0 * cols : min(rows, t0 + rpt) * cols]
-        sums.append(_gpu_checksum(seg) & 0xFFFFFFFF)
-    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
-
-
 def fit_table_gpu(x: torch.Tensor, cols: int) -> Table:
-    """The embedded table of :func:`kvzip_lossless.codec.prepare_table`, counted on the GPU
+    """The embedded table of :func:`kvzip_lossless.tiles.prepare_table`, counted on the GPU
     (identical integer counts, so the identical table)."""
-    from kvzip_lossless.tables import BUCKETS_NONE, NSYM, normalize_counts
-
     v = x.contiguous().view(-1).view(torch.int16).to(torch.int32) & 0xFFFF
     col = torch.arange(v.numel(), device=v.device) % cols
     ecount = torch.bincount(col * 256 + ((v >> 7) & 255), minlength=cols * 256).view(cols, 256)
@@ -467,21 +398,18 @@ def fit_table_gpu(x: torch.Tensor, cols: int) -> Table:
 
 def compress(x: torch.Tensor, *, tables=None, slot=None, rows_per_tile: int) -> bytes:
     """GPU encode, then the blob assembled on the host (the same bytes as the CPU path)."""
-    from kvzip_lossless import codec
-
     shape = tuple(int(s) for s in x.shape)
-    table = codec._resolve_table(tables, slot, shape, math.prod(shape))
+    table = tiles.resolve_table(tables, slot, shape, math.prod(shape))
     # Without a table set the embedded table is fitted on the host from the values.
-    vals = codec._as_u16(x) if table is None else None
-    table, cols, table_id, slot_, embedded = codec.prepare_table(vals, shape, table, tables, slot)
+    vals = as_u16(x) if table is None else None
+    table, cols, table_id, slot_, embedded = tiles.prepare_table(vals, shape, table, tables, slot)
     p = encode_parts(x, table, cols, rows_per_tile)
     return assemble_host(x, p, shape, cols, rows_per_tile, table_id, slot_, embedded)
 
 
 def assemble_host(x, p, shape, cols, rpt, table_id, slot, embedded) -> bytes:
-    from kvzip_lossless import codec
-
-    vals = codec._as_u16(x)
+    """The blob from :func:`encode_parts`' device tensors (copied to the host once)."""
+    vals = as_u16(x)
     counts = p["counts"].cpu().numpy().view(np.uint32).reshape(p["n_tiles"], p["nch"])
     states = p["states"].cpu().numpy().view(np.uint32).reshape(p["n_tiles"], cols)
     words = p["words"].cpu().numpy().view(np.uint16)
@@ -502,4 +430,4 @@ def assemble_host(x, p, shape, cols, rpt, table_id, slot, embedded) -> bytes:
                 checksum=int(sums[i]),
             )
         )
-    return codec.assemble(shape, cols, rpt, table_id, slot, embedded, parts)
+    return tiles.assemble(shape, cols, rpt, table_id, slot, embedded, parts)
