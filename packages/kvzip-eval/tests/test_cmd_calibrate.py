@@ -17,8 +17,16 @@ def test_calibrate_writes_artifact_matching_capture_kv(loaded, tmp_path):
     from kvzip_formats.calibration import Calibration
 
     out = tmp_path / "cal"
-    res = CliRunner().invoke(command, ["--out", str(out), "--windows", "1", "--length", "48"])
+    res = CliRunner().invoke(
+        command,
+        ["--out", str(out), "--windows", "1", "--length", "48"]
+        + ["--json", str(tmp_path / "c.json"), "--report", str(tmp_path / "rep")],
+    )
     assert res.exit_code == 0, res.output
+    rec = json.loads((tmp_path / "c.json").read_text())
+    assert rec["result"] == "calibrate" and rec["calibration_dir"] == str(out)
+    assert rec["model"]["identity"] == loaded.info.identity and rec["windows"] == 1
+    assert str(out) in (tmp_path / "rep" / "report.md").read_text()
     doc = json.loads((out / "calibration.json").read_text())
     assert doc["kvzip_calibration_version"] == 1
     assert doc["model"]["identity"] == loaded.info.identity

@@ -86,6 +86,18 @@ def test_table_and_report(run):
         assert (out / "rep" / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_command_rebuilds_the_eval_report(run, tmp_path):
+    from kvzip_eval.cli import main
+
+    _, data, out = run
+    assert data["result"] == "eval"
+    res = CliRunner().invoke(main, ["report", str(out / "q.json"), "--report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "report.md").read_text() == (out / "rep" / "report.md").read_text()
+    for png in ("kl.png", "capacity.png", "retrieval.png"):
+        assert (tmp_path / png).is_file()
+
+
 def test_unknown_format_and_task():
     res = CliRunner().invoke(command, [*TINY, "--formats", "int5"])
     assert res.exit_code != 0 and "unknown format 'int5'" in res.output

@@ -23,8 +23,8 @@ def test_lossless_command_on_real_kv(loaded, tmp_path):
             "64",
             "--json",
             str(out),
-            "--markdown",
-            str(tmp_path / "r.md"),
+            "--report",
+            str(tmp_path / "rep"),
             "--dump-kv",
             str(dump),
             "--dump-layers",
@@ -45,13 +45,15 @@ def test_lossless_command_on_real_kv(loaded, tmp_path):
         "ratio_v",
         "cpu_encode_MBps",
         "cpu_decode_MBps",
+        "cpu_decode_MBps_all_threads",
         "settings",
-        "date",
-        "machine",
-        "versions",
-        "command",
     ):
         assert key in doc
+    assert doc["result"] == "lossless"
+    assert {"date", "machine", "versions", "command"} <= set(doc["provenance"])
+    assert doc["cpu_decode_MBps"] > 0 and "per core" in doc["settings"]["timing_note"]
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| K+V (tables counted) |" in md and "MB/s per core" in md
     k = np.load(dump / "K.npy")
     assert k.dtype == np.uint16 and k.shape == (
         2,
@@ -70,3 +72,27 @@ def test_lossless_command_text_too_short(tmp_path):
     )
     assert res.exit_code == 2 and "text too short" in res.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_lossless_runs_without_output_options_and_prints_a_table(loaded, tmp_path):
+    # the README's form: no --json needed, a readable table on standard output
+    res = CliRunner().invoke(command, ["--tokens", "32", "--length", "32", "--no-embedded"])
+    assert res.exit_code == 0, res.output
+    assert "| stream | ratio |" in res.output and "| K+V (tables counted) |" in res.output
+    assert "bit-exact: 60 tensors" in res.output and "MB/s per core" in res.output
+
+
+def test_per_core_decode_timing_counts_every_blob():
+    import torch
+
+    import kvzip_lossless as kl
+    from kvzip_eval.cmd_lossless import decode_MBps_per_core
+
+    xs = [
+        torch.randn(64, 3, 64, generator=torch.Generator().manual_seed(i)).bfloat16()
+        for i in (0, 1)
+    ]
+    threads = torch.get_num_threads()
+    mbps, n = decode_MBps_per_core([kl.compress(x) for x in xs], None)
+    assert n == sum(x.numel() * 2 for x in xs) and mbps > 0
+    assert torch.get_num_threads() == threads  # restored

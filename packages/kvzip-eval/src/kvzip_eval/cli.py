@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module (``cmd_<name>.py``) exposing a click command named
 ``command``, so ``kvzip --help`` stays fast and a subcommand's heavy imports (transformers,
-vLLM) happen only when it runs.
+vLLM) happen only when it runs. Every command prints a table and takes the same output
+options (``options.output_options``): ``--json PATH|-`` and ``--report DIR``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ SUBCOMMANDS = {
     "eval": ("kvzip_eval.cmd_eval", "Quality of every format: KL, words changed, retrieval."),
     "calibrate": ("kvzip_eval.cmd_calibrate", "One-time calibration of the compact formats."),
     "lossless": ("kvzip_eval.cmd_lossless", "Bit-exact codec ratio on a model's real KV cache."),
+    "report": ("kvzip_eval.cmd_report", "Rebuild the report of a saved --json result."),
 }
 
 

@@ -12,6 +12,7 @@ import click  # noqa: E402
 from kvzip_eval.options import (  # noqa: E402
     device_option,
     model_option,
+    output_options,
     resolve_device,
     text_file_option,
 )
@@ -49,7 +50,10 @@ DEFAULT_LENGTH = 2048
     help="Tokens per window (capped at the model's context).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-def command(model_path, device, out_dir, text_file, windows, length, seed) -> None:
+@output_options
+def command(
+    model_path, device, out_dir, text_file, windows, length, seed, json_path, report_dir
+) -> None:
     """Stream calibration text through the model; write calibration.json + .safetensors.
 
     Calibration uses the "calib" split of the text, disjoint from what `kvzip eval` scores.
@@ -57,7 +61,9 @@ def command(model_path, device, out_dir, text_file, windows, length, seed) -> No
     import time
 
     from kvzip_eval.model import ModelError, load_model
-    from kvzip_formats.calibration import CALIBRATION_VERSION
+    from kvzip_eval.reports import emit
+    from kvzip_eval.results import markdown_table, provenance
+    from kvzip_formats.calibration import CALIBRATION_VERSION, Calibration
 
     t0 = time.perf_counter()
     try:
@@ -72,9 +78,31 @@ def command(model_path, device, out_dir, text_file, windows, length, seed) -> No
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    click.echo(
-        f"calibration v{CALIBRATION_VERSION} of {info.name} (identity {info.identity}, "
-        f"{windows} x {length} tokens) written to {out} in {time.perf_counter() - t0:.0f} s"
+    seconds = time.perf_counter() - t0
+    cal = Calibration.load(out)
+    result = {
+        "calibration_dir": str(out),
+        "calibration_version": CALIBRATION_VERSION,
+        "model": cal.model,
+        "windows": windows,
+        "length": length,
+        "fit": cal.fit,
+        "seconds": round(seconds, 1),
+        "provenance": provenance(),
+    }
+    row = {
+        "model": info.name,
+        "identity": info.identity,
+        "tokens": f"{windows} x {length}",
+        "seconds": f"{seconds:.0f}",
+        "written to": str(out),
+    }
+    emit(
+        result,
+        kind="calibrate",
+        table=markdown_table([row], list(row)),
+        json_path=json_path,
+        report_dir=report_dir,
     )
 
 

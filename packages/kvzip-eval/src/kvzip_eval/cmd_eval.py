@@ -15,6 +15,7 @@ import click  # noqa: E402
 from kvzip_eval.options import (  # noqa: E402
     device_option,
     model_option,
+    output_options,
     resolve_device,
     text_file_option,
 )
@@ -116,20 +117,7 @@ def resolve_formats(
     default=None,
     help="Calibration directory for the formats that need one.",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the results as JSON.",
-)
-@click.option(
-    "--report",
-    "report_dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Write report.md and PNG plots here.",
-)
+@output_options
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--kl-windows", type=int, default=None, help="Override: KL windows.")
 @click.option(
@@ -194,9 +182,10 @@ def command(
     from dataclasses import replace
 
     from kvzip_eval.model import ModelError, load_model
-    from kvzip_eval.quality.report import SUMMARY_COLUMNS, summary_rows, write_report
+    from kvzip_eval.quality.report import SUMMARY_COLUMNS, summary_rows
     from kvzip_eval.quality.suite import run_suite, settings_dict
-    from kvzip_eval.results import markdown_table, provenance, write_json
+    from kvzip_eval.reports import emit
+    from kvzip_eval.results import markdown_table, provenance
     from kvzip_formats import FormatError, list_formats
 
     s = PRESETS[preset or "default"]
@@ -294,13 +283,14 @@ def command(
         **body,
         "provenance": provenance(),
     }
-    click.echo(markdown_table(summary_rows(result), SUMMARY_COLUMNS))
-    if json_path:
-        write_json(json_path, result)
-        click.echo(f"wrote {json_path}")
-    if report_dir:
-        path = write_report(result, report_dir, fmts)
-        click.echo(f"wrote {path}")
+    emit(
+        result,
+        kind="eval",
+        table=markdown_table(summary_rows(result), SUMMARY_COLUMNS),
+        json_path=json_path,
+        report_dir=report_dir,
+        formats=fmts,
+    )
 
 
 command.help = command.help.rstrip() + " " + _PRESET_HELP + "."

@@ -1,4 +1,5 @@
-"""Click options shared by the `kvzip` subcommands that run a model on text."""
+"""Click options shared by the `kvzip` subcommands: model, device, text, and the output
+options that every command takes (`--json PATH|-`, `--report DIR`)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,26 @@ def text_file_option(help: str):  # noqa: A002  (click's own keyword)
     return click.option(
         "--text-file", type=click.Path(exists=True, dir_okay=False), default=None, help=help
     )
+
+
+#: The output options every `kvzip` command takes (`kvzip report` takes ``--report``).
+json_option = click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default=None,
+    help="Write the results as JSON to PATH ('-': standard output; the table then goes to "
+    "standard error).",
+)
+report_option = click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write report.md (and its plots) into DIR.",
+)
+
+
+def output_options(f):
+    """``--json PATH|-`` and ``--report DIR``, in that order, on a command."""
+    return json_option(report_option(f))

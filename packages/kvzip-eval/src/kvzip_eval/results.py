@@ -70,13 +70,18 @@ def provenance() -> dict[str, object]:
     }
 
 
+def json_text(payload: dict) -> str:
+    """``payload`` (with provenance added under ``"provenance"``) as indented JSON text."""
+    data = dict(payload)
+    data.setdefault("provenance", provenance())
+    return json.dumps(data, indent=2) + "\n"
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write ``payload`` (with provenance added under ``"provenance"``) as indented JSON."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = dict(payload)
-    data.setdefault("provenance", provenance())
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json_text(payload))
     return path
 
 

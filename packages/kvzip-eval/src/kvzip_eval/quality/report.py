@@ -240,18 +240,3 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
     path = out / "report.md"
     path.write_text("\n".join(md))
     return path
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m kvzip_eval.quality.report RESULT.json OUT_DIR``: rebuild a report."""
-    import json
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        raise SystemExit("usage: python -m kvzip_eval.quality.report RESULT.json OUT_DIR")
-    print(write_report(json.loads(Path(args[0]).read_text()), args[1]))
-
-
-if __name__ == "__main__":
-    main()

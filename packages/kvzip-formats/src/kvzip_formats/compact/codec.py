@@ -70,8 +70,6 @@ class CompactFormat(KVFormat):
     """Reference codec of one compact format, bound to a calibration (or none: accounting)."""
 
     needs_calibration = True
-    #: Step 2's least-squares refit of the token scale (switched off only by the ablation).
-    refit_scale = True
 
     def __init__(self, spec: CompactSpec, calibration: Calibration | str | None = None):
         self.spec = spec
@@ -156,12 +154,9 @@ class CompactFormat(KVFormat):
             c = torch.bucketize(seg, on_device(self.edges(bits), dev), right=False)
             codes[..., start : start + n] = c
             lv[..., start : start + n] = on_device(self.levels(bits), dev)[c]
-        if self.refit_scale:
-            fit = (y * lv).sum(-1, keepdim=True) / (lv * lv).sum(-1, keepdim=True)
-            s = fit.to(torch.float16).float()
-            s = torch.where((s > 0) & torch.isfinite(s), s, s0)
-        else:
-            s = s0
+        fit = (y * lv).sum(-1, keepdim=True) / (lv * lv).sum(-1, keepdim=True)
+        s = fit.to(torch.float16).float()
+        s = torch.where((s > 0) & torch.isfinite(s), s, s0)
         return torch.cat((layout.pack(codes), f16_to_bytes(s.squeeze(-1))), -1)
 
     def dequantize(self, packed: torch.Tensor, *, kind: str, head_dim: int) -> torch.Tensor:

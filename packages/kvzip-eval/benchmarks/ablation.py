@@ -1,11 +1,14 @@
 """Ablation of the compact formats: what each ingredient contributes at each budget.
 
-    uv run python -m kvzip_eval.calibrate.ablation --calibration DIR \\
-        --json results/quality/ablation.json --markdown results/quality/ablation.md
+Research code, not part of the shipped ``kvzip_eval`` package:
+
+    uv run python packages/kvzip-eval/benchmarks/ablation.py --calibration DIR \\
+        --json results/quality/ablation.json --report results/quality/ablation
 
 Every variant is the shipped codec (``kvzip_formats.compact``) with one or more ingredients
-switched off; all are scored by ``kvzip_eval.quality.kl.measure_kl`` on the same held-out
-windows, next to the baselines, in one run. Short windows (default 1 x 2,048 tokens) keep it
+switched off by a subclass here (the codec itself has no switches); all are scored by
+``kvzip_eval.quality.kl.measure_kl`` on the same held-out windows, next to the baselines, in
+one run. Short windows (default 1 x 2,048 tokens) keep it
 to ~35 minutes on 2 heavily shared cores; ``kvzip eval --full`` gives the published numbers.
 """
 
@@ -17,9 +20,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see cmd_eval: small ops, 
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 import torch  # noqa: E402
+
+from kvzip_eval.options import output_options  # noqa: E402
 
 #: MSE-optimal step of a uniform mid-rise quantizer for N(0, 1) (by grid search over the
 #: step on 4e5 samples), for the "uniform grid" rows: levels (i - (2^b - 1) / 2) * step.
@@ -40,6 +46,19 @@ class Variant:
     refit: bool = True
 
 
+def _without_refit(fmt, packed: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
+    """The shipped rows with the least-squares scale refit undone: the codes are chosen at
+    ``s0 = f16(rms(y))`` either way, so storing ``s0`` in the scale field is the codec
+    without step 2's refit."""
+    from kvzip_formats.packing import f16_to_bytes
+
+    layout = fmt.spec.layout(y.shape[-1], kind)
+    s0 = y.float().square().mean(-1).sqrt().to(torch.float16)
+    out = packed.clone()
+    out[..., layout.code_bytes :] = f16_to_bytes(s0)
+    return out
+
+
 def make_format(variant: Variant, calibration):
     from kvzip_formats.calibration import Calibration
     from kvzip_formats.compact.codec import CompactFormat, CompactSpec
@@ -56,7 +75,9 @@ def make_format(variant: Variant, calibration):
     spec = CompactSpec(variant.label, variant.k_groups, variant.v_groups, variant.sink, 0)
 
     class Ablated(CompactFormat):
-        refit_scale = variant.refit
+        def quantize(self, y, *, kind):
+            packed = super().quantize(y, kind=kind)
+            return packed if variant.refit else _without_refit(self, packed, y, kind)
 
         def transform_of(self, kind, layer):
             key = (kind, layer)
@@ -137,13 +158,13 @@ def variants() -> list[Variant]:
 @click.option("--baselines", default="int4", show_default=True, help="Baselines in the same run.")
 @click.option("--length", type=int, default=2048, show_default=True)
 @click.option("--only-shipped", is_flag=True, help="Only the three shipped formats.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True)
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), required=True)
-def main(cal_dir, windows, baselines, length, only_shipped, json_path, md_path):
+@output_options
+def main(cal_dir, windows, baselines, length, only_shipped, json_path, report_dir):
+    """KL of every ablation variant next to the baselines (mean KL vs bf16, held-out text)."""
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import load_model
     from kvzip_eval.quality.kl import measure_kl
-    from kvzip_eval.results import markdown_table, provenance, provenance_markdown, write_json
+    from kvzip_eval.results import json_text, markdown_table, provenance, provenance_markdown
     from kvzip_formats import get_format
     from kvzip_formats.calibration import Calibration
 
@@ -187,7 +208,6 @@ def main(cal_dir, windows, baselines, length, only_shipped, json_path, md_path):
         "split": "eval",
         "calibration": cal.fit,
     }
-    write_json(json_path, {"setup": setup, "rows": rows, "provenance": prov})
     cols = [
         "budget",
         "variant",
@@ -199,16 +219,27 @@ def main(cal_dir, windows, baselines, length, only_shipped, json_path, md_path):
         "top1_agree",
     ]
     table = markdown_table(rows, cols)
-    with open(md_path, "w") as f:
-        f.write("# Ablation of the compact formats (mean KL vs bf16, held-out text)\n\n")
-        f.write(
+    click.echo(table, err=json_path == "-")
+    doc = {"result": "ablation", "setup": setup, "rows": rows, "provenance": prov}
+    if json_path == "-":
+        click.echo(json_text(doc), nl=False)
+    elif json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json_text(doc))
+    if report_dir:
+        out = Path(report_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.md").write_text(
+            "# Ablation of the compact formats (mean KL vs bf16, held-out text)\n\n"
             f"{windows} windows x {length} tokens of the eval split of pydoc_data.topics, "
-            f"{info.name}; each row is the shipped codec with ingredients switched off; the rows "
-            "of the 4bit budget add one ingredient each down to the '=' row; the other rows are "
-            "alternative bit splits at the same budget.\n\n"
+            f"{info.name}; each row is the shipped codec with ingredients switched off; the "
+            "rows of the 4bit budget add one ingredient each down to the '=' row; the other "
+            "rows are alternative bit splits at the same budget.\n\n"
+            + provenance_markdown(prov)
+            + "\n"
+            + table
+            + "\n"
         )
-        f.write(provenance_markdown(prov) + "\n" + table + "\n")
-    click.echo(table)
 
 
 if __name__ == "__main__":
