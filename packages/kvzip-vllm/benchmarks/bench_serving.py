@@ -7,9 +7,9 @@ kvzip's attention backend in vLLM's ``CUSTOM`` slot) one vLLM engine is started,
 process, with Llama-3.1-8B's shape and dummy weights (``load_format="dummy"``, no tokenizer),
 and then, for each context length:
 
-- ``sessions``: how many sequences of ``context + gen`` tokens vLLM's KV cache holds (its
-  ``num_gpu_blocks`` over the blocks one sequence needs; vLLM sized the cache from the
-  format's real page bytes);
+- ``sessions``: how many sequences of ``context`` tokens (a prompt of ``context - gen - 1``
+  tokens and ``gen + 1`` generated) vLLM's KV cache holds: its ``num_gpu_blocks`` over the
+  blocks one sequence needs (vLLM sized the cache from the format's real page bytes);
 - ``decode_tok_s``: that many sequences decoding at once, ``gen`` tokens each, aggregate
   tokens/s. Their prompts are not prefilled: the benchmark's fill connector
   (``kvzip_bench_fill.py``) writes a valid random block of the format into every prompt block
@@ -176,7 +176,7 @@ def stage(args) -> None:
         dtype="bfloat16",
         kv_cache_dtype="fp8" if fmt == "fp8" else "auto",
         enforce_eager=args.eager,
-        max_model_len=max(contexts) + gen + 16,
+        max_model_len=max(contexts),
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=False,
         seed=0,
@@ -219,12 +219,13 @@ def stage(args) -> None:
     }
     print("INFO " + json.dumps(info), flush=True)
     for ctx in contexts:
-        per_seq = math.ceil((ctx + gen) / bs)
+        # a session of `ctx` tokens: a prompt of ctx - gen - 1 tokens, gen + 1 generated
+        per_seq = math.ceil(ctx / bs)
         sessions = min(blocks // per_seq, args.max_num_seqs)
         row = dict(info, context=ctx, gen=gen, sessions=sessions)
         # decode: all sessions resident at full length (fill connector), gen tokens each
         kvzip_bench_fill.FILL = True
-        ps = prompts(sessions, ctx, seed=ctx, vocab=vocab)
+        ps = prompts(sessions, ctx - gen - 1, seed=ctx, vocab=vocab)
         timed(ps, 3)  # warm-up at this batch: first-use allocation, compilation, graphs
         t1, _ = timed(ps, 1)
         tg, outs = timed(ps, gen + 1)
@@ -243,9 +244,9 @@ def stage(args) -> None:
     for ctx in contexts:
         if not args.prefill_prompts or ctx > args.prefill_max_context:
             continue
-        pp = prompts(args.prefill_prompts, ctx, seed=ctx + 1, vocab=vocab)
+        pp = prompts(args.prefill_prompts, ctx - 1, seed=ctx + 1, vocab=vocab)
         tp, _ = timed(pp, 1)
-        pre = {"format": fmt, "context": ctx, "prefill_tok_s": round(len(pp) * ctx / tp)}
+        pre = {"format": fmt, "context": ctx, "prefill_tok_s": round(len(pp) * (ctx - 1) / tp)}
         print("PREFILL " + json.dumps(dict(pre, prefill_s=round(tp, 2))), flush=True)
     sys.stdout.flush()
     os._exit(0)
@@ -332,7 +333,8 @@ def write(out: Path, rows: list[dict], failures: list[dict], args) -> None:
         "model": ("tiny 2-layer Llama" if args.tiny else "Llama-3.1-8B config")
         + ", load_format=dummy",
         "method": (
-            "sessions = num_gpu_blocks // ceil((context+gen)/block_size); decode: that many "
+            "sessions = num_gpu_blocks // ceil(context/block_size) (prompt context-gen-1 tokens, "
+            "gen+1 generated); decode: that many "
             "sequences resident at full length (prompt blocks written by a fill connector with "
             "valid random blocks of the format), gen tokens each, time(gen+1) - time(1); "
             "prefill: real prompts of that length through the format's path"

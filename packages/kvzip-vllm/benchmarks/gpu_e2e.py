@@ -126,8 +126,10 @@ def tier(args) -> dict:
     _, local = _timed(llm, p, args.gen)  # local prefix-cache hit: the reference output
     restored_before = _read(stats).get("tokens_restored", 0)
     llm.reset_prefix_cache()
-    t_restore, _ = _timed(llm, p, 1)
+    t_restore_first, _ = _timed(llm, p, 1)  # the first restore also builds the decode path
     tokens_restored = _read(stats).get("tokens_restored", 0) - restored_before
+    llm.reset_prefix_cache()
+    t_restore, _ = _timed(llm, p, 1)
     llm.reset_prefix_cache()
     _, again = _timed(llm, p, args.gen)
     s = _read(stats)
@@ -144,6 +146,7 @@ def tier(args) -> dict:
         "init_s": round(init_s, 1),
         "recompute_ttft_s": round(t_recompute, 3),
         "restore_ttft_s": round(t_restore, 3),
+        "restore_ttft_first_s": round(t_restore_first, 3),
         "restore_over_recompute": round(t_restore / t_recompute, 3),
         "store_s": round(store_s, 1),
         "store_GBps": round(raw / store_s / 1e9, 3) if store_s > 0 else None,
