@@ -58,18 +58,23 @@ def test_bit_exact_random(name, heads, head_dim, block_size, dtype, device):
 
 @pytest.mark.parametrize("name", ["4bit", "3.5bit", "3bit"])
 @pytest.mark.parametrize("kind", ["k", "v"])
-def test_compact_write(name, kind, device):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_compact_write(name, kind, head_dim, device):
     """Compact formats: given the transformed rows y (float32, spec/4bit.md section 3), the
     kernel's quantizer and bit-plane packing equal the reference quantizer byte for byte, in
     K (token-major) and V (channel-major) pages of their own row sizes. On the GPU the token
-    scale may differ in the last fp16 place (reduction order, allowed by the spec)."""
+    scale may differ in the last fp16 place (reduction order, allowed by the spec). Head_dim
+    64 with 3 KV heads is SmolLM2's shape (3bit: groups of 32 channels)."""
+    from kvzip_kernels._formats import _kernel_groups
+
     g = torch.Generator().manual_seed(5)
-    fmt = get_format(name, calibration=synthetic_calibration(3, 128))
-    x = (torch.randn(12, 3, 128, generator=g) * 3).to(device)  # the interpreter runs per token
+    fmt = get_format(name, calibration=synthetic_calibration(3, head_dim))
+    assert _kernel_groups(fmt.spec.layout(head_dim, kind)) is not None  # the kernel, no fallback
+    x = (torch.randn(12, 3, head_dim, generator=g) * 3).to(device)  # the interpreter: per token
     slots = torch.randperm(64, generator=g)[:12]
     slots[7] = -1
-    lay = PagedLayout.of(fmt, 128, 16, kind)
-    cache = new_paged_cache(fmt, 4, 3, 16, 128, kind=kind, device=device)
+    lay = PagedLayout.of(fmt, head_dim, 16, kind)
+    cache = new_paged_cache(fmt, 4, 3, 16, head_dim, kind=kind, device=device)
     cache_write(fmt, x, cache, slots.to(device), kind=kind, block_size=16)
     keep = slots >= 0
     want = fmt.quantize(codebook_y(fmt, x, kind, 0).cpu(), kind=kind)[keep]
@@ -181,10 +186,13 @@ def _bad_case(name, kind, value, head_dim=128, rms=False):
     return fmt, x
 
 
-@pytest.mark.parametrize("name", ["4bit", "3.5bit", "3bit", "int4", "int4-rot"])
+@pytest.mark.parametrize(
+    ("name", "head_dim"),
+    [("4bit", 128), ("3.5bit", 128), ("3bit", 128), ("3bit", 64), ("int4", 128), ("int4-rot", 64)],
+)
 @pytest.mark.parametrize("value", [*BAD_VALUES, "rms"])
 @pytest.mark.parametrize("kind", ["k", "v"])
-def test_rejected_values(name, value, kind, device):
+def test_rejected_values(name, head_dim, value, kind, device):
     """Every path rejects what the reference rejects, with its message and the token: the ops
     reference, the kernel (checked), and the kernel unchecked (no raise, but the rejected row
     decodes to NaN while every other row is written as the reference writes it)."""
@@ -193,15 +201,15 @@ def test_rejected_values(name, value, kind, device):
     if value == "rms" and not name[0].isdigit():
         pytest.skip("the RMS rule is the compact formats' (int4 has no transform)")
     rms = value == "rms"
-    fmt, x = _bad_case(name, "k", None if rms else value, rms=rms)
+    fmt, x = _bad_case(name, "k", None if rms else value, head_dim, rms=rms)
     match = "RMS exceeds" if rms else "finite values within the float16 range"
     slots = torch.tensor([3, 17, 20, 8])
-    lay = PagedLayout.of(fmt, 128, 16, kind)
-    want = new_paged_cache(fmt, 2, 2, 16, 128, kind=kind)
+    lay = PagedLayout.of(fmt, head_dim, 16, kind)
+    want = new_paged_cache(fmt, 2, 2, 16, head_dim, kind=kind)
     with pytest.raises(FormatError, match=match):
         ref_cache_write(fmt, x, want, slots, kind=kind, block_size=16)
     assert not want.any()  # the reference writes nothing
-    got = new_paged_cache(fmt, 2, 2, 16, 128, kind=kind, device=device)
+    got = new_paged_cache(fmt, 2, 2, 16, head_dim, kind=kind, device=device)
     xd, sd = x.to(device), slots.to(device)
     with pytest.raises(FormatError, match=match + r".*token 2 of this write"):
         cache_write(fmt, xd, got, sd, kind=kind, block_size=16)
@@ -224,7 +232,7 @@ def test_rejected_values(name, value, kind, device):
     assert torch.equal(rows[ok][:, :cb], wrows[ok][:, :cb])
     got16, want16 = (r[ok][:, cb:].contiguous().view(torch.int16).int() for r in (rows, wrows))
     assert (got16 - want16).abs().max() <= (1 if device == "cuda" and name[0].isdigit() else 0)
-    bad = fmt.decode(rows[2:3], kind=kind, layer=0, head_dim=128)
+    bad = fmt.decode(rows[2:3], kind=kind, layer=0, head_dim=head_dim)
     assert torch.isnan(bad[0, 1]).all()  # the rejected row decodes to NaN
     assert torch.isfinite(bad[0, 0]).all()  # its token's other head is a valid row
 

@@ -81,16 +81,39 @@ def test_compact_formats(name, hq, hkv, d, block_size, lens, config, device):
     check(name, hq, hkv, d, block_size, lens, device, config)
 
 
+# SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64): 3bit's 3- and 2-bit groups of 32
+# channels have classes of 8, paired into 16 by the kernel; 3.5bit/4bit as the neighbours.
+SMOL_CASES = [
+    (9, 3, 64, 16, [37, 5], DecodeConfig(block_n=16, num_splits=2)),
+    (9, 3, 64, 64, [130], DecodeConfig(block_n=64, num_splits=2)),
+]
+
+
+@pytest.mark.parametrize("name", ["3bit", "3.5bit", "4bit"])
+@pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), SMOL_CASES)
+def test_compact_head_dim_64(name, hq, hkv, d, block_size, lens, config, device):
+    check(name, hq, hkv, d, block_size, lens, device, config)
+
+
+def test_compact_head_dim_64_sinks(device):
+    """3bit at head_dim 64 with its bf16 sink token, as the embedded model runs it."""
+    _check_sinks("3bit", 9, 3, 64, device)
+
+
 def test_compact_rows_too_narrow_are_refused(device):
-    """At head_dim 64 a mixed-width row's 2-/3-bit group has 8 channels per class, below
-    tl.dot's depth 16: a clear error (when the format mixes widths), never garbage."""
-    fmt = get_format("3bit", calibration=synthetic_calibration(1, 64))
-    if len(fmt.spec.k_groups) == 1 and len(fmt.spec.v_groups) == 1:
-        check("3bit", 4, 1, 64, 16, [20], device, DecodeConfig(block_n=16))
-        return
-    (fmt, *_), dev = make_case("3bit", 4, 1, 64, 16, [20], 0, device)
+    """A row the kernel cannot read (a 3-bit group of 16 channels: classes of 4, below
+    tl.dot's depth even paired) is a clear error, never garbage."""
+    from kvzip_formats.compact.codec import CompactFormat, CompactSpec
+
+    spec = CompactSpec("narrow", ((0.75, 4), (0.25, 3)), ((1, 4),), 1, 1)
+    fmt = CompactFormat(spec, synthetic_calibration(1, 64))
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=device)
+    kc = new_paged_cache(fmt, 2, 1, 16, 64, kind="k", device=device)
+    vc = new_paged_cache(fmt, 2, 1, 16, 64, kind="v", device=device)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    sl = torch.ones(1, dtype=torch.int32, device=device)
     with pytest.raises(FormatError, match=">= 16 channels per class"):
-        paged_decode(fmt, *dev, block_size=16)
+        paged_decode(fmt, q, kc, vc, bt, sl, block_size=16)
 
 
 def test_rotated_int4(device):
@@ -163,9 +186,20 @@ def test_block_strided_caches(device):
 def test_compact_sink_tokens(name, device):
     """The first token read from its bf16 copy (spec/4bit.md section 8), merged by log-sum-exp;
     a sequence of one token is all sink."""
-    (fmt, q, kc, vc, bt, sl), dev = make_case(name, 8, 2, 128, 16, [37, 1], 4, device)
+    _check_sinks(name, 8, 2, 128, device)
+    with pytest.raises(FormatError, match="sinks"):
+        paged_decode(
+            "int4",
+            *make_case("int4", 4, 1, 64, 16, [5], 0, device)[1],
+            block_size=16,
+            sinks=tuple(torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16) for _ in range(2)),
+        )
+
+
+def _check_sinks(name, hq, hkv, d, device):
+    (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, 16, [37, 1], 4, device)
     g = torch.Generator().manual_seed(9)
-    sinks = tuple((torch.randn(2, 1, 2, 128, generator=g) * 2).bfloat16() for _ in range(2))
+    sinks = tuple((torch.randn(2, 1, hkv, d, generator=g) * 2).bfloat16() for _ in range(2))
     ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, sinks=sinks)
     plain = ref_paged_decode(
         fmt, q, kc, vc, bt, sl, block_size=16, sinks=sinks, compute_dtype=torch.bfloat16
@@ -182,7 +216,3 @@ def test_compact_sink_tokens(name, device):
     # and the sink changes the answer (the test would not notice a kernel ignoring it)
     without = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16)
     assert _rel(without, ref) > 10 * tol
-    with pytest.raises(FormatError, match="sinks"):
-        paged_decode(
-            "int4", *make_case("int4", 4, 1, 64, 16, [5], 0, device)[1], block_size=16, sinks=sinks
-        )

@@ -9,7 +9,10 @@ transformed domain: ``score = s * (q' . L[c])``, ``y = sum_t p_t s_t L[c_t]``.
 
 Channels are split into R classes by the position of their bits in a byte (R = 2 for
 nibbles: even and odd channels; R = 4 for the 2-bit plane: channel ``4i + r``); each class is
-one ``tl.dot`` of depth head_dim / R, with q' gathered the same way.
+one ``tl.dot`` of depth head_dim / R, with q' gathered the same way. A 2- or 3-bit group of 32
+channels (``3bit`` at head_dim 64) has classes of 8, below tl.dot's depth 16: its classes are
+paired (``PAIR``), 0 with 1 and 2 with 3, interleaved into 2 classes of 16 (class r' holds
+channels ``4(i // 2) + 2r' + i % 2``).
 
 The codebook lookup is a select tree on the magnitude bits (symmetric levels: 3 selects for
 8 magnitudes at 4 bits plus the sign, 1 + 2 at 3 bits): correct first. It costs ~8-10
@@ -203,6 +206,7 @@ def _group_levels(
     CHANNEL_MAJOR: tl.constexpr,
     mask,
     INTERPRET: tl.constexpr,
+    PAIR: tl.constexpr,
     m0,
     m1,
     m2,
@@ -215,7 +219,8 @@ def _group_levels(
     """Levels of the channel classes of one group of a tile of rows: ``[BLOCK_N, N // R]``
     each, class r = the group's channels ``R*i + r`` (R = 2 at 4 bits: nibbles; R = 4 at 2 and
     3 bits: 2-bit fields; at 4 bits classes 2, 3 repeat 0, 1). ``OFF``: byte offset of the
-    group's widest plane in the row, ``OFF1``: of its 1-bit plane (3 bits)."""
+    group's widest plane in the row, ``OFF1``: of its 1-bit plane (3 bits). ``PAIR``: 2- and
+    3-bit classes paired into two of twice the width (module docstring)."""
     # one return statement: Triton checks that all returns agree even across constexpr branches
     if BITS == 4:
         i = tl.arange(0, N // 2)
@@ -241,6 +246,9 @@ def _group_levels(
             b1 = _load_bytes(ptr, base, t, OFF1 + i // 2, CB, PS, CHANNEL_MAJOR, mask)
             b1s = (b1 >> ((i % 2) * 4).to(tl.uint8)[None, :]) & 15  # class r's bit -> bit r
             c0, c1, c2, c3 = _levels3(b2, b1s, INTERPRET, m0, m1, m2, m3)
+        if PAIR:  # classes of 8 -> 2 classes of 16: (0, 1) and (2, 3) interleaved
+            c0, c1 = tl.interleave(c0, c1), tl.interleave(c2, c3)
+            c2, c3 = c0, c1
     return c0, c1, c2, c3
 
 
@@ -260,15 +268,26 @@ def _level(c, BITS: tl.constexpr, m0, m1, m2, m3, m4, m5, m6, m7):
 
 
 @triton.jit
-def _q_classes(qrow, qm, START: tl.constexpr, N: tl.constexpr, R: tl.constexpr):
-    """q' gathered as the R channel classes of a group starting at channel START."""
+def _class_channels(START: tl.constexpr, N: tl.constexpr, R: tl.constexpr, PAIR: tl.constexpr):
+    """Channel of element i of class 0 ([N // R]); class r adds r (PAIR: 2r)."""
     i = tl.arange(0, N // R)
-    q0 = tl.load(qrow + START + R * i[None, :], mask=qm, other=0.0)
-    q1 = tl.load(qrow + START + R * i[None, :] + 1, mask=qm, other=0.0)
+    if PAIR:
+        return START + 4 * (i // 2) + i % 2
+    return START + R * i
+
+
+@triton.jit
+def _q_classes(
+    qrow, qm, START: tl.constexpr, N: tl.constexpr, R: tl.constexpr, PAIR: tl.constexpr = False
+):
+    """q' gathered as the R channel classes of a group starting at channel START."""
+    ch = _class_channels(START, N, R, PAIR)[None, :]
+    q0 = tl.load(qrow + ch, mask=qm, other=0.0)
+    q1 = tl.load(qrow + ch + (2 if PAIR else 1), mask=qm, other=0.0)
     q2, q3 = q0, q1
     if R == 4:
-        q2 = tl.load(qrow + START + R * i[None, :] + 2, mask=qm, other=0.0)
-        q3 = tl.load(qrow + START + R * i[None, :] + 3, mask=qm, other=0.0)
+        q2 = tl.load(qrow + ch + 2, mask=qm, other=0.0)
+        q3 = tl.load(qrow + ch + 3, mask=qm, other=0.0)
     return q0, q1, q2, q3
 
 
@@ -284,14 +303,24 @@ def _group_scores(s, q0, q1, q2, q3, l0, l1, l2, l3, R: tl.constexpr, INTERPRET:
 
 @triton.jit
 def _store_group(
-    orow, om, a0, a1, a2, a3, inv, START: tl.constexpr, N: tl.constexpr, R: tl.constexpr
+    orow,
+    om,
+    a0,
+    a1,
+    a2,
+    a3,
+    inv,
+    START: tl.constexpr,
+    N: tl.constexpr,
+    R: tl.constexpr,
+    PAIR: tl.constexpr = False,
 ):
-    i = tl.arange(0, N // R)
-    tl.store(orow[:, None] + START + R * i[None, :], a0 * inv[:, None], mask=om)
-    tl.store(orow[:, None] + START + R * i[None, :] + 1, a1 * inv[:, None], mask=om)
+    ch = orow[:, None] + _class_channels(START, N, R, PAIR)[None, :]
+    tl.store(ch, a0 * inv[:, None], mask=om)
+    tl.store(ch + (2 if PAIR else 1), a1 * inv[:, None], mask=om)
     if R == 4:
-        tl.store(orow[:, None] + START + R * i[None, :] + 2, a2 * inv[:, None], mask=om)
-        tl.store(orow[:, None] + START + R * i[None, :] + 3, a3 * inv[:, None], mask=om)
+        tl.store(ch + 2, a2 * inv[:, None], mask=om)
+        tl.store(ch + 3, a3 * inv[:, None], mask=om)
 
 
 @triton.jit
@@ -351,10 +380,15 @@ def _codebook_split_kernel(
     tok_lo = tl.maximum(split * tokens_per_split, skip)
     tok_hi = tl.minimum(seq_len, split * tokens_per_split + tokens_per_split)
     page_hi = tl.cdiv(tok_hi, PS)
-    KR0: tl.constexpr = 2 if KB0 == 4 else 4
-    KR1: tl.constexpr = 2 if KB1 == 4 else 4
-    VR0: tl.constexpr = 2 if VB0 == 4 else 4
-    VR1: tl.constexpr = 2 if VB1 == 4 else 4
+    # classes per group (R) and whether 2-/3-bit classes of 8 channels are paired (module doc)
+    KQ0: tl.constexpr = KB0 != 4 and KN0 // 4 < 16
+    KQ1: tl.constexpr = KB1 != 4 and KN1 // 4 < 16
+    VQ0: tl.constexpr = VB0 != 4 and VN0 // 4 < 16
+    VQ1: tl.constexpr = VB1 != 4 and VN1 // 4 < 16
+    KR0: tl.constexpr = 2 if KB0 == 4 or KQ0 else 4
+    KR1: tl.constexpr = 2 if KB1 == 4 or KQ1 else 4
+    VR0: tl.constexpr = 2 if VB0 == 4 or VQ0 else 4
+    VR1: tl.constexpr = 2 if VB1 == 4 or VQ1 else 4
     # codebook magnitudes (interpreter path; the PTX path has them as constants):
     # lut[0:8] K group 0, [8:16] K group 1, [16:24] V group 0, [24:32] V group 1
     ka0, ka1, ka2, ka3 = (
@@ -399,9 +433,9 @@ def _codebook_split_kernel(
     rows = (b * num_kv_heads + h) * G + m
     qrow = q_ptr + rows[:, None] * D
     qm = (m < G)[:, None]
-    q00, q01, q02, q03 = _q_classes(qrow, qm, 0, KN0, KR0)
+    q00, q01, q02, q03 = _q_classes(qrow, qm, 0, KN0, KR0, KQ0)
     if KN1 > 0:
-        q10, q11, q12, q13 = _q_classes(qrow, qm, KN0, KN1, KR1)
+        q10, q11, q12, q13 = _q_classes(qrow, qm, KN0, KN1, KR1, KQ1)
     row_scale = tl.load(qs_ptr + rows, mask=m < G, other=0.0) * qk_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -444,6 +478,7 @@ def _codebook_split_kernel(
             False,
             in_page,
             INTERPRET,
+            KQ0,
             ka0,
             ka1,
             ka2,
@@ -468,6 +503,7 @@ def _codebook_split_kernel(
                 False,
                 in_page,
                 INTERPRET,
+                KQ1,
                 kb0,
                 kb1,
                 kb2,
@@ -500,6 +536,7 @@ def _codebook_split_kernel(
             True,
             in_page,
             INTERPRET,
+            VQ0,
             va0,
             va1,
             va2,
@@ -528,6 +565,7 @@ def _codebook_split_kernel(
                 True,
                 in_page,
                 INTERPRET,
+                VQ1,
                 vb0,
                 vb1,
                 vb2,
@@ -548,7 +586,7 @@ def _codebook_split_kernel(
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
     orow = o_ptr + (rows.to(tl.int64) * num_splits + split) * D
     om = (m < G)[:, None]
-    _store_group(orow, om, a00, a01, a02, a03, inv, 0, VN0, VR0)
+    _store_group(orow, om, a00, a01, a02, a03, inv, 0, VN0, VR0, VQ0)
     if VN1 > 0:
-        _store_group(orow, om, a10, a11, a12, a13, inv, VN0, VN1, VR1)
+        _store_group(orow, om, a10, a11, a12, a13, inv, VN0, VN1, VR1, VQ1)
     tl.store(lse_ptr + rows * num_splits + split, lse, mask=m < G)

@@ -79,12 +79,13 @@ def kernel_spec(fmt: KVFormat, head_dim: int, block_size: int) -> KernelSpec:
 
 
 def _kernel_groups(layout) -> tuple | None:
-    """A compact row layout as the decode kernel's constants, or None if it cannot read it:
-    at most two groups of 2, 3 or 4 bits, each class of channels >= 16 wide (tl.dot's
-    smallest depth: 4-bit groups of >= 32 channels, 2- and 3-bit groups of >= 64)."""
+    """A compact row layout as the kernels' constants, or None if they cannot read it: at most
+    two groups of 2, 3 or 4 bits whose channel classes reach tl.dot's smallest depth 16: 4-bit
+    groups of >= 32 channels (2 classes), 2- and 3-bit groups of 32 (4 classes of 8, paired
+    into 2 of 16 by the decode kernel: ``3bit`` at head_dim 64) or of >= 64 channels."""
     groups = []
     for g, (n, bits) in enumerate(layout.groups):
-        per_class = n // (2 if bits == 4 else 4)
+        per_class = n // 2 if bits == 4 else (n // 2 if n == 32 else n // 4)
         if bits not in (2, 3, 4) or per_class < 16 or per_class & (per_class - 1):
             return None
         planes = {p.width: p.offset for p in layout.planes if p.group == g}

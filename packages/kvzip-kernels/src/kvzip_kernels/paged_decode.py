@@ -171,7 +171,8 @@ def paged_decode(
         if spec.k_groups is None or spec.v_groups is None:
             raise FormatError(
                 f"format {f.name!r}: the decode kernel reads rows of at most two channel groups "
-                f"of 2, 3 or 4 bits with >= 16 channels per class (head_dim 128); this format's "
+                f"of 2, 3 or 4 bits with >= 16 channels per class (4 bits: >= 32 channels; "
+                f"2 and 3 bits: 32 or >= 64); this format's "
                 f"rows at head_dim {d} have groups K {f.spec.k_groups}, V {f.spec.v_groups}"
             )
         q, post = _codebook_launch(
