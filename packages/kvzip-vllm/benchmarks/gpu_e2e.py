@@ -36,7 +36,6 @@ sys.path.insert(0, str(HERE))
 
 from bench_serving import ENV, LLAMA31_8B, plugin_path, prompts  # noqa: E402
 
-
 # A 4-layer Llama with Llama-3.1-8B's attention geometry per KV head (head 128, GQA 4): the
 # compact scenario's engines start in seconds instead of a minute.
 SMALL = dict(
