@@ -247,3 +247,23 @@ def test_rejected_value_in_skipped_token_is_not_an_input(name, device):
     got = new_paged_cache(fmt, 2, 2, 16, 128, kind="v", device=device)
     cache_write(fmt, x.to(device), got, slots.to(device), kind="v", block_size=16)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_gpu_compact_write_head_dim_64(kind):
+    """3bit at SmolLM2's shape on the GPU: 2,051 tokens, codes exact given y, scales <= 1 ulp."""
+    g = torch.Generator().manual_seed(8)
+    fmt = get_format("3bit", calibration=synthetic_calibration(3, 64))
+    x = (torch.randn(2051, 3, 64, generator=g) * 3).bfloat16().cuda()
+    slots = torch.randperm(200 * 16, generator=g)[:2051]
+    lay = PagedLayout.of(fmt, 64, 16, kind)
+    cache = new_paged_cache(fmt, 200, 3, 16, 64, kind=kind, device="cuda")
+    cache_write(fmt, x, cache, slots.cuda(), kind=kind, block_size=16)
+    want = fmt.quantize(codebook_y(fmt, x, kind, 0).cpu(), kind=kind)
+    got = gather_rows(cache.cpu(), lay, torch.arange(200), 200 * 16, kind)[slots]
+    cb = lay.code_bytes
+    assert torch.equal(got[..., :cb], want[..., :cb]), _diff_report(got, want, lay)
+    d16 = got[..., cb:].contiguous().view(torch.int16).int()
+    assert (d16 - want[..., cb:].contiguous().view(torch.int16).int()).abs().max() <= 1

@@ -216,3 +216,11 @@ def _check_sinks(name, hq, hkv, d, device):
     # and the sink changes the answer (the test would not notice a kernel ignoring it)
     without = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16)
     assert _rel(without, ref) > 10 * tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["3bit", "4bit"])
+def test_gpu_compact_head_dim_64_long_context(name):
+    """The compiled kernels at SmolLM2's shape with the default config, long lengths."""
+    check(name, 9, 3, 64, 16, [4099, 1000, 37], "cuda", seed=5)
