@@ -41,6 +41,7 @@ def test_shipped_codec_has_no_refit_switch():
     assert not hasattr(CompactFormat, "refit_scale")
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_all_on_variant_is_the_shipped_format(ablation, cal_and_kv):
     from kvzip_formats import get_format
 
@@ -54,6 +55,7 @@ def test_all_on_variant_is_the_shipped_format(ablation, cal_and_kv):
                 assert torch.equal(a, shipped.encode(x, kind=kind, layer=layer))
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_no_refit_variant_stores_the_rms_scale(ablation, cal_and_kv):
     from dataclasses import replace
 

@@ -64,6 +64,7 @@ def test_report_rebuilds_a_capacity_report(tmp_path):
     assert "| llama-3.1-8b | h100-80g | fp8 |" in first and "command:" in first
 
 
+@pytest.mark.slow  # end to end: a full report with its plots
 def test_report_of_a_saved_eval_result_has_every_plot(tmp_path):
     # a result written before results carried a "result" field: recognised by its keys
     src = REPO / "results" / "quality" / "baselines.json"

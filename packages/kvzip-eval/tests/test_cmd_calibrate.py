@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 
 from kvzip_eval.cmd_calibrate import command
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_calibrate_writes_artifact_matching_capture_kv(loaded, tmp_path):
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import capture_kv

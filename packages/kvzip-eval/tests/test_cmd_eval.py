@@ -41,6 +41,7 @@ def run(tmp_path_factory, loaded):
     return res, json.loads((out / "q.json").read_text()), out
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_json_schema_and_values(run):
     _, data, _ = run
     assert data["model"]["name"] == "SmolLM2-135M-Instruct"
@@ -67,6 +68,7 @@ def test_json_schema_and_values(run):
     assert {"date", "machine", "versions", "command"} <= set(prov)
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_noise_floor_is_zero_on_the_cpu(run):
     # the CPU computes bit-reproducibly: the reference run twice agrees with itself exactly
     _, data, out = run
@@ -77,6 +79,7 @@ def test_noise_floor_is_zero_on_the_cpu(run):
     assert "__bf16_rerun__" not in data["formats"]
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_table_and_report(run):
     res, _, out = run
     assert "| bf16 |" in res.output and "| int4 |" in res.output
@@ -86,6 +89,7 @@ def test_table_and_report(run):
         assert (out / "rep" / png).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_report_command_rebuilds_the_eval_report(run, tmp_path):
     from kvzip_eval.cli import main
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from kvzip_eval.cmd_lossless import command
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_lossless_command_on_real_kv(loaded, tmp_path):
     out = tmp_path / "r.json"
     dump = tmp_path / "kv"
@@ -74,6 +76,7 @@ def test_lossless_command_text_too_short(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow  # end to end: runs the command on the model
 def test_lossless_runs_without_output_options_and_prints_a_table(loaded, tmp_path):
     # the README's form: no --json needed, a readable table on standard output
     res = CliRunner().invoke(command, ["--tokens", "32", "--length", "32", "--no-embedded"])
