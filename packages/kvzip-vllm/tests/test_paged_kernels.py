@@ -18,6 +18,7 @@ test below).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import logging
@@ -50,7 +51,12 @@ from kvzip_formats.ops import gather_rows  # noqa: E402
 from kvzip_formats.ops import paged_decode as ops_paged_decode  # noqa: E402
 from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
 from kvzip_vllm import paged  # noqa: E402
-from kvzip_vllm.paged import PagedAttention, triton_runs  # noqa: E402
+from kvzip_vllm.paged import (  # noqa: E402
+    PagedAttention,
+    StepSinks,
+    plan_step,
+    triton_runs,
+)
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -169,6 +175,8 @@ class Case:
     block_table: torch.Tensor  # int32 [batch, max_blocks]
     seq_lens: torch.Tensor  # int32 [batch]
     q: torch.Tensor  # bf16 [batch, heads * d]: the decode step's queries
+    sinks: StepSinks | None  # the decode step's sink plan (every sequence's slot)
+    pool: object  # the SinkPool the plans came from
 
 
 @cache
@@ -180,7 +188,16 @@ def _case(name: str, device: str) -> Case:
     fmt = _fmt(name, s)
     g = torch.Generator().manual_seed(len(name) + 7)
     blocks = [-(-n // s.block_size) for n in s.lens]
-    num_blocks = sum(blocks) + 5  # spare blocks nobody owns
+    # spare blocks nobody owns, and enough blocks for two sink slots more than sequences
+    per_slot = PagedAttention(
+        fmt,
+        num_heads=s.num_heads,
+        num_kv_heads=s.num_kv_heads,
+        head_size=s.head_size,
+        block_size=s.block_size,
+        scale=1.0,
+    ).blocks_per_slot
+    num_blocks = max(sum(blocks) + 5, per_slot * (len(s.lens) + 2))
     perm = torch.randperm(num_blocks, generator=g)
     table = torch.zeros(len(s.lens), max(blocks) + 1, dtype=torch.int32)  # +1 unused column
     slots, first, at = [], [], 0
@@ -212,20 +229,32 @@ def _case(name: str, device: str) -> Case:
         )
 
     ref, ker = make(False), make(True)  # True: raise rather than fall back
-    caches = []
-    for p in (ref, ker):
-        cache_ = p.new_cache(num_blocks, device)
-        for sel in (prefill, ~prefill):
-            idx = sel.nonzero().squeeze(1)
-            sm = slots[idx].clone()
-            pad = torch.full((3,), -1)  # vLLM's padding slots, between real tokens
-            sm = torch.cat((sm[:1], pad, sm[1:])) if len(sm) else sm
-            k = torch.cat((key[idx[:1]], key[:3], key[idx[1:]]))[: len(sm)]
-            v = torch.cat((value[idx[:1]], value[:3], value[idx[1:]]))[: len(sm)]
-            extra = torch.randn(2, *k.shape[1:], generator=g).bfloat16()  # rows past slots
-            k, v = torch.cat((k, extra)), torch.cat((v, extra))
-            p.write(k.to(device), v.to(device), cache_, sm.to(device), layer=0)
-        caches.append(cache_)
+    caches = [p.new_cache(num_blocks, device) for p in (ref, ker)]
+    pool = ref.new_pool(caches[0])
+    seq_of = torch.repeat_interleave(torch.arange(len(s.lens)), torch.tensor(s.lens))
+    pos_of = torch.arange(total) - torch.tensor(first)[seq_of]
+    for sel in (prefill, ~prefill):
+        idx = sel.nonzero().squeeze(1)
+        sm = slots[idx].clone()
+        pad = torch.full((3,), -1)  # vLLM's padding slots, between real tokens
+        sm = torch.cat((sm[:1], pad, sm[1:])) if len(sm) else sm
+        k = torch.cat((key[idx[:1]], key[:3], key[idx[1:]]))[: len(sm)]
+        v = torch.cat((value[idx[:1]], value[:3], value[idx[1:]]))[: len(sm)]
+        extra = torch.randn(2, *k.shape[1:], generator=g).bfloat16()  # rows past slots
+        k, v = torch.cat((k, extra)), torch.cat((v, extra))
+        # the step's sink plan, as the builder makes it: the tokens at sink positions (their
+        # row in this batch: padding sits after the first row) and the sequences starting
+        sink_rows = [
+            (j if j == 0 else j + 3, int(seq_of[t]), int(pos_of[t]))
+            for j, t in enumerate(idx.tolist())
+            if pos_of[t] < ref.sink_tokens
+        ]
+        fresh = sorted({int(seq_of[t]) for t in idx.tolist() if pos_of[t] == 0})
+        st = None
+        if pool is not None:
+            st = plan_step(pool, table[:, 0].to(device), fresh, sink_rows)
+        for p, cache_ in zip((ref, ker), caches, strict=True):
+            p.write(k.to(device), v.to(device), cache_, sm.to(device), layer=0, sinks=st)
     q = torch.randn(len(s.lens), s.num_heads * s.head_size, generator=g).bfloat16()
     return Case(
         s,
@@ -240,6 +269,8 @@ def _case(name: str, device: str) -> Case:
         table.to(device),
         torch.tensor(s.lens, dtype=torch.int32).to(device),
         q.to(device),
+        st,
+        pool,
     )
 
 
@@ -295,15 +326,12 @@ def test_kernel_write_matches_reference_write(name, device):
     else:
         # measured on the CPU twin: 0 bytes differ for all four formats
         assert torch.equal(c.cache_ker, c.cache_ref), _diff_report(c.cache_ker, c.cache_ref, c.ref)
-    if c.ref.sink_tokens:
-        # the last entry is the spare that soaks up every non-sink token's write: on CUDA
-        # which of those duplicate writes lands is unspecified (seen on the H200), so only
-        # the blocks' entries are compared
-        assert torch.equal(c.ker.sinks[:-1], c.ref.sinks[:-1])
+    if c.ref.sink_tokens:  # the sink slots (inside the cache): the same bf16 bits
+        assert torch.equal(c.ker.sink_store(c.cache_ker), c.ref.sink_store(c.cache_ref))
 
 
 # ----------------------------------------------------------------------------- (b) decode
-def _decode(c: Case, p: PagedAttention, cache_, dtype):
+def _decode(c: Case, p: PagedAttention, cache_, dtype, sinks=None):
     b = len(c.s.lens)
     out = torch.zeros(b, c.s.num_heads * c.s.head_size, dtype=dtype, device=cache_.device)
     p.attend(
@@ -315,6 +343,7 @@ def _decode(c: Case, p: PagedAttention, cache_, dtype):
         block_table=c.block_table,
         layer=0,
         out=out,
+        sinks=c.sinks if sinks is None else sinks,
     )
     return out.float().cpu().view(b, c.s.num_heads, c.s.head_size)
 
@@ -327,7 +356,7 @@ def _plain_bf16(c: Case, cache_, q=None, rows=None, sinks=None):
     kp, vp = c.ref.pages(cache_)
     table = c.block_table[rows.to(c.block_table.device)]
     if sinks is None and c.ref.sink_tokens:
-        sinks = c.ref.sinks_of(cache_, table)
+        sinks = c.ref.sinks_of(cache_, c.sinks.select(rows.to(c.sinks.slots.device)), layer=0)
     return ops_paged_decode(
         c.fmt,
         q.reshape(len(rows), c.s.num_heads, c.s.head_size).cpu(),
@@ -404,6 +433,7 @@ def test_mixed_batch_decode_rows_by_kernel_prefill_rows_by_reference(device):
             block_table=c.block_table,
             layer=0,
             out=out,
+            sinks=c.sinks,
         )
         outs[which] = out.cpu()
     decode = torch.tensor([i for i, n in enumerate(qlen) if n == 1])
@@ -425,38 +455,199 @@ def test_mixed_batch_decode_rows_by_kernel_prefill_rows_by_reference(device):
 def test_sink_positions_come_from_the_bf16_store(name, device):
     _device_ok(device)
     c = _case(name, device)
-    # the store holds each sequence's first token in bf16, whichever path wrote it
+    # the slots hold each sequence's first token in bf16, whichever path wrote it
     for p in (c.ref, c.ker):
-        sk, sv = p.sinks_of(c.cache_ker, c.block_table)
+        sk, sv = p.sinks_of(c.cache_ker, c.sinks, layer=0)
         assert torch.equal(sk[:, 0], c.key[c.first]) and torch.equal(sv[:, 0], c.value[c.first])
     before = {w: _decode(c, p, c.cache_ker, torch.float32) for w, p in (("r", c.ref), ("k", c.ker))}
-    # other rows at the sink positions (the store unchanged): neither path reads them
+    # other rows at the sink positions (the slots unchanged): neither path reads them
     cache_ = c.cache_ker.clone()
-    store = c.ref.sinks.clone()
     g = torch.Generator().manual_seed(11)
     junk = (torch.randn(len(c.first), c.s.num_kv_heads, c.s.head_size, generator=g) * 50).bfloat16()
     slots = c.block_table[:, 0].long() * c.s.block_size
-    c.ref.write_reference(junk.to(device), junk.to(device), cache_, slots, layer=0)
-    c.ref.sinks.copy_(store)
+    no_writes = c.sinks.select(torch.arange(len(c.first), device=c.sinks.slots.device))
+    c.ref.write_reference(junk.to(device), junk.to(device), cache_, slots, layer=0, sinks=no_writes)
     assert not torch.equal(cache_, c.cache_ker)
     for w, p in (("r", c.ref), ("k", c.ker)):
         assert torch.equal(_decode(c, p, cache_, torch.float32), before[w]), w
-    # another store: both paths follow it, and still agree
+    # other slot contents: both paths follow them, and still agree
     new_k = c.key[c.first] + junk.to(device) / 10
     new_v = c.value[c.first] * -3
-    try:
-        for p in (c.ref, c.ker):
-            first = p.sinks[c.block_table[:, 0].long()]
-            first[:, 0, 0], first[:, 0, 1] = new_k, new_v
-            p.sinks[c.block_table[:, 0].long()] = first
-        want = _decode(c, c.ref, c.cache_ker, torch.float32)
-        got = _decode(c, c.ker, c.cache_ker, torch.bfloat16)
-        assert (want - before["r"]).abs().amax() > 0.1
-        plain = _plain_bf16(c, c.cache_ker, sinks=(new_k[:, None], new_v[:, None]))
-        _check_close(got, want, plain, c.s.lens, "decode, another sink store", (device, name))
-    finally:
-        for p in (c.ref, c.ker):
-            p.sinks.copy_(store)
+    cache_ = c.cache_ker.clone()
+    store = c.ref.sink_store(cache_)
+    cur = c.ref._slots(cache_, c.sinks.slots)
+    cur[:, 0, 0], cur[:, 0, 1] = new_k, new_v
+    store[c.sinks.slots] = cur.view(len(c.first), *store.shape[1:])
+    want = _decode(c, c.ref, cache_, torch.float32)
+    got = _decode(c, c.ker, cache_, torch.bfloat16)
+    assert (want - before["r"]).abs().amax() > 0.1
+    plain = _plain_bf16(c, cache_, sinks=(new_k[:, None], new_v[:, None]))
+    _check_close(got, want, plain, c.s.lens, "decode, other sink slots", (device, name))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_whose_slot_was_given_away_reads_its_own_rows(device):
+    """More new first blocks than slots: the least recently used slots are given away; their
+    old sequences then read their sinks from the format's decode of their own rows (every
+    path wrote them), never another sequence's sinks; a sequence read every step keeps its."""
+    _device_ok(device)
+    c = _case("4bit", device)
+    p, b = c.ref, len(c.s.lens)
+    pool = copy.deepcopy(c.pool)  # the case's pool stays as it is
+    assert not pool.may_miss
+    spare = sorted(set(range(c.cache_ker.shape[0])) - set(c.block_table.flatten().tolist()))[0]
+    step_firsts = torch.tensor([int(c.block_table[0, 0]), spare], device=device)
+    for _ in range(pool.num_slots - 1):  # sequence 0 read, a new first block, every step
+        plan_step(pool, step_firsts, [1], [])
+    assert pool.may_miss
+    st = plan_step(pool, c.block_table[:, 0].to(device), [], [])
+    assert st.valid.cpu().tolist() == [True] + [False] * (b - 1)
+    sk, sv = p.sinks_of(c.cache_ker, st, layer=0)
+    assert torch.equal(sk[0, 0], c.key[c.first[0]]) and torch.equal(sv[0, 0], c.value[c.first[0]])
+    for i in range(1, b):
+        for kind, x, pages in zip("kv", (sk, sv), p.pages(c.cache_ker), strict=True):
+            rows = gather_rows(pages, p.layouts[kind], c.block_table[i], 1, kind)
+            own = c.fmt.decode(rows, kind=kind, layer=0, head_dim=c.s.head_size)
+            assert torch.equal(x[i, 0], own[0].to(torch.bfloat16)), (i, kind)
+    # and attention follows: the kernel decode and the reference agree on the new sinks
+    want = _decode(c, c.ref, c.cache_ker, torch.float32, st)
+    got = _decode(c, c.ker, c.cache_ker, torch.bfloat16, st)
+    assert not torch.equal(want, _decode(c, c.ref, c.cache_ker, torch.float32))
+    plain = _plain_bf16(c, c.cache_ker, sinks=(sk, sv))
+    _check_close(got, want, plain, c.s.lens, "decode, slots given away", (device, "4bit"))
+
+
+# ------------------------------------------------------------------ prefill workspace
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["int4", "4bit", "3.5bit"])
+def test_prefill_workspace_matches_reference_attention(name, device):
+    """Prefill chunks (3, 6 and all-but-one new tokens of three sequences): the pages decoded
+    into a bf16 workspace, then variable-length attention (torch SDPA here, vLLM's
+    FlashAttention in the backend on CUDA) against the float32 reference path over the same
+    cache. Tolerance: plain bf16 attention's error (the workspace holds bf16) x2 + 1e-4."""
+    _device_ok(device)
+    c = _case(name, device)
+    seqs = [i for i, n in enumerate(c.s.lens) if n >= 6][:3]
+    qlen = {seqs[0]: 3, seqs[1]: 6, seqs[2]: c.s.lens[seqs[2]] - 1}
+    lens = c.s.lens
+    qlens = [qlen.get(i, 0) for i in range(len(lens))]
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(int(qsl[-1]), c.s.num_heads * c.s.head_size, generator=g).bfloat16()
+    outs = {}
+    for mode in ("reference", "workspace"):
+        p = PagedAttention(
+            c.fmt,
+            num_heads=c.s.num_heads,
+            num_kv_heads=c.s.num_kv_heads,
+            head_size=c.s.head_size,
+            block_size=c.s.block_size,
+            scale=c.ref.scale,
+            kernels=False,
+            prefill=mode,
+        )
+        out = torch.zeros(q.shape, dtype=torch.float32, device=device)
+        p.attend(
+            q.to(device),
+            c.cache_ker,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=c.seq_lens.cpu(),
+            seq_lens=c.seq_lens,
+            block_table=c.block_table,
+            layer=0,
+            out=out,
+            sinks=c.sinks,
+        )
+        outs[mode] = out.cpu().view(-1, c.s.num_heads, c.s.head_size)
+    want, got = outs["reference"], outs["workspace"]
+    assert torch.isfinite(got).all()
+    # the earned tolerance: the same attention in plain bf16 (bf16 workspace and scores)
+    p = PagedAttention(
+        c.fmt,
+        num_heads=c.s.num_heads,
+        num_kv_heads=c.s.num_kv_heads,
+        head_size=c.s.head_size,
+        block_size=c.s.block_size,
+        scale=c.ref.scale,
+        kernels=False,
+        prefill="workspace",
+    )
+    reqs = [i for i in range(len(lens)) if qlens[i]]
+    k, v, cu_k = p.workspace(c.cache_ker, c.block_table, lens, reqs, layer=0, sinks=c.sinks)
+    cu_q = [0, *torch.tensor([qlens[i] for i in reqs]).cumsum(0).tolist()]
+    plain = torch.empty(len(q), c.s.num_heads, c.s.head_size, dtype=torch.bfloat16, device=device)
+    _bf16_varlen(q.to(device).view(plain.shape), k, v, cu_q, cu_k, c.ref.scale, plain)
+    errs, tols = [], []
+    for j, i in enumerate(reqs):
+        rows = slice(int(qsl[i]), int(qsl[i + 1]))
+        errs.append(_rel(got[rows], want[rows]))
+        tols.append(2 * _rel(plain.float().cpu()[cu_q[j] : cu_q[j + 1]], want[rows]) + 1e-4)
+    _MEASURED[device].append(
+        {
+            "test": "prefill workspace",
+            "format": name,
+            "lens": [lens[i] for i in reqs],
+            "err": errs,
+            "plain": [(t - 1e-4) / 2 for t in tols],
+        }
+    )
+    for j, i in enumerate(reqs):
+        assert errs[j] <= tols[j], (i, errs[j], tols[j])
+    if device == "cuda":
+        _flash_attention_matches(c, q, qsl, outs, reqs, tols)
+
+
+def _bf16_varlen(q, k, v, cu_q, cu_k, scale, out):
+    """Causal attention in plain bf16 torch (scores and softmax in bf16)."""
+    rep = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        kk = k[ks:ke].repeat_interleave(rep, 1)
+        vv = v[ks:ke].repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", q[qs:qe], kk) * scale
+        nq, nk = qe - qs, ke - ks
+        mask = (
+            torch.arange(nk, device=q.device)[None, :]
+            > torch.arange(nk - nq, nk, device=q.device)[:, None]
+        )
+        s = s.masked_fill(mask[None], -math.inf).softmax(-1)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", s, vv)
+
+
+def _flash_attention_matches(c, q, qsl, outs, reqs, tols):
+    """On CUDA: the workspace with vLLM's FlashAttention varlen (what the backend runs) within
+    the same tolerance; needs vLLM's CUDA build."""
+    fa = pytest.importorskip("kvzip_vllm.compat").flash_attn_varlen()
+    if fa is None:
+        pytest.skip("vLLM's FlashAttention is not importable here")
+    p = PagedAttention(
+        c.fmt,
+        num_heads=c.s.num_heads,
+        num_kv_heads=c.s.num_kv_heads,
+        head_size=c.s.head_size,
+        block_size=c.s.block_size,
+        scale=c.ref.scale,
+        kernels=False,
+        prefill="workspace",
+        varlen=fa,
+    )
+    out = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+    p.attend(
+        q.cuda(),
+        c.cache_ker,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=c.seq_lens.cpu(),
+        seq_lens=c.seq_lens,
+        block_table=c.block_table,
+        layer=0,
+        out=out,
+        sinks=c.sinks,
+    )
+    got = out.cpu().view(outs["reference"].shape)
+    for j, i in enumerate(reqs):
+        rows = slice(int(qsl[i]), int(qsl[i + 1]))
+        err = _rel(got[rows], outs["reference"][rows])
+        assert err <= tols[j], (i, err, tols[j])
 
 
 # --------------------------------------------------------------------------- fallback

@@ -8,22 +8,60 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvzip_vllm import support
+from kvzip_vllm import compat, support
 
 
 def _model(arch="LlamaForCausalLM", dtype=torch.bfloat16, head=64):
     return SimpleNamespace(architectures=[arch], dtype=dtype, get_head_size=lambda: head)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.1"])
-def test_supported_vllm_versions(version):
-    assert support.check_vllm_version(version) == version
+@pytest.mark.parametrize(
+    ("version", "platform"),
+    [("0.26.0", "cuda"), ("0.32.0", "cpu"), ("0.32.0+cpu", "cpu"), ("0.33.1", "cuda")],
+)
+def test_supported_vllm_versions(version, platform):
+    assert support.check_vllm_version(version, platform) == version
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
-def test_other_vllm_versions_refused(version):
-    with pytest.raises(support.UnsupportedConfigError, match=r"supported: 0\.32\.x, 0\.33\.x"):
-        support.check_vllm_version(version)
+@pytest.mark.parametrize(
+    ("version", "platform"),
+    [
+        ("0.25.1", "cuda"),
+        ("0.31.2", "cpu"),
+        ("0.34.0", "cuda"),
+        ("1.0.0", "cuda"),
+        ("0.26.0", "cpu"),  # 0.26 is supported on CUDA only
+        ("0.32.0", "cuda"),  # 0.32 on the CPU only
+        ("0.33.0", "rocm"),
+    ],
+)
+def test_other_vllm_versions_refused_listing_the_supported(version, platform):
+    listed = r"supported: 0\.26\.x on CUDA .*; 0\.32\.x on CPU .*; 0\.33\.x on CUDA"
+    with pytest.raises(
+        support.UnsupportedConfigError, match=f"vLLM {version} on {platform}.*" + listed
+    ):
+        support.check_vllm_version(version, platform)
+
+
+def test_this_vllm_is_in_the_matrix():
+    pytest.importorskip("vllm")
+    assert compat.check_vllm().minor == compat.minor(__import__("vllm").__version__)
+
+
+def test_one_architecture_list_for_calibration_eval_and_the_plugin():
+    """kvzip calibrate/eval (kvzip_eval.model) and the plugin check the same architectures:
+    the list kvzip_formats.calibration defines (Llama-class decoders only)."""
+    from kvzip_formats import calibration
+
+    assert support.SUPPORTED_ARCHITECTURES is calibration.SUPPORTED_ARCHITECTURES
+    assert calibration.SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM",)
+    model = pytest.importorskip("kvzip_eval.model")
+    assert tuple(model.SUPPORTED_ARCHITECTURES) == calibration.SUPPORTED_ARCHITECTURES
+    for arch in ("MistralForCausalLM", "Qwen2ForCausalLM"):
+        with pytest.raises(support.UnsupportedConfigError, match=f"{arch}.*LlamaForCausalLM"):
+            support.check_model(
+                _model(arch=arch), dtypes=support.SUPPORTED_BACKEND_DTYPES, what="backend"
+            )
 
 
 def test_model_refusals_name_what_is_supported():

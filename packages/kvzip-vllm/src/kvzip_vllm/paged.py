@@ -1,32 +1,47 @@
 """The backend's device compute on vLLM's paged cache, without vLLM (testable on its own).
 
 One attention layer's cache, as vLLM hands it to the backend: uint8 ``[num_blocks,
-num_kv_heads, block_size, tbh_k + tbh_v]`` (``tbh``: the format's bytes per token and KV head
-for K and for V). vLLM only ever addresses whole blocks of it (allocation, prefix caching,
+num_kv_heads, block_size, content_bytes]`` with ``content_bytes = tbh_k + tbh_v + reserve``
+(``tbh``: the format's bytes per token and KV head for K and for V; ``reserve``: the sink
+pool's share, below). vLLM only ever addresses whole blocks of it (allocation, prefix caching,
 block copies), so the inside of a block is kvzip's: the K pages of every KV head, then their V
-pages, each page in kvzip's paged layout (``kvzip_formats/spec/paged_layout.md``)::
+pages, each page in kvzip's paged layout (``kvzip_formats/spec/paged_layout.md``), then the
+block's share of the sink pool::
 
-    block b: K page (head 0) .. K page (head H-1) | V page (head 0) .. V page (head H-1)
+    block b: K page (head 0) .. K page (head H-1) | V page (head 0) .. V page (head H-1) | pool
 
 so that ``pages()`` gives K and V as ``[num_blocks, num_kv_heads, page_bytes]`` views whose
-only stride is the block's (``H * (page_bytes_k + page_bytes_v)``), the form kvzip-kernels
+only stride is the block's (``H * block_size * content_bytes``), the form kvzip-kernels
 address with ``block_stride=``. (K page then V page per (block, head) would put a stride on
 the head dimension too, which the kernels do not take.)
 
-Formats with bf16 sink tokens (the compact formats; spec/4bit.md section 8) keep each
-sequence's first positions in a side store per layer, one entry per block:
-``[num_blocks + 1, sink_tokens, 2 (K, V), num_kv_heads, head_size]`` bf16, written for the
-positions ``< sink_tokens`` of every block and read for a sequence's first block (the last
-entry takes the writes of all other tokens, so the write needs no host sync).
+Sink tokens (the compact formats; spec/4bit.md section 8): the first ``sink_tokens``
+positions of every sequence are also kept in bf16. Only a sequence's first block has them, so
+they are kept per sequence, not per block: every block reserves ``reserve`` bytes per token
+and KV head (``sink_reserve_bytes``: 2 at head size 128, one sink token), and the reserves of
+``blocks_per_slot`` consecutive blocks form one slot of ``sink_tokens x 2 x H x d`` bf16, one
+slot per ``SINK_SLOT_TOKENS`` tokens of cache. The reserve is part of the bytes per token the
+backend declares, so vLLM sizes and reports the cache with the sinks in it, and the backend
+allocates nothing beside vLLM's tensor but a ``SinkPool``'s three index vectors (one per model,
+shared by every layer: 8 bytes per block and 16 per slot). The ``SinkPool`` maps a first block
+to its slot; a slot is given to a new sequence's first block (its first chunk) from the slots
+least recently read. A sequence whose slot was given away since (possible only once more first
+blocks were written than there are slots, e.g. a prefix-cache hit on a long-idle first block)
+reads its sinks from its own rows, which every path writes too (the spec's rows MUST be
+written): the format's decode of them, as if it had no bf16 sinks.
 
-Two paths, the same bytes and (within the kernels' earned tolerance) the same attention:
+Paths, the same bytes and (within the kernels' earned tolerance) the same attention:
 
 - reference (torch): the format's ``encode`` scattered into the pages, attention in float32
-  over the format's ``decode`` of every cached token, sinks from the store; every query
+  over the format's ``decode`` of every cached token, sinks from the pool; every query
   length (prefill chunks included);
 - kernels (kvzip-kernels): ``cache_write`` and, for requests with one new token,
   ``paged_decode`` with ``block_stride=`` and ``sinks=``. They run wherever Triton runs: CUDA,
-  and the CPU under ``TRITON_INTERPRET=1`` (the tests' CPU twin).
+  and the CPU under ``TRITON_INTERPRET=1`` (the tests' CPU twin);
+- prefill workspace (CUDA by default): the chunk's sequences' cached pages decoded into one
+  bf16 workspace by the format's vectorised torch decode (one call per K and V for the whole
+  batch), sinks placed, then a variable-length attention kernel over it (vLLM's
+  FlashAttention where the backend passes it, ``sdpa_varlen`` otherwise).
 
 A format, head size or block size the kernels refuse (e.g. ``3bit`` at head size 64) is found
 once per process by a probe call on well-formed inputs, which only their documented refusal
@@ -40,6 +55,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +84,194 @@ class Geometry:
     block_size: int
 
 
+#: One sink slot per this many tokens of cache: the reserve per token and KV head is
+#: ``4 * sink_tokens * head_size / SINK_SLOT_TOKENS`` bytes (bf16 K and V), rounded up.
+SINK_SLOT_TOKENS = 256
+
+
+def sink_reserve_bytes(sink_tokens: int, head_size: int) -> int:
+    """Bytes per token and KV head that every block reserves for the sink pool."""
+    return -(-4 * sink_tokens * head_size // SINK_SLOT_TOKENS) if sink_tokens else 0
+
+
+def content_bytes(fmt, head_size: int, block_size: int) -> int:
+    """The cache's last dimension: K's and V's bytes per token and KV head plus the sink
+    pool's reserve (what the backend tells vLLM one token of one KV head takes)."""
+    rows = sum(PagedLayout.of(fmt, head_size, block_size, k).token_head_bytes for k in "kv")
+    return rows + sink_reserve_bytes(int(fmt.sink_tokens), head_size)
+
+
+class SinkPool:
+    """Which sink slot holds the sinks of each first block: one pool per model (every layer's
+    cache has the same blocks and slots), on the cache's device.
+
+    ``slot_of_block[b]``: the slot last given to block ``b`` (-1: none); ``owner[j]``: the
+    block slot ``j`` was last given to (a block's slot is valid while it still owns it);
+    ``last_used[j]``: the step that last read or wrote it. Nothing here reads the device.
+    """
+
+    def __init__(self, num_blocks: int, num_slots: int, device) -> None:
+        if num_slots < 1:
+            raise ValueError(
+                f"a cache of {num_blocks} blocks has no sink slot (one per {SINK_SLOT_TOKENS} "
+                "tokens); give vLLM more KV cache memory"
+            )
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        self.owner = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.step = 0
+        self.assigned = 0  # slots given out so far
+
+    @property
+    def index_bytes(self) -> int:
+        """Device bytes the pool's index vectors take (the only memory beside vLLM's cache)."""
+        return sum(
+            t.numel() * t.element_size() for t in (self.slot_of_block, self.owner, self.last_used)
+        )
+
+    @property
+    def may_miss(self) -> bool:
+        """Whether a first block may have lost its slot (more slots given than exist)."""
+        return self.assigned > self.num_slots
+
+    def begin_step(self, first_blocks: torch.Tensor, fresh: Sequence[int]):
+        """Mark the slots of this step's sequences (first blocks ``[batch]``) as used and give
+        the ``fresh`` ones (indices into the batch: sequences whose first chunk this is) the
+        least recently used slots. Returns ``(slots, valid)`` ``[batch]`` on the device."""
+        self.step += 1
+        first = first_blocks.to(torch.int64)
+        slot = self.slot_of_block[first]
+        safe = slot.clamp_min(0)
+        valid = (slot >= 0) & (self.owner[safe] == first)
+        self.last_used.scatter_reduce_(0, safe, torch.where(valid, self.step, 0), "amax")
+        if fresh:
+            if len(fresh) > self.num_slots:
+                raise ValueError(
+                    f"{len(fresh)} new sequences in one step but the cache has {self.num_slots} "
+                    f"sink slots (one per {SINK_SLOT_TOKENS} tokens); lower max_num_seqs or "
+                    "give vLLM more KV cache memory"
+                )
+            idx = torch.tensor(list(fresh), dtype=torch.int64, device=first.device)
+            blocks = first[idx]
+            victims = torch.topk(self.last_used, len(fresh), largest=False).indices
+            self.slot_of_block[blocks] = victims
+            self.owner[victims] = blocks
+            self.last_used[victims] = self.step
+            slot = slot.clone()
+            slot[idx] = victims
+            valid = valid.clone()
+            valid[idx] = True
+            self.assigned += len(fresh)
+        return slot.clamp_min(0), valid
+
+
+@dataclass
+class StepSinks:
+    """One step's sink plan, shared by every layer: per sequence its slot, whether the slot
+    still holds its sinks, its first block; and the new tokens at sink positions: their row in
+    the step's key/value, the position, and (``write_req``) the sequences they belong to."""
+
+    slots: torch.Tensor  # [batch] int64
+    valid: torch.Tensor  # [batch] bool
+    first: torch.Tensor  # [batch] int64
+    may_miss: bool
+    rows: torch.Tensor  # [m] int64: row in key/value
+    row_req: torch.Tensor  # [m] int64: index into write_req
+    pos: torch.Tensor  # [m] int64: position < sink_tokens
+    write_req: torch.Tensor  # [u] int64: sequences (batch index) that write sinks
+
+    def select(self, idx: torch.Tensor) -> StepSinks:
+        """The read side for the sequences ``idx`` (no writes)."""
+        none = self.rows[:0]
+        return StepSinks(
+            self.slots[idx],
+            self.valid[idx],
+            self.first[idx],
+            self.may_miss,
+            none,
+            none,
+            none,
+            none,
+        )
+
+
+def sink_plan(qsl: Sequence[int], seq_lens: Sequence[int], sink_tokens: int):
+    """From a step's query start offsets ``[batch + 1]`` and sequence lengths (host lists):
+    the sequences whose first chunk this is, and every new token at a position
+    ``< sink_tokens`` as ``(row, sequence, position)``."""
+    fresh, rows = [], []
+    for i, n in enumerate(seq_lens):
+        q = qsl[i + 1] - qsl[i]
+        ctx = n - q
+        if q and ctx == 0:
+            fresh.append(i)
+        for p in range(ctx, min(sink_tokens, n)):
+            rows.append((qsl[i] + p - ctx, i, p))
+    return fresh, rows
+
+
+def plan_step(pool: SinkPool, first_blocks, fresh, rows) -> StepSinks:
+    """The step's ``StepSinks``: slots from ``pool`` (``fresh`` get new ones) and the sink
+    writes ``rows`` (``(row, sequence, position)``, from ``sink_plan``)."""
+    slots, valid = pool.begin_step(first_blocks, fresh)
+    dev = slots.device
+    seqs = sorted({r[1] for r in rows})
+    local = {q: j for j, q in enumerate(seqs)}
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64, device=dev)
+
+    return StepSinks(
+        slots,
+        valid,
+        first_blocks.to(torch.int64),
+        pool.may_miss,
+        t([r[0] for r in rows]),
+        t([local[r[1]] for r in rows]),
+        t([r[2] for r in rows]),
+        t(seqs),
+    )
+
+
+def sdpa_varlen(q, k, v, cu_q: Sequence[int], cu_k: Sequence[int], scale: float, out) -> None:
+    """Causal attention of packed sequences (``q`` ``[tokens, heads, d]``, ``k``/``v``
+    ``[keys, kv_heads, d]``, host offsets ``cu_q``/``cu_k``), each sequence's queries being its
+    last keys' positions (FlashAttention's bottom-right causal mask), by torch's
+    ``scaled_dot_product_attention``; into ``out`` ``[tokens, heads, d]``."""
+    rep = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if qe == qs:
+            continue
+        nq, nk = qe - qs, ke - ks
+        mask = (
+            torch.arange(nk, device=q.device)[None, :]
+            <= torch.arange(nk - nq, nk, device=q.device)[:, None]
+        )
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1),
+            k[ks:ke].repeat_interleave(rep, 1).transpose(0, 1),
+            v[ks:ke].repeat_interleave(rep, 1).transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[qs:qe] = o.transpose(0, 1).to(out.dtype)
+
+
+#: ``varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out)``: the prefill workspace's kernel
+#: (cu_q/cu_k int32 device tensors, max_q/max_k ints)
+VarlenAttention = Callable[..., None]
+
+
 class PagedAttention:
     """One layer's cache write and attention over vLLM's cache in a kvzip format.
 
     ``kernels``: ``None`` uses kvzip-kernels wherever Triton runs (``triton_runs``),
     ``False`` never (vLLM on the CPU: the issue's reference path), ``True`` requires them.
+    ``prefill``: ``"workspace"`` (the default on CUDA) or ``"reference"`` (elsewhere) for
+    requests with more than one new token; ``varlen``: the workspace's attention kernel
+    (``sdpa_varlen`` when None).
     """
 
     def __init__(
@@ -85,31 +284,57 @@ class PagedAttention:
         block_size: int,
         scale: float,
         kernels: bool | None = None,
+        prefill: str | None = None,
+        varlen: VarlenAttention | None = None,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
             )
+        if prefill not in (None, "workspace", "reference"):
+            raise ValueError(f"prefill must be 'workspace' or 'reference', got {prefill!r}")
         self.fmt = fmt
         self.geometry = Geometry(num_heads, num_kv_heads, head_size, block_size)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_size, self.block_size = head_size, block_size
         self.scale = float(scale)
         self.kernels = kernels
+        self.prefill, self.varlen = prefill, varlen
         self.layouts = {
             kind: PagedLayout.of(fmt, head_size, block_size, kind) for kind in ("k", "v")
         }
-        # sink tokens: the first positions of every sequence in bf16 (spec/4bit.md section 8);
-        # sink_tokens x heads x head_size x 2 x bf16 per block and layer (1 sink, 3 heads, d 64:
-        # 768 bytes next to a 26,112-byte 4bit block of 128 tokens, +2.9%)
+        # sink tokens: the first positions of every sequence in bf16 (spec/4bit.md section 8),
+        # in a pool of slots made of every block's reserve (module docstring)
         self.sink_tokens = int(fmt.sink_tokens)
-        self.sinks: torch.Tensor | None = None  # [num_blocks + 1, sink_tokens, 2, heads, d]
+        self.reserve = sink_reserve_bytes(self.sink_tokens, head_size)
+        self.blocks_per_slot = 0
+        if self.sink_tokens:
+            slot = 4 * self.sink_tokens * head_size  # per KV head: bf16 K and V
+            if slot % (block_size * self.reserve):
+                raise ValueError(
+                    f"block_size {block_size}: a sink slot ({slot} bytes per KV head) is not a "
+                    f"whole number of blocks' reserves ({self.reserve} bytes per token)"
+                )
+            self.blocks_per_slot = slot // (block_size * self.reserve)
 
     # -- layout -----------------------------------------------------------------------
     @property
     def token_head_bytes(self) -> int:
-        """The cache's last dimension: K's and V's bytes per token and KV head."""
+        """K's and V's bytes per token and KV head (the rows, without the sink reserve)."""
         return sum(lay.token_head_bytes for lay in self.layouts.values())
+
+    @property
+    def content_bytes(self) -> int:
+        """The cache's last dimension: the rows plus the sink reserve."""
+        return self.token_head_bytes + self.reserve
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (vLLM's page size for the layer)."""
+        return self.num_kv_heads * self.block_size * self.content_bytes
+
+    def num_sink_slots(self, num_blocks: int) -> int:
+        return num_blocks // self.blocks_per_slot if self.sink_tokens else 0
 
     def new_cache(self, num_blocks: int, device="cpu") -> torch.Tensor:
         """A zeroed cache shaped as vLLM allocates it (for tests and benchmarks)."""
@@ -118,16 +343,20 @@ class PagedAttention:
             num_blocks,
             g.num_kv_heads,
             g.block_size,
-            self.token_head_bytes,
+            self.content_bytes,
             dtype=torch.uint8,
             device=device,
         )
 
-    def pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V pages ``[num_blocks, num_kv_heads, page_bytes]``: views into ``kv_cache``
-        (never copies) strided by the block only, ``stride(0)`` bytes per block."""
-        nb, h = kv_cache.shape[0], self.num_kv_heads
-        want = (h, self.block_size, self.token_head_bytes)
+    def new_pool(self, kv_cache: torch.Tensor) -> SinkPool | None:
+        """The sink pool for caches of ``kv_cache``'s blocks (None without sink tokens)."""
+        if not self.sink_tokens:
+            return None
+        nb = kv_cache.shape[0]
+        return SinkPool(nb, self.num_sink_slots(nb), kv_cache.device)
+
+    def _check(self, kv_cache: torch.Tensor) -> None:
+        want = (self.num_kv_heads, self.block_size, self.content_bytes)
         if (
             kv_cache.dtype != torch.uint8
             or kv_cache.dim() != 4
@@ -137,15 +366,44 @@ class PagedAttention:
                 f"kv_cache must be uint8 [num_blocks, {', '.join(map(str, want))}], got "
                 f"{kv_cache.dtype} {tuple(kv_cache.shape)}"
             )
-        kv_cache.view(nb, -1)  # raises rather than copies if a block is not contiguous
+        kv_cache.view(kv_cache.shape[0], -1)  # raises rather than copies if a block is split
+
+    def _block_stride(self, kv_cache: torch.Tensor) -> int:
         # the block stride as the kernels check it (a one-block view would report another)
-        stride = kv_cache.stride(0) if nb > 1 else h * self.block_size * self.token_head_bytes
+        return kv_cache.stride(0) if kv_cache.shape[0] > 1 else self.block_bytes
+
+    def pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages ``[num_blocks, num_kv_heads, page_bytes]``: views into ``kv_cache``
+        (never copies) strided by the block only, ``stride(0)`` bytes per block."""
+        self._check(kv_cache)
+        nb, h = kv_cache.shape[0], self.num_kv_heads
+        stride = self._block_stride(kv_cache)
         pk, pv = self.layouts["k"].page_bytes, self.layouts["v"].page_bytes
         base = kv_cache.storage_offset()
         return (
             kv_cache.as_strided((nb, h, pk), (stride, pk, 1), base),
             kv_cache.as_strided((nb, h, pv), (stride, pv, 1), base + h * pk),
         )
+
+    def sink_store(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The sink pool's slots in ``kv_cache``: a bf16 view ``[num_slots, blocks_per_slot,
+        reserve_elems]`` over the blocks' reserves (each slot's ``blocks_per_slot *
+        reserve_elems`` values are its ``[sink_tokens, 2 (K, V), num_kv_heads, head_size]``)."""
+        self._check(kv_cache)
+        r, nb = self.blocks_per_slot, kv_cache.shape[0]
+        n = self.num_sink_slots(nb)
+        stride = self._block_stride(kv_cache)
+        area = self.num_kv_heads * self.block_size * self.reserve
+        rows = self.num_kv_heads * self.block_size * self.token_head_bytes
+        raw = kv_cache.as_strided(
+            (n, r, area), (r * stride, stride, 1), kv_cache.storage_offset() + rows
+        )
+        return raw.view(torch.bfloat16)
+
+    def _slots(self, kv_cache, slots: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        got = self.sink_store(kv_cache)[slots]
+        return got.view(len(slots), self.sink_tokens, 2, g.num_kv_heads, g.head_size)
 
     # -- path choice ------------------------------------------------------------------
     def use_kernels(self, device: torch.device) -> bool:
@@ -158,16 +416,22 @@ class PagedAttention:
             raise RuntimeError(f"kernels=True but kvzip-kernels refuse this layer: {why}")
         return why is None
 
-    # -- cache write ------------------------------------------------------------------
-    def write(self, key, value, kv_cache, slot_mapping, *, layer: int) -> None:
-        """Write the new tokens' K and V ``[num_tokens, num_kv_heads, head_size]`` at
-        ``slot_mapping`` ``[num_tokens]`` (``-1`` skips a token), and their sink copies."""
-        if self.use_kernels(kv_cache.device):
-            self.write_kernels(key, value, kv_cache, slot_mapping, layer=layer)
-        else:
-            self.write_reference(key, value, kv_cache, slot_mapping, layer=layer)
+    def use_workspace(self, device: torch.device) -> bool:
+        if self.prefill is not None:
+            return self.prefill == "workspace"
+        return device.type == "cuda"
 
-    def write_reference(self, key, value, kv_cache, slot_mapping, *, layer: int) -> None:
+    # -- cache write ------------------------------------------------------------------
+    def write(self, key, value, kv_cache, slot_mapping, *, layer: int, sinks=None) -> None:
+        """Write the new tokens' K and V ``[num_tokens, num_kv_heads, head_size]`` at
+        ``slot_mapping`` ``[num_tokens]`` (``-1`` skips a token), and the bf16 copies of those
+        at sink positions (``sinks``: the step's ``StepSinks``; needed with sink tokens)."""
+        if self.use_kernels(kv_cache.device):
+            self.write_kernels(key, value, kv_cache, slot_mapping, layer=layer, sinks=sinks)
+        else:
+            self.write_reference(key, value, kv_cache, slot_mapping, layer=layer, sinks=sinks)
+
+    def write_reference(self, key, value, kv_cache, slot_mapping, *, layer: int, sinks=None):
         n = slot_mapping.shape[0]
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].to(torch.int64)
@@ -178,9 +442,9 @@ class PagedAttention:
             lay.codes_view(pages, kind)[blk, :, off] = rows[..., : lay.code_bytes]
             if lay.meta_bytes:
                 lay.meta_view(pages)[blk, :, off] = rows[..., lay.code_bytes :]
-        self._write_sinks(key[:n], value[:n], kv_cache, slot_mapping)
+        self.write_sinks(key, value, kv_cache, sinks)
 
-    def write_kernels(self, key, value, kv_cache, slot_mapping, *, layer: int) -> None:
+    def write_kernels(self, key, value, kv_cache, slot_mapping, *, layer: int, sinks=None):
         import kvzip_kernels
 
         n = slot_mapping.shape[0]
@@ -197,49 +461,57 @@ class PagedAttention:
                 check_slots=False,
                 block_stride=pages.stride(0),
             )
-        self._write_sinks(key[:n], value[:n], kv_cache, slot_mapping)
+        self.write_sinks(key, value, kv_cache, sinks)
 
-    def _sink_store(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        nb = kv_cache.shape[0]
-        if self.sinks is not None:
-            if self.sinks.shape[0] != nb + 1 or self.sinks.device != kv_cache.device:
-                raise ValueError(
-                    f"kv_cache ({nb} blocks on {kv_cache.device}) is not the cache whose sink "
-                    f"tokens this layer holds ({self.sinks.shape[0] - 1} blocks on "
-                    f"{self.sinks.device})"
-                )
-        else:
-            g = self.geometry
-            self.sinks = torch.zeros(
-                nb + 1,
-                self.sink_tokens,
-                2,
-                g.num_kv_heads,
-                g.head_size,
-                dtype=torch.bfloat16,
-                device=kv_cache.device,
-            )
-        return self.sinks
-
-    def _write_sinks(self, k, v, kv_cache, slot_mapping) -> None:
+    def write_sinks(self, key, value, kv_cache, sinks: StepSinks | None) -> None:
+        """The bf16 copies of the step's tokens at sink positions, into their slots."""
         if not self.sink_tokens:
             return
-        store = self._sink_store(kv_cache)
-        s, nb = self.sink_tokens, kv_cache.shape[0]
-        slots = slot_mapping.to(torch.int64)
-        off = slots % self.block_size
-        # positions >= sink_tokens of a block (and skipped tokens) go to the spare last entry:
-        # no boolean mask, so no device-to-host sync per layer
-        idx = torch.where((slots >= 0) & (off < s), slots // self.block_size * s + off, nb * s)
-        flat = store.view(-1, 2, self.num_kv_heads, self.head_size)
-        flat[idx, 0] = k.to(torch.bfloat16)
-        flat[idx, 1] = v.to(torch.bfloat16)
+        if sinks is None:
+            raise ValueError(
+                f"format {getattr(self.fmt, 'name', self.fmt)} keeps {self.sink_tokens} sink "
+                "token(s): the write needs the step's StepSinks (plan_step)"
+            )
+        if not sinks.rows.numel():
+            return
+        slots = sinks.slots[sinks.write_req]
+        cur = self._slots(kv_cache, slots)
+        rows = sinks.rows.to(key.device)
+        cur[sinks.row_req, sinks.pos, 0] = key[rows].to(torch.bfloat16)
+        cur[sinks.row_req, sinks.pos, 1] = value[rows].to(torch.bfloat16)
+        store = self.sink_store(kv_cache)
+        store[slots] = cur.view(len(slots), *store.shape[1:])
 
-    def sinks_of(self, kv_cache, block_table) -> tuple[torch.Tensor, torch.Tensor]:
+    def sinks_of(self, kv_cache, sinks: StepSinks, *, layer: int):
         """The bf16 sink K and V ``[batch, sink_tokens, num_kv_heads, head_size]`` of the
-        sequences of ``block_table`` (from their first block's entry)."""
-        first = self._sink_store(kv_cache)[block_table[:, 0].to(torch.int64)]
-        return first[:, :, 0], first[:, :, 1]
+        step's sequences: from their slots, or (a slot given away since) from the format's
+        decode of their own rows."""
+        got = self._slots(kv_cache, sinks.slots)
+        if sinks.may_miss:
+            own = self._row_sinks(kv_cache, sinks.first, layer)
+            got = torch.where(sinks.valid[:, None, None, None, None], got, own)
+        return got[:, :, 0], got[:, :, 1]
+
+    def _row_sinks(self, kv_cache, first: torch.Tensor, layer: int) -> torch.Tensor:
+        """The format's decode of the rows at the sink positions of blocks ``first``
+        ``[batch]``: bf16 ``[batch, sink_tokens, 2, num_kv_heads, head_size]``."""
+        b, s = first.shape[0], self.sink_tokens
+        off = torch.arange(s, device=first.device)
+        out = []
+        for kind, pages in zip("kv", self.pages(kv_cache), strict=True):
+            lay = self.layouts[kind]
+            rows = lay.codes_view(pages, kind)[first[:, None], :, off[None, :]]
+            if lay.meta_bytes:
+                meta = lay.meta_view(pages)[first[:, None], :, off[None, :]]
+                rows = torch.cat((rows, meta), -1)
+            x = self.fmt.decode(
+                rows.reshape(b * s, self.num_kv_heads, -1),
+                kind=kind,
+                layer=layer,
+                head_dim=self.head_size,
+            )
+            out.append(x.reshape(b, s, self.num_kv_heads, self.head_size))
+        return torch.stack(out, 2).to(torch.bfloat16)
 
     # -- attention --------------------------------------------------------------------
     def attend(
@@ -253,16 +525,19 @@ class PagedAttention:
         block_table,
         layer: int,
         out,
+        sinks: StepSinks | None = None,
     ) -> torch.Tensor:
         """Causal attention of the new tokens ``query`` ``[num_tokens, num_heads * head_size]``
         (or ``[num_tokens, num_heads, head_size]``) over the cache into ``out`` (same rows).
         Requests with one new token go to the decode kernel where it runs, the rest (prefill
-        chunks) to the reference path."""
+        chunks) to the prefill workspace (CUDA) or the reference path."""
+        if self.sink_tokens and sinks is None:
+            raise ValueError("attend: a format with sink tokens needs the step's StepSinks")
         qsl = query_start_loc_cpu.tolist()
         qlen = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
         lens = seq_lens_cpu.tolist()
-        # the decode kernel attends every sink of the store: a sequence shorter than the sink
-        # tokens takes the reference path (the shipped formats have one: never the case)
+        # the decode kernel attends every sink of the slot: a sequence shorter than the sink
+        # tokens takes the other path (the shipped formats have one: never the case)
         one = [i for i, n in enumerate(qlen) if n == 1 and lens[i] >= self.sink_tokens]
         if one and self.use_kernels(kv_cache.device):
             if len(one) == len(qlen):  # a decode-only batch: no gather
@@ -274,6 +549,7 @@ class PagedAttention:
                     max_seq_len=int(seq_lens_cpu.max()),
                     layer=layer,
                     out=out[: len(one)],
+                    sinks=sinks,
                 )
                 return out
             rows = torch.tensor([qsl[i] for i in one], device=query.device)
@@ -285,18 +561,49 @@ class PagedAttention:
                 seq_lens=seq_lens[idx],
                 max_seq_len=int(seq_lens_cpu[one].max()),
                 layer=layer,
+                sinks=sinks.select(idx.to(sinks.slots.device)) if sinks is not None else None,
             )
             out[rows] = got.reshape(len(one), *out.shape[1:]).to(out.dtype)
             rest = sorted(set(range(len(qlen))) - set(one))
         else:
-            rest = range(len(qlen))
-        self.attend_reference(
-            query, kv_cache, qsl, seq_lens_cpu, block_table, layer=layer, out=out, requests=rest
-        )
+            rest = list(range(len(qlen)))
+        if rest and self.use_workspace(kv_cache.device):
+            self.attend_workspace(
+                query,
+                kv_cache,
+                qsl,
+                lens,
+                block_table,
+                layer=layer,
+                out=out,
+                requests=rest,
+                sinks=sinks,
+            )
+        elif rest:
+            self.attend_reference(
+                query,
+                kv_cache,
+                qsl,
+                seq_lens_cpu,
+                block_table,
+                layer=layer,
+                out=out,
+                requests=rest,
+                sinks=sinks,
+            )
         return out
 
     def decode_kernels(
-        self, query, kv_cache, *, block_table, seq_lens, max_seq_len: int, layer: int, out=None
+        self,
+        query,
+        kv_cache,
+        *,
+        block_table,
+        seq_lens,
+        max_seq_len: int,
+        layer: int,
+        out=None,
+        sinks: StepSinks | None = None,
     ) -> torch.Tensor:
         """kvzip-kernels' decode for one new token per sequence: ``query`` ``[batch, ...]``;
         returns ``[batch, num_heads, head_size]`` (``out``'s storage where it is bf16). Every
@@ -321,27 +628,108 @@ class PagedAttention:
             max_seq_len=max_seq_len,
             out=target,
             block_stride=k_pages.stride(0),
-            sinks=self.sinks_of(kv_cache, block_table) if self.sink_tokens else None,
+            sinks=self.sinks_of(kv_cache, sinks, layer=layer) if self.sink_tokens else None,
         )
         if out is not None and target is None:
             out.copy_(res.reshape(out.shape))
         return res
 
+    def workspace(self, kv_cache, block_table, lens, requests, *, layer: int, sinks=None):
+        """The cached K and V of the sequences ``requests`` decoded into one packed bf16
+        workspace ``[sum of their lengths, num_kv_heads, head_size]`` each (sinks in place),
+        and the sequences' start offsets in it (a host list, ``len(requests) + 1``)."""
+        g = self.geometry
+        cu = [0]
+        for i in requests:
+            cu.append(cu[-1] + lens[i])
+        out = []
+        for kind, pages in zip("kv", self.pages(kv_cache), strict=True):
+            rows = torch.cat(
+                [
+                    gather_rows(pages, self.layouts[kind], block_table[i], lens[i], kind)
+                    for i in requests
+                ]
+            )
+            x = self.fmt.decode(rows, kind=kind, layer=layer, head_dim=g.head_size)
+            out.append(x.to(torch.bfloat16))
+        if self.sink_tokens:
+            idx = torch.tensor(list(requests), device=sinks.slots.device)
+            sk, sv = self.sinks_of(kv_cache, sinks.select(idx), layer=layer)
+            src = [
+                (j, p)
+                for j, i in enumerate(requests)
+                for p in range(min(lens[i], self.sink_tokens))
+            ]
+            if src:
+                dst = torch.tensor([cu[j] + p for j, p in src], device=out[0].device)
+                j = torch.tensor([a for a, _ in src], device=sk.device)
+                p = torch.tensor([b for _, b in src], device=sk.device)
+                out[0][dst] = sk[j, p].to(out[0].device)
+                out[1][dst] = sv[j, p].to(out[1].device)
+        return out[0], out[1], cu
+
+    def attend_workspace(
+        self, query, kv_cache, qsl, lens, block_table, *, layer: int, out, requests, sinks=None
+    ) -> torch.Tensor:
+        """Prefill chunks: the sequences' pages decoded into a bf16 workspace, then one
+        variable-length causal attention (``varlen``, or ``sdpa_varlen``) over it."""
+        g = self.geometry
+        reqs = [i for i in requests if qsl[i + 1] > qsl[i]]
+        if not reqs:
+            return out
+        k, v, cu_k = self.workspace(kv_cache, block_table, lens, reqs, layer=layer, sinks=sinks)
+        rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in reqs]).to(query.device)
+        q = query[rows].reshape(-1, g.num_heads, g.head_size).to(torch.bfloat16)
+        cu_q = [0]
+        for i in reqs:
+            cu_q.append(cu_q[-1] + qsl[i + 1] - qsl[i])
+        o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        if self.varlen is None:
+            sdpa_varlen(q, k, v, cu_q, cu_k, self.scale, o)
+        else:
+            dev = q.device
+            self.varlen(
+                q,
+                k,
+                v,
+                torch.tensor(cu_q, dtype=torch.int32, device=dev),
+                torch.tensor(cu_k, dtype=torch.int32, device=dev),
+                max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False)),
+                max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False)),
+                self.scale,
+                o,
+            )
+        out[rows] = o.reshape(len(rows), *out.shape[1:]).to(out.dtype)
+        return out
+
     def attend_reference(
-        self, query, kv_cache, qsl, seq_lens_cpu, block_table, *, layer: int, out, requests=None
+        self,
+        query,
+        kv_cache,
+        qsl,
+        seq_lens_cpu,
+        block_table,
+        *,
+        layer: int,
+        out,
+        requests=None,
+        sinks=None,
     ) -> torch.Tensor:
         """float32 attention over the format's decode of every cached token (sinks from the
-        store), per request; ``qsl``: the query start offsets ``[batch + 1]`` (a list)."""
+        pool), per request; ``qsl``: the query start offsets ``[batch + 1]`` (a list)."""
         g = self.geometry
         k_pages, v_pages = self.pages(kv_cache)
         rep = g.num_heads // g.num_kv_heads
         lens = seq_lens_cpu.tolist()
+        sk = sv = None
+        if self.sink_tokens:
+            sk, sv = self.sinks_of(kv_cache, sinks, layer=layer)
         for i in range(len(lens)) if requests is None else requests:
             qs, qe, seq_len = qsl[i], qsl[i + 1], lens[i]
             if qe == qs:
                 continue
-            k = self.gather(k_pages, kv_cache, block_table[i], seq_len, "k", layer)
-            v = self.gather(v_pages, kv_cache, block_table[i], seq_len, "v", layer)
+            k = self.gather(k_pages, block_table[i], seq_len, "k", layer, sk, i)
+            v = self.gather(v_pages, block_table[i], seq_len, "v", layer, sv, i)
             q = query[qs:qe].reshape(qe - qs, g.num_heads, g.head_size).float()
             k = k.repeat_interleave(rep, dim=1)  # [n, hq, d]
             v = v.repeat_interleave(rep, dim=1)
@@ -354,13 +742,14 @@ class PagedAttention:
             out[qs:qe].copy_(o.reshape(out[qs:qe].shape).to(out.dtype))
         return out
 
-    def gather(self, pages, kv_cache, blocks, seq_len: int, kind: str, layer: int) -> torch.Tensor:
-        """Decoded K or V of one sequence, float32 ``[seq_len, num_kv_heads, head_size]``."""
+    def gather(self, pages, blocks, seq_len: int, kind: str, layer: int, sink=None, i=0):
+        """Decoded K or V of one sequence, float32 ``[seq_len, num_kv_heads, head_size]``
+        (its first positions from ``sink[i]``, the step's bf16 sinks, where given)."""
         rows = gather_rows(pages, self.layouts[kind], blocks, seq_len, kind)
         x = self.fmt.decode(rows, kind=kind, layer=layer, head_dim=self.head_size)
         n = min(self.sink_tokens, seq_len)
-        if n:
-            x[:n] = self._sink_store(kv_cache)[int(blocks[0]), :n, "kv".index(kind)].float()
+        if n and sink is not None:
+            x[:n] = sink[i, :n].float().to(x.device)
         return x
 
 

@@ -55,9 +55,10 @@ def register_backend_if_enabled() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from kvzip_vllm import support
+    from kvzip_vllm import compat, support
 
     support.check_vllm_version()
+    compat.install_spec_shim()  # vLLM 0.26: the layer spec carries the compact page size
     enum = AttentionBackendEnum
     slot = enum.CPU_ATTN if current_platform.is_cpu() else enum.CUSTOM
     register_backend(slot, BACKEND_PATH)

