@@ -155,3 +155,49 @@ def test_connector_refuses_unsupported_setups_at_start(change, match):
     )
     with pytest.raises(support.UnsupportedConfigError, match=match):
         KvzipConnector(cfg, KVConnectorRole.WORKER, None)
+
+
+def test_spec_shim_gives_kvzip_layers_the_compact_page(monkeypatch):
+    """vLLM 0.26's path (no customize_spec): the plugin's shim makes the attention layer's
+    get_kv_cache_spec return a spec whose page is the backend's (sinks included), and the
+    backend's get_kv_cache_shape the matching uint8 shape; other layers keep their spec.
+    Run here on 0.32's classes with the 0.26 API selected (the H200 test runs it on 0.26)."""
+    pytest.importorskip("vllm")
+    import vllm.model_executor.layers.attention.attention as attention_mod
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    import kvzip_formats
+    from kvzip_vllm import backend
+    from kvzip_vllm.paged import PagedAttention
+
+    fmt = kvzip_formats.get_format("int4")
+    monkeypatch.setattr(backend, "_active_format", lambda: fmt)
+    monkeypatch.setattr(compat, "has_spec_api", lambda: False)
+
+    class Layer:  # the attributes 0.26's Attention.get_kv_cache_spec reads, and its result
+        layer_name = "model.layers.0.self_attn.attn"
+
+        def __init__(self, attn_backend):
+            self.attn_backend = attn_backend
+
+        def get_kv_cache_spec(self, vllm_config):
+            return FullAttentionSpec(
+                block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+            )
+
+    monkeypatch.setattr(attention_mod, "Attention", Layer)
+    assert compat.install_spec_shim() and compat.install_spec_shim()  # idempotent
+    spec = Layer(backend.KvzipAttentionBackend).get_kv_cache_spec(None)
+    p = PagedAttention(fmt, num_heads=32, num_kv_heads=8, head_size=128, block_size=16, scale=1)
+    assert spec.dtype == torch.uint8
+    assert spec.page_size_bytes == p.block_bytes == 16 * 8 * 136
+    assert type(spec).merge([spec, spec]).page_size_bytes == p.block_bytes
+    other = Layer(object).get_kv_cache_spec(None)  # another backend's layer: untouched
+    assert type(other) is FullAttentionSpec and other.page_size_bytes == 16 * 8 * 2 * 128 * 2
+
+    class Shaped:
+        kvzip_content_bytes = staticmethod(backend.KvzipAttentionBackend.kvzip_content_bytes)
+
+    compat.kv_cache_api(Shaped)
+    assert Shaped.get_kv_cache_shape(10, 16, 8, 128, "auto") == (10, 8, 16, 136)
+    assert not hasattr(Shaped, "customize_spec")

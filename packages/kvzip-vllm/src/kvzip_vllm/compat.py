@@ -150,9 +150,16 @@ def _kvzip_spec_class():
         class KvzipFullAttentionSpec(FullAttentionSpec):
             kvzip_content_bytes: int = 0
 
+            # 0.26 computes page_size_bytes from real_page_size_bytes (through
+            # unpadded_page_size_bytes, which adds nothing without a quantized kv_cache_dtype);
+            # both are set, so the page is the compact one whichever vLLM reads it
             @property
             def real_page_size_bytes(self) -> int:
                 return self.block_size * self.num_kv_heads * self.kvzip_content_bytes
+
+            @property
+            def unpadded_page_size_bytes(self) -> int:
+                return self.real_page_size_bytes
 
             @classmethod
             def merge(cls, specs):
@@ -227,7 +234,7 @@ def flash_attn_varlen() -> Callable | None:
     if version is None:
         return None
 
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out):
+    def flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out):
         flash_attn_varlen_func(
             q=q,
             k=k,
@@ -242,8 +249,8 @@ def flash_attn_varlen() -> Callable | None:
             fa_version=version,
         )
 
-    varlen.fa_version = version
-    return varlen
+    flash_attn_varlen.fa_version = version
+    return flash_attn_varlen
 
 
 # ----------------------------------------------------------------------- forward context

@@ -55,6 +55,7 @@ import functools
 import logging
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,11 @@ from kvzip_formats import FormatError
 from kvzip_formats.ops import PagedLayout, gather_rows
 
 logger = logging.getLogger("vllm.kvzip.paged")
+
+#: Calls per path in this process (``write_kernels``, ``write_reference``, ``decode_kernels``,
+#: ``prefill_workspace``, ``attend_reference``; ``prefill_workspace`` counts its
+#: ``varlen`` kernel too, as ``varlen:<name>``): how the tests see which path vLLM ran.
+PATH_CALLS: Counter[str] = Counter()
 
 
 def triton_runs(device: torch.device) -> bool:
@@ -432,6 +438,7 @@ class PagedAttention:
             self.write_reference(key, value, kv_cache, slot_mapping, layer=layer, sinks=sinks)
 
     def write_reference(self, key, value, kv_cache, slot_mapping, *, layer: int, sinks=None):
+        PATH_CALLS["write_reference"] += 1
         n = slot_mapping.shape[0]
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].to(torch.int64)
@@ -447,6 +454,7 @@ class PagedAttention:
     def write_kernels(self, key, value, kv_cache, slot_mapping, *, layer: int, sinks=None):
         import kvzip_kernels
 
+        PATH_CALLS["write_kernels"] += 1
         n = slot_mapping.shape[0]
         for kind, x, pages in zip("kv", (key, value), self.pages(kv_cache), strict=True):
             kvzip_kernels.cache_write(
@@ -610,6 +618,7 @@ class PagedAttention:
         sequence must hold at least ``sink_tokens`` tokens (``attend`` sees to it)."""
         import kvzip_kernels
 
+        PATH_CALLS["decode_kernels"] += 1
         b, g = query.shape[0], self.geometry
         k_pages, v_pages = self.pages(kv_cache)
         target = None
@@ -684,6 +693,8 @@ class PagedAttention:
         for i in reqs:
             cu_q.append(cu_q[-1] + qsl[i + 1] - qsl[i])
         o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        PATH_CALLS["prefill_workspace"] += 1
+        PATH_CALLS[f"varlen:{getattr(self.varlen or sdpa_varlen, '__name__', 'varlen')}"] += 1
         if self.varlen is None:
             sdpa_varlen(q, k, v, cu_q, cu_k, self.scale, o)
         else:
@@ -717,6 +728,7 @@ class PagedAttention:
     ) -> torch.Tensor:
         """float32 attention over the format's decode of every cached token (sinks from the
         pool), per request; ``qsl``: the query start offsets ``[batch + 1]`` (a list)."""
+        PATH_CALLS["attend_reference"] += 1
         g = self.geometry
         k_pages, v_pages = self.pages(kv_cache)
         rep = g.num_heads // g.num_kv_heads
