@@ -3,7 +3,11 @@
 
 Times, per shape (Llama-3.1-8B: 32 q / 8 kv heads; 70B per GPU under TP8: 8 q / 1 kv; d 128),
 batch (8/16/32/64) and context (32k/128k), page size 16:
-  ours-<fmt>  kvzip_kernels.paged_decode for each kvzip format (int4, fp8, compact formats)
+  ours-<fmt>  kvzip_kernels.paged_decode for each kvzip format (int4, fp8, compact formats),
+              Triton kernels (backend="triton")
+  cuda-<fmt>  the same call with backend="cuda" (csrc/paged_decode.cu: int4, int4-rot, 4bit),
+              built first (build time and ptxas resources in the JSON), its output checked
+              against ours-<fmt> of the same data (rel L2 in "checks")
   xqa         FlashInfer's XQA (TensorRT-LLM's fp8 decode kernel), fp8 e4m3 cache
   fi_tc       FlashInfer's fp8 tensor-core decode (BatchDecodeWithPagedKVCacheWrapper)
 The fp8 cache of xqa/fi_tc holds the same values as our fp8 kernel's cache (copied into their
@@ -45,6 +49,9 @@ def parse():
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--formats", default="fp8,int4", help="kvzip formats timed with our kernels")
     p.add_argument("--baselines", default="xqa,fi_tc")
+    p.add_argument(
+        "--backends", default="triton,cuda", help="our backends: triton (ours-*), cuda (cuda-*)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
@@ -63,7 +70,33 @@ def parse():
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.formats = [x for x in a.formats.split(",") if x]
     a.baselines = [x for x in a.baselines.split(",") if x]
+    a.backends = [x for x in a.backends.split(",") if x]
     return a
+
+
+def build_cuda(torch):
+    """Build the CUDA decode kernel for this GPU; its build time and ptxas resource lines."""
+    import subprocess
+
+    from kvzip_kernels import _cuda
+
+    cap = tuple(torch.cuda.get_device_capability())
+    t0 = time.time()
+    info = dict(capability=list(cap))
+    try:
+        info["so"] = str(_cuda.build(cap))
+        info["build_s"] = round(time.time() - t0, 1)
+        cmd = [_cuda.nvcc(), "-O3", *_cuda.arch_flags(cap), "-Xptxas", "-v", "-cubin"]
+        r = subprocess.run(
+            [*cmd, "-o", "/dev/null", str(_cuda._SRC)], capture_output=True, text=True
+        )
+        info["ptxas"] = [
+            ln.strip() for ln in r.stderr.splitlines() if "Used" in ln or "spill" in ln
+        ]
+        info["failure"] = _cuda.failure(torch.device("cuda"))
+    except Exception as ex:  # noqa: BLE001  (reported, the Triton rows still run)
+        info["failure"] = f"{type(ex).__name__}: {ex}"
+    return info
 
 
 def load_bench_xqa(bundle: Path):
@@ -204,6 +237,9 @@ def main():
         )
         say(f"[jit] flashinfer modules built in {bx.build_all(bx.jit_specs(jit_args, torch)):.1f}s")
     say(f"[env] {prop.name}, {prop.multi_processor_count} SMs; {versions}")
+    cuda_info = build_cuda(torch) if "cuda" in a.backends else None
+    if cuda_info is not None:
+        say(f"[cuda] {cuda_info}")
     configs = parse_configs(a.sweep, DecodeConfig)
     gen = torch.Generator(device=dev)
     gen.manual_seed(1234)
@@ -322,7 +358,8 @@ def main():
                     res["fi_tc"] = bench(torch, fn, a.iters, a.warmup)[0]
                     outs["fi_tc"] = o
                 for name, (fmt, _, (kp, vp)) in pools.items():
-                    for label, cfg in configs:
+                    for backend, label_cfg in ((b_, c_) for b_ in a.backends for c_ in configs):
+                        label, cfg = label_cfg
                         o = torch.empty_like(q)
                         fn = functools.partial(
                             paged_decode,
@@ -336,17 +373,29 @@ def main():
                             max_seq_len=ctx,
                             out=o,
                             config=cfg,
+                            backend=backend,
                         )
-                        key = f"ours-{name}" + ("" if len(configs) == 1 else f"@{label}")
+                        prefix = "ours" if backend == "triton" else backend
+                        key = f"{prefix}-{name}" + ("" if len(configs) == 1 else f"@{label}")
                         try:
                             res[key] = bench(torch, fn, a.iters, a.warmup)[0]
-                        except FormatError as ex:  # a format without a decode kernel
-                            say(f"!! {key}: {ex}")
+                        except FormatError as ex:  # a format without a (CUDA) decode kernel
+                            if backend == "triton" or name in ("4bit", "int4", "int4-rot"):
+                                say(f"!! {key}: {ex}")
                             continue
                         outs[key] = o
+                        twin = "ours" + key.removeprefix(prefix)
+                        if backend != "triton" and twin in outs:
+                            o1, o2 = o.float(), outs[twin].float()
+                            e = ((o1 - o2).norm() / o2.norm()).item()
+                            checks.append(
+                                dict(shape=shape, batch=B, context=ctx, pair=f"{key}~{twin}",
+                                     rel_l2=e)
+                            )  # fmt: skip
+                            say(f"[check] rel L2 {key} vs {twin}: {e:.5f}")
                 best = min([res[k] for k in ("xqa", "fi_tc") if k in res], default=float("nan"))
                 for key, us in res.items():
-                    name = key.split("@")[0].removeprefix("ours-")
+                    name = key.split("@")[0].removeprefix("ours-").removeprefix("cuda-")
                     kv_bytes = pools[name][1] if name in pools else 2 * d
                     nbytes = B * ctx * hkv * kv_bytes
                     gbps = nbytes / (us * 1e-6) / 1e9
@@ -394,6 +443,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(
         kernels=kernel_info(),
+        cuda=cuda_info,
         device=prop.name,
         sms=prop.multi_processor_count,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -73,6 +73,7 @@ def paged_decode(
     config: DecodeConfig | None = None,
     block_stride: int | None = None,
     sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Decode attention for one new token per sequence.
 
@@ -85,6 +86,10 @@ def paged_decode(
     ``kv[:, 0]`` / ``kv[:, 1]`` (see ``check_strided_cache``). ``sinks``: for the compact
     formats, the bf16 copies ``(k, v)`` ``[batch, n_sink, num_kv_heads, head_dim]`` of each
     sequence's first tokens, attended instead of their rows (spec/4bit.md sections 6 and 8).
+    ``backend``: ``"auto"`` (default; or the ``KVZIP_KERNELS_BACKEND`` environment variable)
+    runs the CUDA C++ split kernel (``_cuda.py``: int4, int4-rot, 4bit; at most 8 query heads
+    per KV head) on sm_90 where it builds, and Triton elsewhere; ``"cuda"`` forces it (a
+    ``FormatError`` saying why where it cannot run), ``"triton"`` forces the Triton kernels.
 
     Example::
 
@@ -167,6 +172,19 @@ def paged_decode(
     post = None
     if sinks is not None:
         _check_sinks(sinks, spec, q, k_cache.shape[1])
+    from kvzip_kernels import _cuda
+
+    use_cuda = _cuda.choose(backend, f.name, spec, g, q.device) == "cuda"
+    geometry = dict(
+        num_kv_heads=hkv,
+        k_page_bytes=spec.layout.page_bytes,
+        v_page_bytes=spec.vlay.page_bytes,
+        k_blk_stride=blk_stride,
+        v_blk_stride=v_blk_stride,
+        block_size=block_size,
+        tokens_per_split=per_split,
+        num_splits=splits,
+    )
     if spec.family == "codebook":
         if spec.k_groups is None or spec.v_groups is None:
             raise FormatError(
@@ -194,7 +212,14 @@ def paged_decode(
             grid,
             common,
             sinks,
+            geometry if use_cuda else None,
         )
+    elif use_cuda:  # int4, int4-rot
+        q = q.contiguous()
+        _cuda.split(
+            f.name, q, None, None, k_cache, v_cache, block_table, seq_lens, o_part, lse,
+            scale * LOG2E, **geometry,
+        )  # fmt: skip
     elif spec.family == "int4":
         _int4_split_kernel[grid](
             q,
@@ -281,6 +306,7 @@ def _codebook_launch(
     grid,
     common,
     sinks=None,
+    cuda_geometry=None,
 ):
     """The compact formats: fold the calibrated transforms into q and the output.
 
@@ -290,7 +316,7 @@ def _codebook_launch(
     undoes it in the scores. With ``sinks`` the kernel skips the sink positions and the
     output merges their exact bf16 K/V by log-sum-exp; then ``q . mean_k`` no longer cancels
     and shifts the rows' log-sum-exp (spec/4bit.md section 6). Returns the fp16 ``q'`` and the
-    output transform.
+    output transform. ``cuda_geometry``: run the CUDA split kernel (``_cuda.split``) instead.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -301,7 +327,45 @@ def _codebook_launch(
     mean_k, bk, _, _ = transform_consts(tk, dev)
     mean_v, _, bvt, _ = transform_consts(tv, dev)
     q16, qs = fold_q(q, bk, hkv)
-    lut = codebook_lut(spec.k_groups, spec.v_groups, str(dev))
+    if cuda_geometry is not None:
+        from kvzip_kernels import _cuda
+
+        _cuda.split(
+            f.name, q16, qs, _levels16(dev), k_cache, v_cache, block_table, seq_lens, o_part,
+            lse, scale * LOG2E, skip=0 if sinks is None else sinks[0].shape[1], **cuda_geometry,
+        )  # fmt: skip
+    else:
+        _codebook_triton(
+            spec, q16, qs, k_cache, v_cache, block_table, seq_lens, o_part, lse, scale,
+            k_blk_stride, v_blk_stride, per_split, splits, grid, common, sinks,
+        )  # fmt: skip
+    interpret = common["INTERPRET"]
+
+    def post(y, out):  # [b, hq, d] float32 in the transformed domain -> bf16 ``out``
+        if sinks is None:
+            unfold_o(y, bvt, mean_v, out, hkv, interpret)
+            return
+        o = torch.einsum("bhge,hed->bhgd", y.view(b, hkv, hq // hkv, d), bvt)
+        o = o + mean_v[None, :, None, :]
+        o = _merge_sinks(o, q, sinks, lse.view(b, hkv, hq // hkv, splits), mean_k, scale)
+        out.copy_(o.reshape(b, hq, d))
+
+    return q16, post
+
+
+def _levels16(device) -> torch.Tensor:
+    """The 16 ascending fp16 levels of the 4-bit codebook on ``device`` (the CUDA kernel's)."""
+    from kvzip_formats.compact import codebook
+
+    return on_device(codebook, device, lambda c: c.levels(4).to(torch.float16).contiguous())
+
+
+def _codebook_triton(
+    spec, q16, qs, k_cache, v_cache, block_table, seq_lens, o_part, lse, scale,
+    k_blk_stride, v_blk_stride, per_split, splits, grid, common, sinks,
+):  # fmt: skip
+    hkv = k_cache.shape[1]
+    lut = codebook_lut(spec.k_groups, spec.v_groups, str(q16.device))
     consts = {}
     for kind, groups in (("K", spec.k_groups), ("V", spec.v_groups)):
         for g, (bits, n, off, off1) in enumerate(groups):
@@ -335,18 +399,6 @@ def _codebook_launch(
         **consts,
         **common,
     )
-    interpret = common["INTERPRET"]
-
-    def post(y, out):  # [b, hq, d] float32 in the transformed domain -> bf16 ``out``
-        if sinks is None:
-            unfold_o(y, bvt, mean_v, out, hkv, interpret)
-            return
-        o = torch.einsum("bhge,hed->bhgd", y.view(b, hkv, hq // hkv, d), bvt)
-        o = o + mean_v[None, :, None, :]
-        o = _merge_sinks(o, q, sinks, lse.view(b, hkv, hq // hkv, splits), mean_k, scale)
-        out.copy_(o.reshape(b, hq, d))
-
-    return q16, post
 
 
 def _merge_sinks(o, q, sinks, lse, mean_k, scale):

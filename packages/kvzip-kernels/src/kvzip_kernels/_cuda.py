@@ -1,0 +1,223 @@
+"""The CUDA C++ split-KV decode kernel (csrc/paged_decode.cu), built with nvcc at first use for
+the GPU at hand and cached, called through ctypes (as kvzip-lossless builds its coder: plain
+CUDA with a C ABI compiles in seconds, where torch's extension loader compiles torch's
+headers for about a minute; and it builds with the nvcc of the ``nvidia-cuda-nvcc`` wheel).
+
+It replaces only the split stage of ``paged_decode``: it writes the same partial outputs and
+base-2 log-sum-exps as the Triton split kernels, and the Triton merge (plus, for the compact
+formats, the output transform and the sink merge) runs after it.
+
+Formats: ``int4``, ``int4-rot`` (the wrapper rotates q and the output) and ``4bit``; head_dim
+64 and 128; at most 8 query heads per KV head; page sizes that are multiples of 16.
+``paged_decode(..., backend=)`` or ``KVZIP_KERNELS_BACKEND`` (``auto``, ``cuda``,
+``triton``) choose; ``auto`` takes CUDA on sm_90 where it builds, else Triton.
+``KVZIP_KERNELS_CUDA_SO`` names a prebuilt library (skips the build); ``KVZIP_NVCC`` an nvcc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kvzip_formats import FormatError
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).parent / "csrc" / "paged_decode.cu"
+_libs: dict[tuple[int, int], ctypes.CDLL] = {}
+_failed: dict[tuple[int, int], str] = {}
+#: mma.sync m16n8k16 with bf16 operands and movmatrix: Ampere and newer.
+MIN_CAPABILITY = (8, 0)
+#: The GPUs ``backend="auto"`` sends to CUDA (the kernel is tuned for Hopper).
+AUTO_CAPABILITIES = ((9, 0),)
+MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
+FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1}
+BACKENDS = ("auto", "cuda", "triton")
+
+
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    """nvcc flags for a GPU of compute ``capability``: its machine code and PTX; Hopper (9.0)
+    gets ``sm_90a``. ValueError below :data:`MIN_CAPABILITY`."""
+    major, minor = (int(c) for c in capability)
+    if (major, minor) < MIN_CAPABILITY:
+        raise ValueError(
+            f"compute capability {major}.{minor} is not supported by the CUDA decode kernel "
+            f"(mma.sync with bf16 needs >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]})"
+        )
+    cc = f"{major}{minor}"
+    sm = f"{cc}a" if (major, minor) == (9, 0) else cc
+    return [
+        f"-gencode=arch=compute_{sm},code=sm_{sm}",
+        f"-gencode=arch=compute_{sm},code=compute_{sm}",
+    ]
+
+
+def nvcc() -> str:
+    """The nvcc that builds the kernel: ``KVZIP_NVCC``, torch's CUDA_HOME, or PATH."""
+    env = os.environ.get("KVZIP_NVCC")
+    if env:
+        return env
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return str(Path(CUDA_HOME) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found is None:
+        raise FileNotFoundError("nvcc not found (KVZIP_NVCC, CUDA_HOME/bin/nvcc, PATH)")
+    return found
+
+
+def build(capability: tuple[int, int], out_dir: Path | None = None) -> Path:
+    """Compile csrc/paged_decode.cu for ``capability`` (cached by source and flags)."""
+    pre = os.environ.get("KVZIP_KERNELS_CUDA_SO")
+    if pre and Path(pre).exists():
+        return Path(pre)
+    flags = arch_flags(capability)
+    src = _SRC.read_bytes()
+    cache = out_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvzip"
+    cache.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    so = cache / f"kvzd-sm{capability[0]}{capability[1]}-{key}.so"
+    if not so.exists():
+        tmp = so.with_suffix(f".{os.getpid()}.so")
+        cmd = [nvcc(), "-O3", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp), str(_SRC)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}): {r.stderr.strip()[-800:]}")
+        tmp.replace(so)
+    return so
+
+
+def _capability(device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def lib(device):
+    """The kernel library for ``device``'s GPU, or None where it cannot be built or loaded
+    (the reason: :func:`failure`)."""
+    cap = _capability(device)
+    if cap not in _libs and cap not in _failed:
+        try:
+            L = ctypes.CDLL(str(build(cap)))
+            P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+            L.kvzd_split_launch.argtypes = [
+                I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
+            ]  # fmt: skip
+            L.kvzd_split_launch.restype = I
+            _libs[cap] = L
+        except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
+            _failed[cap] = f"{type(e).__name__}: {e}"
+            log.warning("kvzip-kernels: CUDA decode kernel unavailable on sm_%d%d: %s", *cap, e)
+    return _libs.get(cap)
+
+
+def failure(device) -> str | None:
+    """Why the CUDA kernel cannot run on ``device`` (None when it can)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return f"the CUDA decode kernel needs a CUDA device, got {device}"
+    return None if lib(device) is not None else _failed.get(_capability(device))
+
+
+def refusal(fmt_name: str, spec, group: int, device) -> str | None:
+    """Why this call cannot take the CUDA kernel (None if it can): format, shape, GPU."""
+    if fmt_name not in FORMATS:
+        return f"format {fmt_name!r} has no CUDA decode kernel (CUDA: {', '.join(FORMATS)})"
+    if fmt_name == "4bit" and (
+        spec.k_groups is None
+        or spec.k_groups[0][0] != 4
+        or spec.k_groups[1][0]
+        or spec.v_groups != spec.k_groups
+    ):
+        return "4bit rows of one 4-bit group are what the CUDA kernel reads"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head; the CUDA kernel takes at most {MAX_GROUP}"
+    if spec.layout.block_size % 16:
+        return f"block_size {spec.layout.block_size} is not a multiple of 16"
+    return failure(device)
+
+
+def choose(backend: str | None, fmt_name: str, spec, group: int, device) -> str:
+    """``"cuda"`` or ``"triton"`` for this call. ``backend`` (or ``KVZIP_KERNELS_BACKEND``):
+    ``auto`` (default) takes CUDA on sm_90 when it can; ``cuda`` raises where it cannot."""
+    want = backend or os.environ.get("KVZIP_KERNELS_BACKEND") or "auto"
+    if want not in BACKENDS:
+        raise FormatError(f"backend must be one of {BACKENDS}, got {want!r}")
+    if want == "triton":
+        return "triton"
+    dev = torch.device(device)
+    if want == "auto":
+        if dev.type != "cuda" or _capability(dev) not in AUTO_CAPABILITIES:
+            return "triton"
+        return "cuda" if refusal(fmt_name, spec, group, dev) is None else "triton"
+    why = refusal(fmt_name, spec, group, dev)
+    if why is not None:
+        raise FormatError(f"backend='cuda' cannot run this call: {why}")
+    return "cuda"
+
+
+def _ptr(t: torch.Tensor | None):
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def split(
+    fmt_name: str,
+    q: torch.Tensor,
+    qs: torch.Tensor | None,
+    lut16: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    o_part: torch.Tensor,
+    lse: torch.Tensor,
+    qk_scale: float,
+    *,
+    num_kv_heads: int,
+    k_page_bytes: int,
+    v_page_bytes: int,
+    k_blk_stride: int,
+    v_blk_stride: int,
+    block_size: int,
+    tokens_per_split: int,
+    num_splits: int,
+    skip: int = 0,
+) -> None:
+    """Launch the split stage on the current stream (inputs validated by ``paged_decode``;
+    ``q`` contiguous: bf16 for int4, the fp16 q' for 4bit with ``qs`` and ``lut16``)."""
+    b, hq, d = q.shape
+    rc = lib(q.device).kvzd_split_launch(
+        FORMATS[fmt_name],
+        d,
+        _ptr(q),
+        _ptr(qs),
+        _ptr(lut16),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(block_table),
+        _ptr(seq_lens),
+        _ptr(o_part),
+        _ptr(lse),
+        ctypes.c_float(qk_scale),
+        block_table.stride(0),
+        b,
+        num_kv_heads,
+        hq // num_kv_heads,
+        k_page_bytes,
+        v_page_bytes,
+        k_blk_stride,
+        v_blk_stride,
+        block_size,
+        tokens_per_split,
+        num_splits,
+        skip,
+        ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream),
+    )
+    if rc:
+        raise RuntimeError(f"kvzip-kernels CUDA decode launch failed: error {rc}")

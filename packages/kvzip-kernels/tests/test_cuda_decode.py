@@ -1,0 +1,168 @@
+"""The CUDA C++ split kernel (csrc/paged_decode.cu) against the float32 reference and the Triton
+kernels, and the backend choice of ``paged_decode``.
+
+GPU tests (``gpu`` marker) need a GPU of compute capability >= 8.0 and an nvcc; the earned
+tolerance is test_paged_decode's (2x plain torch in bf16 + 1e-3), and the CUDA output must
+also agree with the Triton kernels' within that tolerance. CPU tests cover the dispatch rules
+and, where an nvcc is found, that the kernel compiles for sm_90a.
+"""
+
+import ctypes
+import os
+
+import pytest
+import torch
+from test_paged_decode import _rel, make_case
+
+from kvzip_formats import FormatError, get_format
+from kvzip_formats.ops import paged_decode as ref_paged_decode
+from kvzip_kernels import DecodeConfig, _cuda, paged_decode
+from kvzip_kernels._formats import kernel_spec
+
+HAS_SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+needs_sm80 = pytest.mark.skipif(
+    not HAS_SM80, reason="needs a CUDA GPU of compute capability >= 8.0"
+)
+
+# hq, hkv, d, block_size, lens, config: GQA 1/4/8 (and SmolLM2's 3), head_dim 64/128, pages
+# 16/64, partial last pages, batch 1, several splits, the default config on long sequences
+CASES = [
+    (4, 4, 64, 16, [37, 5], DecodeConfig(block_n=16, num_splits=2)),
+    (16, 4, 128, 16, [300, 17, 1], DecodeConfig(block_n=32, num_splits=3)),
+    (8, 1, 128, 64, [130], DecodeConfig(block_n=64, num_splits=2)),
+    (8, 1, 64, 64, [65], DecodeConfig(block_n=64, num_splits=1)),
+    (9, 3, 64, 16, [1000, 33], None),
+    (32, 8, 128, 16, [4099, 1000, 37, 8192], None),
+    (8, 1, 128, 16, [131072 // 8 + 5], None),
+]
+
+
+def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0):
+    (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, block_size, lens, seed, "cuda")
+    sk = None
+    if sinks:
+        g = torch.Generator().manual_seed(9)
+        sk = tuple(
+            (torch.randn(len(lens), 1, hkv, d, generator=g) * 2).bfloat16() for _ in range(2)
+        )
+    ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=block_size, sinks=sk)
+    plain = ref_paged_decode(
+        fmt, q, kc, vc, bt, sl, block_size=block_size, sinks=sk, compute_dtype=torch.bfloat16
+    )
+    tol = 2 * _rel(plain, ref) + 1e-3
+    kw = dict(block_size=block_size, config=config)
+    if sk is not None:
+        kw["sinks"] = tuple(t.cuda() for t in sk)
+    out = paged_decode(fmt, *dev, backend="cuda", **kw)
+    tri = paged_decode(fmt, *dev, backend="triton", **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err <= tol, f"{name} CUDA: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
+    diff = _rel(out, tri.float().cpu())
+    assert diff <= tol, f"{name}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("name", ["int4", "4bit", "int4-rot"])
+@pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), CASES)
+def test_cuda_matches_reference(name, hq, hkv, d, block_size, lens, config):
+    if name == "int4-rot" and d != 128:
+        pytest.skip("int4-rot: one head_dim is enough (the kernel is int4's)")
+    _check(name, hq, hkv, d, block_size, lens, config)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (9, 3, 64), (8, 8, 64)])
+def test_cuda_4bit_sinks(hq, hkv, d):
+    """The sink token read from its bf16 copy: the kernel skips position 0, a one-token
+    sequence is all sink."""
+    _check("4bit", hq, hkv, d, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True)
+    _check("4bit", hq, hkv, d, 16, [2000], None, sinks=True)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("name", ["int4", "4bit"])
+def test_cuda_block_strided_caches(name):
+    """vLLM's kv[:, 0] / kv[:, 1] with block_stride: the same answer as contiguous caches."""
+    (fmt, *_), (q, kc, vc, bt, sl) = make_case(name, 8, 2, 128, 16, [300], 0, "cuda")
+    kv = torch.stack((kc, vc), 1)  # [blocks, 2, heads, page_bytes]: K and V rows equal in size
+    want = paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, backend="cuda")
+    got = paged_decode(
+        fmt, q, kv[:, 0], kv[:, 1], bt, sl, block_size=16, block_stride=kv.stride(0),
+        backend="cuda",
+    )  # fmt: skip
+    assert torch.equal(got, want)
+
+
+def _fmt(name, hkv, d):
+    from kvzip_kernels.testing import synthetic_calibration
+
+    return get_format(
+        name, calibration=synthetic_calibration(hkv, d) if name[0].isdigit() else None
+    )
+
+
+@pytest.mark.gpu
+@needs_sm80
+def test_cuda_auto_dispatch_on_hopper():
+    """auto takes CUDA on sm_90 for the formats it has, Triton for the others; the
+    environment variable overrides."""
+    spec4 = kernel_spec(_fmt("4bit", 2, 128), 128, 16)
+    spec3 = kernel_spec(_fmt("3bit", 2, 128), 128, 16)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert _cuda.choose(None, "4bit", spec4, 4, "cuda") == ("cuda" if hopper else "triton")
+    assert _cuda.choose(None, "3bit", spec3, 4, "cuda") == "triton"
+    assert _cuda.choose(None, "4bit", spec4, 16, "cuda") == "triton"  # GQA 16 > N = 8
+    with pytest.raises(FormatError, match="no CUDA decode kernel"):
+        _cuda.choose("cuda", "3bit", spec3, 4, "cuda")
+    old = os.environ.get("KVZIP_KERNELS_BACKEND")
+    os.environ["KVZIP_KERNELS_BACKEND"] = "triton"
+    try:
+        assert _cuda.choose(None, "4bit", spec4, 4, "cuda") == "triton"
+    finally:
+        if old is None:
+            del os.environ["KVZIP_KERNELS_BACKEND"]
+        else:
+            os.environ["KVZIP_KERNELS_BACKEND"] = old
+
+
+# -- CPU --------------------------------------------------------------------------------
+
+
+def test_backend_argument_on_cpu():
+    """Triton (the interpreter here) is what auto picks without a GPU; forcing CUDA there, or
+    naming an unknown backend, is a clear error."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU twin of the dispatch rules")
+    fmt = _fmt("int4", 1, 64)
+    spec = kernel_spec(fmt, 64, 16)
+    assert _cuda.choose(None, "int4", spec, 4, "cpu") == "triton"
+    with pytest.raises(FormatError, match="needs a CUDA device"):
+        _cuda.choose("cuda", "int4", spec, 4, "cpu")
+    with pytest.raises(FormatError, match="backend must be one of"):
+        _cuda.choose("tensorrt", "int4", spec, 4, "cpu")
+    _, dev = make_case("int4", 4, 1, 64, 16, [20], 0, "cpu")
+    with pytest.raises(FormatError, match="backend='cuda' cannot run this call"):
+        paged_decode("int4", *dev, block_size=16, backend="cuda")
+
+
+def test_arch_flags():
+    assert _cuda.arch_flags((9, 0))[0] == "-gencode=arch=compute_90a,code=sm_90a"
+    assert _cuda.arch_flags((8, 9))[0] == "-gencode=arch=compute_89,code=sm_89"
+    with pytest.raises(ValueError, match="not supported"):
+        _cuda.arch_flags((7, 5))
+
+
+def test_kernel_compiles_for_sm90a(tmp_path):
+    """The kernel builds for Hopper with the nvcc found (KVZIP_NVCC, CUDA_HOME or PATH) and
+    exports its launcher; where no nvcc is installed there is nothing to build with."""
+    try:
+        _cuda.nvcc()
+    except FileNotFoundError:
+        pytest.skip("no nvcc (set KVZIP_NVCC, e.g. from the nvidia-cuda-nvcc wheel)")
+    so = _cuda.build((9, 0), out_dir=tmp_path)
+    assert so.exists() and so.stat().st_size > 0
+    assert hasattr(ctypes.CDLL(str(so)), "kvzd_split_launch")
