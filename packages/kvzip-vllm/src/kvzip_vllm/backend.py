@@ -225,6 +225,13 @@ class KvzipAttentionImpl(AttentionImpl):
                 "supported: causal decoder self-attention without ALiBi, sliding window, "
                 "soft cap or sinks, kv_cache_dtype 'auto' (the format sets the cache bytes)"
             )
+        if getattr(cfg.compilation_config, "use_inductor_graph_partition", False):
+            raise support.UnsupportedConfigError(
+                "kvzip-vllm attention backend: use_inductor_graph_partition=True is not "
+                "supported (it puts the KV cache write into the CUDA graphs, and the write plans "
+                "the step's sink slots on the host); supported: vLLM's default (False), with "
+                "which the write and attention run between the graphs"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
