@@ -101,6 +101,12 @@ def run(args) -> dict:
 
     from kvzip_vllm import paged
 
+    if compact:
+        # vLLM runs in this process, so registering here also works where kvzip-vllm's
+        # entry point is not installed (PYTHONPATH=packages/*/src); with it, a no-op repeat
+        from kvzip_vllm import plugin
+
+        plugin.register_backend_if_enabled()
     t0 = time.perf_counter()
     llm = LLM(
         model=str(model_dir(args.shape, root)),
