@@ -274,7 +274,7 @@ def main() -> int:
     }
     (args.out / "gpu_faults.json").write_text(json.dumps(res, indent=1))
     lines = [
-        "# The tier under faults on the GPU (vLLM, H200)",
+        f"# The tier under faults in vLLM ({res['device']})",
         "",
         f"{res['date']}, {res['device']}, vLLM {res['vllm']}, torch {res['torch']}; "
         f"{res['model']}, block size {bs}, prompts of {n_tokens} tokens "

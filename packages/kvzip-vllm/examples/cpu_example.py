@@ -52,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory_bytes=96 << 20,
         max_num_seqs=4,
         seed=0,
+        # "KvzipConnector" is registered with vLLM's connector factory by the kvzip plugin
+        # (no kv_connector_module_path needed). The connector sets kv_load_failure_policy to
+        # "recompute": a block the tier cannot restore (evicted, damaged) is recomputed by
+        # vLLM instead of failing the request (vLLM's default policy is "fail").
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvzipConnector",
-            kv_connector_module_path="kvzip_vllm.connector",
             kv_role="kv_both",
             kv_connector_extra_config={
                 "budget_bytes": args.budget_bytes,
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     start_s = time.perf_counter() - t0
+    policy = llm.llm_engine.vllm_config.kv_transfer_config.kv_load_failure_policy
     tok = llm.get_tokenizer()
     warmup = token_windows(tok, 1, 1152, split="calib")[0].tolist()
     ids = token_windows(tok, 1, args.prompt_tokens, split="eval")[0].tolist()
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_raw_bytes": after_cold["raw_bytes_stored"] - after_warmup["raw_bytes_stored"],
         "prompt_bytes": after_cold["bytes_stored"] - after_warmup["bytes_stored"],
         "same_as_cold": restored == cold,
+        "kv_load_failure_policy": policy,
         "text": tok.decode(restored),
         "stats": after_restore,
     }
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['same_as_local_hit']}"
     )
     print(f"output: {result['text']!r}")
+    print(f"kv_load_failure_policy: {policy} (a block the tier cannot restore is recomputed)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0 if result["same_as_local_hit"] and result["tokens_restored"] > 0 else 1

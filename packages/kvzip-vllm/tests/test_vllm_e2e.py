@@ -68,6 +68,7 @@ def _example(tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_connector_restores_prefix_bit_exact(tmp_path_factory):
     r = _example(tmp_path_factory.getbasetemp())
     s = r["stats"]
@@ -87,6 +88,7 @@ def test_connector_restores_prefix_bit_exact(tmp_path_factory):
     assert s["bytes_saved"] == s["raw_bytes_held"] - s["bytes_held"] > 0
 
 
+@pytest.mark.slow
 def test_connector_evicts_and_never_serves_a_wrong_prefix(tmp_path):
     out = tmp_path / "eviction.json"
     # 4 MB: about 8 compressed 32-token blocks (0.74 MB raw each at 1.6x); each prompt has 6
