@@ -122,7 +122,8 @@ def test_namespaces_are_separate_and_prefix_the_key(server):
     raw = _raw(server)
     with _store(server, namespace="a") as a, _store(server, namespace="b") as b:
         assert a.put(_key(1), [b"from a"])
-        assert raw.exists(b"a:" + _key(1)) == 1 and a.redis_key(_key(1)) == b"a:" + _key(1)
+        rkey = f"a:v{FORMAT_VERSION}:".encode() + _key(1)
+        assert raw.exists(rkey) == 1 and a.redis_key(_key(1)) == rkey
         assert b.get(_key(1)) is None and b.contains_many([_key(1)]) == [False]
         assert a.get(_key(1)) == [b"from a"]
 
@@ -169,6 +170,7 @@ DAMAGE = {
     "blob-count": lambda raw, rk, ok: _flip(raw, rk, 8),
     "digest-byte": lambda raw, rk, ok: _flip(raw, rk, -1),
     "magic": lambda raw, rk, ok: _flip(raw, rk, 0),
+    "format-version": lambda raw, rk, ok: _flip(raw, rk, 4),
     "truncated": lambda raw, rk, ok: raw.set(rk, raw.get(rk)[:-1]),
     "extended": lambda raw, rk, ok: raw.set(rk, raw.get(rk) + b"\0"),
     "short": lambda raw, rk, ok: raw.set(rk, b"hello"),
@@ -195,16 +197,6 @@ def test_damaged_value_is_a_miss_and_deleted(server, damage, caplog):
         assert st.put(k, b) and st.get(k) == b  # rewritten by the next store, served again
 
 
-def test_value_of_another_format_version_is_a_miss_left_in_place(server):
-    raw = _raw(server)
-    with _store(server) as st:
-        assert st.put(_key(1), [b"abc"])
-        raw.setrange(st.redis_key(_key(1)), 4, bytes([FORMAT_VERSION + 1]))
-        assert st.get(_key(1)) is None
-        assert st.stats["shared_foreign_version"] == 1 and st.stats["shared_corrupt"] == 0
-        assert raw.exists(st.redis_key(_key(1))) == 1
-
-
 # ---------------------------------------------------------------------------- budget
 def test_budget_server_evicts_least_recently_used_and_store_misses():
     """Past maxmemory the server evicts the least recently used values; the store reads
@@ -214,7 +206,7 @@ def test_budget_server_evicts_least_recently_used_and_store_misses():
     _require_redis()
     with RedisServer("--maxmemory-samples", "64") as srv:
         raw = _raw(srv)
-        size = 48 << 10
+        size = 40_000  # value and probe in the same allocator size class (40 KiB)
         # what one value costs the server: the increment over 8 more (the first also grows
         # the client's query buffer)
         raw.set(b"probe0", b"\0" * size)
@@ -348,7 +340,7 @@ def test_stalled_server_times_out_then_recovers(server):
         assert st.put(_key(i), _blobs(i))
     server.pause()  # accepts connections, answers nothing
     try:
-        _assert_miss_phase(st, 1.2, bound=0.3 + 0.2 + SLACK_S)
+        _assert_miss_phase(st, 1.6, bound=0.3 + 0.2 + SLACK_S)
         assert st.stats["shared_timeouts"] >= 2 and st.stats["shared_skipped_down"] >= 1
     finally:
         server.resume()

@@ -3,24 +3,26 @@ instances reach, so a prefix computed on one instance is restored on another.
 
 :class:`SharedBlobStore` holds exactly what :class:`kvzip_vllm.store.BlockStore` holds for a
 block (its kvzip-lossless blobs, layer 0 K, layer 0 V, layer 1 K, ...) under the same key
-(:func:`kvzip_vllm.store.block_key`), the Redis key being ``<namespace>:`` + that key. It keeps
-nothing of its own in memory: the byte budget and the eviction live on the server, which it
-configures on every connection (``CONFIG SET maxmemory <budget_bytes>`` and ``maxmemory-policy
-allkeys-lru``) or, where the server refuses CONFIG SET, checks (``CONFIG GET``) and refuses to
-use with a message naming the setting.
+(:func:`kvzip_vllm.store.block_key`), the Redis key being ``<namespace>:v<format version>:``
+and that key (an instance running another version of this value format never reads these).
+It keeps nothing of its own in memory: the byte budget and the eviction live on the server,
+which it configures on every connection (``CONFIG SET maxmemory <budget_bytes>`` and
+``maxmemory-policy allkeys-lru``) or, where the server refuses CONFIG SET, checks (``CONFIG
+GET``) and refuses to use with a message naming the setting.
 
 One value per block: a header (magic ``KVZS``, format version, blob count, the block's
 uncompressed bytes, each blob's length), the blobs back to back, then a BLAKE2b-256 digest
 over the Redis key and everything before it. Every read checks the digest before anything is
-returned: a mismatch (or a truncated / foreign value) is a miss, counted in
-``shared_corrupt``, and the key is deleted. The blobs carry kvzip-lossless's own per-tile
-CRCs on top, checked when they are decoded.
+returned: a mismatch (or a truncated or foreign value) is a miss, counted in
+``shared_corrupt``, and the key is deleted (a put of the same block then writes it anew).
+The blobs carry kvzip-lossless's own per-tile CRCs on top, checked when they are decoded.
 
 Failure is a miss, never an exception into the caller's step nor a wait past the socket
 timeouts: a server that is down, unreachable or stalled answers ``None`` / ``False`` within
-``connect_timeout_s`` / ``read_timeout_s``, counted in ``shared_errors`` / ``shared_timeouts``
-with at most one log line per kind of failure per ``log_interval_s``; the store then answers
-misses at once (``shared_skipped_down``) until its backoff (doubling from
+``connect_timeout_s`` / ``read_timeout_s`` (the read timeout bounds each wait for bytes: a
+server that keeps sending, slowly, is not cut off), counted in ``shared_errors`` /
+``shared_timeouts`` with at most one log line per kind of failure per ``log_interval_s``; the
+store then answers misses at once (``shared_skipped_down``) until its backoff (doubling from
 ``backoff_initial_s`` to ``backoff_max_s``) has passed, and the next call tries again. A
 restarted server is reconfigured on reconnection (its CONFIG SET values are gone with it).
 
@@ -76,10 +78,6 @@ class CorruptValueError(ValueError):
     """A stored value that is not a well-formed, intact value of this format for its key."""
 
 
-class ForeignVersionError(ValueError):
-    """A value written in another version of this format (left in place, read as a miss)."""
-
-
 def _digest(rkey: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
     h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON)
     h.update(struct.pack("<I", len(rkey)))
@@ -100,16 +98,15 @@ def encode_value(rkey: bytes, blobs: Sequence[bytes | memoryview], raw_bytes: in
 
 def decode_value(rkey: bytes, value: bytes) -> tuple[list[bytes], int]:
     """``(blobs, raw_bytes)`` of a value read under ``rkey``; raises
-    :class:`CorruptValueError` unless it is intact and well formed, and
-    :class:`ForeignVersionError` for another version of the format."""
+    :class:`CorruptValueError` unless it is intact and well formed."""
     n = len(value)
     if n < _HEADER.size + DIGEST_BYTES:
         raise CorruptValueError(f"value of {n} bytes is shorter than a header and digest")
     magic, version, count, raw_bytes = _HEADER.unpack_from(value)
     if magic != MAGIC:
         raise CorruptValueError(f"bad magic {magic!r}, want {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise ForeignVersionError(f"format version {version}, this reader knows {FORMAT_VERSION}")
+    if version != FORMAT_VERSION:  # the key names the version: this one is damaged
+        raise CorruptValueError(f"format version {version} under a v{FORMAT_VERSION} key")
     view = memoryview(value)
     if _digest(rkey, [view[:-DIGEST_BYTES]]) != bytes(view[-DIGEST_BYTES:]):
         raise CorruptValueError("digest mismatch (damaged, truncated or under another key)")
@@ -137,7 +134,7 @@ class SharedStoreSettings(BaseModel):
     budget_bytes: int = Field(gt=0)
     """The server's ``maxmemory``: what all the tier's values together may take there."""
     namespace: str = Field("kvzip", min_length=1)
-    """Prefix of every Redis key (``<namespace>:<block key>``), e.g. one per deployment."""
+    """Prefix of every Redis key (``<namespace>:v1:<block key>``), e.g. one per deployment."""
     connect_timeout_s: float = Field(0.2, gt=0, le=60)
     read_timeout_s: float = Field(0.5, gt=0, le=60)
     backoff_initial_s: float = Field(0.5, gt=0, le=3600)
@@ -194,7 +191,6 @@ class SharedStats:
     shared_contains_calls: int = 0
     shared_deletes: int = 0
     shared_corrupt: int = 0  # values failing their digest or form: read as misses, deleted
-    shared_foreign_version: int = 0  # values of another format version: misses, left
     shared_errors: int = 0  # calls that failed: connection refused/lost, other client errors
     shared_timeouts: int = 0  # calls that ran into a socket timeout
     shared_refused: int = 0  # the server answered an error (e.g. OOM: nothing evictable)
@@ -220,7 +216,7 @@ class SharedBlobStore:
             )
             raise ValueError(f"kvzip-vllm shared store: bad setting {problems}") from None
         s = self.settings
-        self._prefix = s.namespace.encode() + b":"
+        self._prefix = f"{s.namespace}:v{FORMAT_VERSION}:".encode()
         self._lock = threading.Lock()
         self._stats = SharedStats(shared_budget_bytes=s.budget_bytes)
         self._down = False
@@ -405,10 +401,6 @@ class SharedBlobStore:
             try:
                 blobs, raw_bytes = decode_value(rkey, value)
                 entry = SharedEntry(blobs, raw_bytes)
-            except ForeignVersionError as e:
-                with self._lock:
-                    s.shared_foreign_version += 1
-                self._log("version", f"key {rkey[-8:].hex()}…: {e}; read as a miss")
             except CorruptValueError as e:
                 with self._lock:
                     s.shared_corrupt += 1
