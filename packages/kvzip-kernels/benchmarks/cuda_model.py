@@ -87,8 +87,12 @@ def split_cta(
         g, qq = G_[l], Q_[l]
         for ks in range(KS):
             base = qq * (D // 4) + 4 * ks
-            bq[l, ks, 0] = qpad[g, base : base + 2]
-            bq[l, ks, 1] = qpad[g, base + 2 : base + 4]
+            if INT4:  # the K fragments' order: (c, c+2), (c+1, c+3)
+                bq[l, ks, 0] = qpad[g, [base, base + 2]]
+                bq[l, ks, 1] = qpad[g, [base + 1, base + 3]]
+            else:  # (c, c+1), (c+2, c+3)
+                bq[l, ks, 0] = qpad[g, base : base + 2]
+                bq[l, ks, 1] = qpad[g, base + 2 : base + 4]
     if INT4:
         s = bq.sum(axis=(1, 2, 3))
         s = s + s[lanes ^ 1]
@@ -158,11 +162,16 @@ def split_cta(
                 for l in range(32):
                     b0, b1 = chunks[l, 0, 2 * ks], chunks[l, 0, 2 * ks + 1]
                     c0, c1 = chunks[l, 1, 2 * ks], chunks[l, 1, 2 * ks + 1]
-                    f = i4pair if INT4 else lutpair
-                    a[l, 0] = f(b0)
-                    a[l, 1] = f(c0)
-                    a[l, 2] = f(b1)
-                    a[l, 3] = f(c1)
+                    if INT4:  # low nibbles of the two bytes, then the high nibbles
+                        a[l, 0] = [128 + (b0 & 15), 128 + (b1 & 15)]
+                        a[l, 1] = [128 + (c0 & 15), 128 + (c1 & 15)]
+                        a[l, 2] = [128 + (b0 >> 4), 128 + (b1 >> 4)]
+                        a[l, 3] = [128 + (c0 >> 4), 128 + (c1 >> 4)]
+                    else:
+                        a[l, 0] = lutpair(b0)
+                        a[l, 1] = lutpair(c0)
+                        a[l, 2] = lutpair(b1)
+                        a[l, 3] = lutpair(c1)
                 s = mma(s, a, bq[:, ks, 0], bq[:, ks, 1])
             for i in range(4):
                 r, c = i >> 1, i & 1

@@ -18,8 +18,10 @@
 //
 // The depth (head_dim) order of the first product is free (a dot product): thread q (= lane
 // % 4) takes the bytes [q*D/8, (q+1)*D/8) of a K row, one 16- or 8-byte load, and k-step ks
-// uses its bytes 2ks and 2ks+1 (channels q*D/4 + 4ks + 0..3); the query fragment is loaded
-// in the same channel order. The V rows are channel-major (byte j of token t at j*PS + t):
+// uses its bytes 2ks and 2ks+1 (channels c = q*D/4 + 4ks + 0..3: for 4bit a table lookup per
+// byte gives the pairs (c, c+1), (c+2, c+3); for int4 one PRMT per byte pair gives the low
+// nibbles (c, c+2) and the high nibbles (c+1, c+3)); the query fragment is loaded in the
+// same channel order. The V rows are channel-major (byte j of token t at j*PS + t):
 // a 16-bit load gives one byte row for two consecutive tokens, its low nibbles are output
 // channel 2j and its high nibbles channel 2j+1 (rows g and g+8 of the m-tile).
 //
@@ -111,18 +113,15 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return r;
 }
 
-// int4: a byte (bits 0-7 of x) -> bf16 pair (128 + low nibble, 128 + high nibble)
-__device__ __forceinline__ uint32_t int4_pair(uint32_t x) {
-  return (x & 0xFu) | ((x & 0xF0u) << 12) | 0x43004300u;
-}
-
-// int4 V: two bytes (token t in bits 0-7, t+1 in 8-15) -> the low nibbles' and high
-// nibbles' bf16 pairs (token t in the low half)
-__device__ __forceinline__ uint32_t int4_lo_pair(uint32_t w) {
-  return (w & 0xFu) | ((w & 0xF00u) << 8) | 0x43004300u;
-}
-__device__ __forceinline__ uint32_t int4_hi_pair(uint32_t w) {
-  return ((w >> 4) & 0xFu) | ((w & 0xF000u) << 4) | 0x43004300u;
+// int4: two code bytes (x0, x1 in bits 0-15 of x; or 16-31 with HI) -> the bf16 pairs
+// (128 + low nibble of x0, 128 + low nibble of x1) and (128 + high nibble of x0, of x1):
+// one PRMT interleaves the bytes with 0x43 (bf16 128's high byte), one LOP3 keeps the low
+// nibbles, a shift and one LOP3 the high ones (the Triton kernel's PTX, 1 op per element).
+template <bool HI>
+__device__ __forceinline__ void int4_pairs(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  const uint32_t t = prmt(x, 0x43u, HI ? 0x4342u : 0x4140u);
+  lo = t & 0xFF0FFF0Fu;
+  hi = ((t >> 4) & 0x000F000Fu) | 0x43004300u;
 }
 
 template <int D>
@@ -131,19 +130,15 @@ template <>
 struct KChunk<128> {
   uint4 v;
   __device__ __forceinline__ void load(const uint8_t* p) { v = *reinterpret_cast<const uint4*>(p); }
-  __device__ __forceinline__ uint32_t half(int ks) const {  // bytes 2ks, 2ks+1
-    uint32_t w = ks < 2 ? v.x : ks < 4 ? v.y : ks < 6 ? v.z : v.w;
-    return (ks & 1) ? (w >> 16) : (w & 0xFFFFu);
+  __device__ __forceinline__ uint32_t word(int ks) const {  // holds bytes 2ks, 2ks+1
+    return ks < 2 ? v.x : ks < 4 ? v.y : ks < 6 ? v.z : v.w;
   }
 };
 template <>
 struct KChunk<64> {
   uint2 v;
   __device__ __forceinline__ void load(const uint8_t* p) { v = *reinterpret_cast<const uint2*>(p); }
-  __device__ __forceinline__ uint32_t half(int ks) const {
-    uint32_t w = ks < 2 ? v.x : v.y;
-    return (ks & 1) ? (w >> 16) : (w & 0xFFFFu);
-  }
+  __device__ __forceinline__ uint32_t word(int ks) const { return ks < 2 ? v.x : v.y; }
 };
 
 struct Params {
@@ -207,9 +202,10 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       if (g < P.G) {
-        uint2 v = *reinterpret_cast<const uint2*>(qp + 4 * ks);
-        bq[ks][0] = v.x;
-        bq[ks][1] = v.y;
+        const uint2 v = *reinterpret_cast<const uint2*>(qp + 4 * ks);  // channels c..c+3
+        // in the order of the K fragments: int4 (c, c+2), (c+1, c+3); 4bit (c, c+1), (c+2, c+3)
+        bq[ks][0] = INT4 ? prmt(v.x, v.y, 0x5410) : v.x;
+        bq[ks][1] = INT4 ? prmt(v.x, v.y, 0x7632) : v.y;
       } else {
         bq[ks][0] = bq[ks][1] = 0u;
       }
@@ -304,14 +300,19 @@ __global__ void __launch_bounds__(NW * 32)
     float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      uint32_t h0 = kr[0].half(ks), h1 = kr[1].half(ks);
+      const uint32_t w0 = kr[0].word(ks), w1 = kr[1].word(ks);
       uint32_t a[4];
-      if (INT4) {
-        a[0] = int4_pair(h0 & 0xFFu);
-        a[1] = int4_pair(h1 & 0xFFu);
-        a[2] = int4_pair(h0 >> 8);
-        a[3] = int4_pair(h1 >> 8);
-      } else {
+      if (INT4) {  // a[0]: channels c, c+2 (low nibbles); a[2]: c+1, c+3 (high nibbles)
+        if (ks & 1) {
+          int4_pairs<true>(w0, a[0], a[2]);
+          int4_pairs<true>(w1, a[1], a[3]);
+        } else {
+          int4_pairs<false>(w0, a[0], a[2]);
+          int4_pairs<false>(w1, a[1], a[3]);
+        }
+      } else {  // a[0]: channels c, c+1 (byte 2ks); a[2]: c+2, c+3 (byte 2ks+1)
+        const uint32_t h0 = (ks & 1) ? w0 >> 16 : w0 & 0xFFFFu;
+        const uint32_t h1 = (ks & 1) ? w1 >> 16 : w1 & 0xFFFFu;
         a[0] = lut[h0 & 0xFFu];
         a[1] = lut[h1 & 0xFFu];
         a[2] = lut[h0 >> 8];
@@ -370,10 +371,8 @@ __global__ void __launch_bounds__(NW * 32)
       const uint32_t w1 = *reinterpret_cast<const uint16_t*>(vrow + (int64_t)j * P.PS + 8);
       uint32_t a[4];
       if (INT4) {
-        a[0] = int4_lo_pair(w0);
-        a[1] = int4_hi_pair(w0);
-        a[2] = int4_lo_pair(w1);
-        a[3] = int4_hi_pair(w1);
+        int4_pairs<false>(w0, a[0], a[1]);  // channel 2j (low nibbles), 2j+1; tokens 2q, 2q+1
+        int4_pairs<false>(w1, a[2], a[3]);
       } else {
         const uint32_t t0l = lut[w0 & 0xFFu], t0h = lut[w0 >> 8];
         const uint32_t t1l = lut[w1 & 0xFFu], t1h = lut[w1 >> 8];
