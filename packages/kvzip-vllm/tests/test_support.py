@@ -201,3 +201,43 @@ def test_spec_shim_gives_kvzip_layers_the_compact_page(monkeypatch):
     compat.kv_cache_api(Shaped)
     assert Shaped.get_kv_cache_shape(10, 16, 8, 128, "auto") == (10, 8, 16, 136)
     assert not hasattr(Shaped, "customize_spec")
+
+
+def _backend_impl(change, monkeypatch):
+    import vllm.config
+
+    from kvzip_vllm.backend import KvzipAttentionImpl
+
+    monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
+    cfg = SimpleNamespace(
+        model_config=_model(arch=change.get("arch", "LlamaForCausalLM")),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=16),
+        compilation_config=SimpleNamespace(
+            use_inductor_graph_partition=change.get("graph_partition", False)
+        ),
+        kv_transfer_config=change.get("kv_transfer_config"),
+        additional_config={},
+    )
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: cfg)
+    return KvzipAttentionImpl(8, 64, 0.125, 2, None, None, "auto")
+
+
+def test_backend_accepts_a_supported_setup(monkeypatch):
+    pytest.importorskip("vllm")
+    impl = _backend_impl({}, monkeypatch)
+    assert impl.fmt.name == "int4" and impl.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"kv_transfer_config": SimpleNamespace()}, "a KV connector is not supported"),
+        ({"graph_partition": True}, "use_inductor_graph_partition=True is not supported"),
+        ({"arch": "Qwen2ForCausalLM"}, "Qwen2ForCausalLM.*supported: LlamaForCausalLM"),
+    ],
+)
+def test_backend_refuses_unsupported_setups_at_start(change, match, monkeypatch):
+    pytest.importorskip("vllm")
+    with pytest.raises(support.UnsupportedConfigError, match=match):
+        _backend_impl(change, monkeypatch)

@@ -217,13 +217,17 @@ class KvzipAttentionImpl(AttentionImpl):
             "kv_sharing": kv_sharing_target_layer_name is not None,
             f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
             **{k: v is not None for k, v in extra.items()},
+            # a connector's loaded blocks would arrive without their sink slots (the pool
+            # gives a slot when the backend writes a sequence's first chunk)
+            "a KV connector": getattr(cfg, "kv_transfer_config", None) is not None,
         }
         bad = [k for k, v in unsupported.items() if v]
         if bad or attn_type != AttentionType.DECODER:
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm attention backend: {', '.join(bad) or attn_type} is not supported; "
                 "supported: causal decoder self-attention without ALiBi, sliding window, "
-                "soft cap or sinks, kv_cache_dtype 'auto' (the format sets the cache bytes)"
+                "soft cap or sinks, kv_cache_dtype 'auto' (the format sets the cache bytes), "
+                "no KV connector"
             )
         if getattr(cfg.compilation_config, "use_inductor_graph_partition", False):
             raise support.UnsupportedConfigError(
