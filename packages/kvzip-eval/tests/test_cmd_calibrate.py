@@ -74,3 +74,23 @@ def test_calibrate_bad_model_path(tmp_path):
         command, ["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "c")]
     )
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+@pytest.mark.slow  # end to end: the whole default calibration (~40 s of CPU)
+def test_shipped_calibration_is_what_kvzip_calibrate_makes(loaded, tmp_path):
+    """The calibration shipped for the embedded model is reproduced byte for byte by the
+    command it records (with the default settings); a change to the fit must ship a new one."""
+    from kvzip_eval.calibrate.shipped import shipped_calibration
+
+    shipped = shipped_calibration(loaded.info.identity)
+    assert shipped is not None
+    fit = json.loads((shipped / "calibration.json").read_text())["fit"]
+    assert fit["command"].startswith("kvzip calibrate --out ")
+    assert "--windows" not in fit["command"] and "--length" not in fit["command"]
+    res = CliRunner().invoke(command, ["--out", str(tmp_path / "again")])
+    assert res.exit_code == 0, res.output
+    again = (tmp_path / "again" / "calibration.safetensors").read_bytes()
+    assert again == (shipped / "calibration.safetensors").read_bytes(), (
+        "`kvzip calibrate` no longer reproduces the shipped calibration: regenerate it with "
+        f"{fit['command'].split(' --json')[0]}"
+    )

@@ -85,8 +85,15 @@ def test_table_and_report(run):
     assert "| bf16 |" in res.output and "| int4 |" in res.output
     md = (out / "rep" / "report.md").read_text()
     assert "command:" in md and "versions:" in md and "| int4 |" in md
-    for png in ("kl.png", "capacity.png", "retrieval.png"):
+    for png in ("frontier.png", "kl.png", "capacity.png", "retrieval.png"):
         assert (out / "rep" / png).read_bytes()[:4] == b"\x89PNG"
+    # readable without the docs: column meanings, the best format for the size, what next
+    assert "top1_agree: share of positions where the most likely next token is bf16's" in (
+        res.output
+    )
+    assert "Best quality for the size" in res.output and "  int4 (4.250 bits" in res.output
+    assert "kvzip eval --full --device cuda" in res.output
+    assert f"wrote {out / 'rep' / 'report.md'}" in res.output
 
 
 @pytest.mark.slow  # end to end: runs the command on the model
@@ -135,7 +142,10 @@ def test_calibrated_formats_need_calibration(loaded, tmp_path, monkeypatch):
 
     needs = [n for n in list_formats() if get_format(n).needs_calibration]
     assert needs, "the compact formats (4bit, 3.5bit, 3bit) need a calibration"
+    from kvzip_eval.calibrate import shipped
+
     monkeypatch.setattr(model, "cache_dir", lambda: tmp_path)  # no default calibration there
+    monkeypatch.setattr(shipped, "shipped_calibration", lambda identity: None)  # none shipped
     with pytest.raises(click.UsageError, match=f"format '{needs[0]}' needs a calibration"):
         resolve_formats(["int4", needs[0]], None, loaded.info)
     # Asked for every format by default: skipped with a note instead.
@@ -157,3 +167,78 @@ def test_device_cuda_without_gpu_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = CliRunner().invoke(command, [*TINY, "--device", "cuda"])
     assert res.exit_code == 2 and "torch sees no CUDA GPU" in res.output
+
+
+def test_shipped_calibration_is_used_for_the_embedded_model(loaded, tmp_path, monkeypatch):
+    """The first `kvzip eval` needs no calibration run: one ships for the embedded model,
+    found by its identity (weights' contents), and only for it."""
+    import dataclasses
+
+    import click
+
+    from kvzip_eval import model
+    from kvzip_eval.calibrate.shipped import shipped_calibration
+    from kvzip_eval.cmd_eval import resolve_formats
+    from kvzip_formats.calibration import Calibration
+
+    monkeypatch.setattr(model, "cache_dir", lambda: tmp_path)  # nothing cached
+    d = shipped_calibration(loaded.info.identity)
+    assert d is not None, f"no shipped calibration for identity {loaded.info.identity}"
+    Calibration.load(d).check_model(loaded.info)
+    assert sum(f.stat().st_size for f in d.iterdir()) < 200_000  # small enough to ship
+    got = resolve_formats(["4bit"], None, loaded.info, auto_calibrate=lambda: 1 / 0)
+    assert got["4bit"].calibration.identity == loaded.info.identity
+    # another model (other weights: another identity) does not get it
+    other = dataclasses.replace(loaded.info, identity="0" * 16)
+    assert shipped_calibration(other.identity) is None
+    with pytest.raises(click.UsageError, match="needs a calibration"):
+        resolve_formats(["4bit"], None, other)
+
+
+def test_frontier_names_the_best_format_for_each_size():
+    from kvzip_eval.quality.report import frontier
+
+    def r(**fmts):
+        return {"formats": {n: {"bits": b, "kl_mean": k} for n, (b, k) in fmts.items()}}
+
+    on, beaten = frontier(
+        r(bf16=(16, 0.0), fp8=(8, 0.01), int4=(4.25, 0.13), rot=(4.25, 0.06), c4=(4.1251, 0.058))
+    )
+    assert on == ["c4", "fp8", "bf16"]  # fewest bits first
+    assert dict(beaten) == {"rot": "c4", "int4": "c4"}
+    # about one size (within 0.01 bits): the closer to bf16 wins; a tie beats neither
+    on, beaten = frontier(r(a=(4.125, 0.07), b=(4.1251, 0.05), c=(3.0, 0.05)))
+    assert on == ["c"] and dict(beaten) == {"a": "c", "b": "c"}
+    on, _ = frontier(r(a=(4.125, 0.05), b=(4.1251, 0.05)))
+    assert on == ["a", "b"]
+
+
+@pytest.mark.slow  # end to end: runs the command on the model
+def test_default_style_run_kl_only_with_the_default_report_dir(loaded, tmp_path, monkeypatch):
+    # --prompts 0 / --retrieval-samples 0 leave those measures out, as the default preset does
+    from kvzip_eval.cmd_eval import DEFAULT_REPORT_DIR
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--quick", "--no-progress", "--kl-length", "48", "--formats", "bf16,int4"]
+    res = CliRunner().invoke(command, [*args, "--prompts", "0", "--retrieval-samples", "0"])
+    assert res.exit_code == 0, res.output
+    rep = tmp_path / DEFAULT_REPORT_DIR
+    md = (rep / "report.md").read_text()
+    assert (rep / "frontier.png").is_file() and not (rep / "retrieval.png").exists()
+    head = res.stdout.splitlines()[0]
+    assert head.startswith("| format | bits | kl_mean |") and "words_changed" not in head
+    assert "retrieval" not in head
+    assert "words changed and retrieval: not measured in this run" in res.output
+    assert "Retrieval accuracy" not in md and "words changed not measured" in md
+    res = CliRunner().invoke(command, [*args, "--prompts", "-1"])
+    assert res.exit_code == 2 and "prompts must be >= 0" in res.output
+
+
+def test_default_preset_is_sized_for_a_first_look():
+    from kvzip_eval.quality.suite import PRESETS
+
+    d = PRESETS["default"]
+    # KL only: the stages that took 8 of 10 minutes on 2 shared cores and could not tell the
+    # formats apart at this size are left to --full
+    assert d.prompts == 0 and d.retrieval_samples == 0
+    assert d.kl_windows * d.kl_length == 2048

@@ -126,7 +126,7 @@ def calibrate_model(
     from kvzip_eval.calibrate import fit
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import cache_dir
-    from kvzip_eval.results import versions
+    from kvzip_eval.results import provenance, versions
 
     info = loaded.info
     length = min(length, info.max_context)
@@ -139,6 +139,7 @@ def calibrate_model(
         "seed": seed,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "versions": versions(),
+        "command": provenance()["command"],
     }
     cal = fit(loaded, wins, fit_record=record)
     return cal.save(out_dir or cache_dir() / "calibration" / info.identity)

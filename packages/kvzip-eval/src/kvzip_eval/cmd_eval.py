@@ -21,12 +21,23 @@ from kvzip_eval.options import (  # noqa: E402
 )
 from kvzip_eval.quality.suite import PRESETS  # noqa: E402
 
-_PRESET_HELP = "; ".join(
-    f"{k}: KL {v.kl_windows}x{v.kl_length or 'context'} tokens, {v.prompts} prompts x "
-    f"{v.new_tokens} tokens, retrieval {v.retrieval_samples} per task at "
-    f"{','.join(str(L or 'context') for L in v.retrieval_lengths)}"
-    for k, v in PRESETS.items()
-)
+
+def _preset_help(v) -> str:
+    words = f"{v.prompts} prompts x {v.new_tokens} tokens" if v.prompts else "no words changed"
+    retrieval = (
+        f"retrieval {v.retrieval_samples} per task at "
+        f"{','.join(str(L or 'context') for L in v.retrieval_lengths)}"
+        if v.retrieval_samples
+        else "no retrieval"
+    )
+    return f"KL {v.kl_windows}x{v.kl_length or 'context'} tokens, {words}, {retrieval}"
+
+
+_PRESET_HELP = "; ".join(f"{k}: {_preset_help(v)}" for k, v in PRESETS.items())
+
+
+#: Where `kvzip eval` writes its report when --report is not given.
+DEFAULT_REPORT_DIR = "kvzip-eval-report"
 
 
 def _int_list(ctx, param, value):
@@ -42,18 +53,24 @@ def resolve_formats(
     names: list[str], calibration, info, *, explicit: bool = True, auto_calibrate=None
 ) -> dict:
     """Instantiate the formats; calibrated ones take ``calibration`` (a directory), or the
-    default ``<cache>/calibration/<model identity>`` that `kvzip calibrate` writes.
+    default ``<cache>/calibration/<model identity>`` that `kvzip calibrate` writes, or the one
+    shipped for the model (``kvzip_eval.calibrate.shipped``: the embedded model's).
 
     With none there, ``auto_calibrate()`` (if given) runs the one-time calibration into that
     default directory and returns it. Otherwise a format that needs a calibration is an error
     when named (``explicit``); when every format was asked for by default, it is skipped.
     """
+    from kvzip_eval.calibrate.shipped import shipped_calibration
     from kvzip_eval.model import cache_dir
     from kvzip_formats import FormatError, get_format, list_formats
 
     known = list_formats()
     default = cache_dir() / "calibration" / info.identity
-    calib = calibration if calibration is not None else (default if default.is_dir() else None)
+    calib = calibration
+    if calib is None and default.is_dir():
+        calib = default
+    shipped = shipped_calibration(info.identity) if calib is None else None
+    calib = calib if shipped is None else shipped
     out, skipped = {}, []
     for name in names:
         if name not in known:
@@ -85,6 +102,12 @@ def resolve_formats(
                     f"{info.name} (identity {info.identity}); run `kvzip calibrate` for it"
                 )
         out[name] = fmt
+    if shipped is not None and any(getattr(f, "needs_calibration", False) for f in out.values()):
+        click.echo(
+            f"note: using the calibration shipped for {info.name} ({shipped}); "
+            "`kvzip calibrate` makes your own",
+            err=True,
+        )
     if skipped:
         click.echo(
             f"note: skipping {', '.join(skipped)}: no calibration for {info.name} "
@@ -178,11 +201,12 @@ def command(
     """Quality of KV-cache formats: KL at every position, words changed, multi-key retrieval.
 
     Every attention layer reads K and V through each format's encode + decode, next to a
-    bf16 reference on the same windows, prompts and seeds. Presets:"""
+    bf16 reference on the same windows, prompts and seeds. Without --report (and --json -)
+    the report goes to ./kvzip-eval-report. Presets:"""
     from dataclasses import replace
 
     from kvzip_eval.model import ModelError, load_model
-    from kvzip_eval.quality.report import SUMMARY_COLUMNS, summary_rows
+    from kvzip_eval.quality.report import frontier_lines, legend, summary_columns, summary_rows
     from kvzip_eval.quality.suite import run_suite, settings_dict
     from kvzip_eval.reports import emit
     from kvzip_eval.results import markdown_table, provenance
@@ -200,9 +224,12 @@ def command(
         "tasks": tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
     }
     s = replace(s, seed=seed, **{k: v for k, v in over.items() if v is not None})
-    for k in ("kl_windows", "prompts", "new_tokens", "retrieval_samples", "gen_batch"):
+    for k in ("kl_windows", "new_tokens", "gen_batch"):
         if getattr(s, k) < 1:
             raise click.BadParameter(f"{k.replace('_', '-')} must be >= 1, got {getattr(s, k)}")
+    for k in ("prompts", "retrieval_samples"):  # 0: that measure is left out
+        if getattr(s, k) < 0:
+            raise click.BadParameter(f"{k.replace('_', '-')} must be >= 0, got {getattr(s, k)}")
 
     from kvzip_eval.quality.retrieval import TASKS
 
@@ -283,14 +310,58 @@ def command(
         **body,
         "provenance": provenance(),
     }
+    if report_dir is None and json_path != "-":
+        report_dir = DEFAULT_REPORT_DIR
     emit(
         result,
         kind="eval",
-        table=markdown_table(summary_rows(result), SUMMARY_COLUMNS),
+        table=markdown_table(summary_rows(result), summary_columns(result)),
+        notes=[
+            "",
+            *legend(result),
+            *not_measured(used),
+            "",
+            *frontier_lines(result),
+            *next_steps(preset, device, model_path),
+        ],
         json_path=json_path,
         report_dir=report_dir,
         formats=fmts,
     )
+
+
+def not_measured(s) -> list[str]:
+    """Say which measures the run left out, and how to get them."""
+    left = [
+        n for n, k in (("words changed", s.prompts), ("retrieval", s.retrieval_samples)) if not k
+    ]
+    if not left:
+        return []
+    return [
+        f"{' and '.join(left)}: not measured in this run (a few samples on a CPU cannot tell "
+        "the formats apart); --full --device cuda measures them, --prompts N / "
+        "--retrieval-samples N here"
+    ]
+
+
+def next_steps(preset: str | None, device: str, model_path) -> list[str]:
+    """What to run after this run, printed under its table."""
+    lines = ["", "Next:"]
+    if preset != "full":
+        lines.append(
+            "  kvzip eval --full --device cuda   the whole quality protocol (8 windows of the "
+            "model's context, 32 prompts x 256 tokens, 600 retrieval samples): minutes on a GPU"
+            + (", hours here" if device == "cpu" else "")
+        )
+    if model_path is None:
+        lines.append(
+            "  kvzip eval --model PATH           your own Llama model (a Hugging Face folder "
+            "or .gguf); it is calibrated once"
+        )
+    lines.append(
+        "  kvzip eval --formats 4bit,int4    only some formats; kvzip eval --help for every option"
+    )
+    return lines
 
 
 command.help = command.help.rstrip() + " " + _PRESET_HELP + "."

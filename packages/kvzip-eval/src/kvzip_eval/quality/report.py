@@ -14,6 +14,10 @@ def _retrieval_mean(r: dict) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _num(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def summary_rows(result: dict) -> list[dict]:
     rows = []
     for name, f in result["formats"].items():
@@ -25,9 +29,9 @@ def summary_rows(result: dict) -> list[dict]:
                 "kl_median": f"{f['kl_median']:.4f}",
                 "kl_p99": f"{f['kl_p99']:.3f}",
                 "top1_agree": f"{f['top1_agree']:.3f}",
-                "words_changed": f"{f['words_changed']:.3f}",
-                "identical": f"{f['identical']:.2f}",
-                "retrieval": f"{_retrieval_mean(f['retrieval']):.2f}",
+                "words_changed": _num(f.get("words_changed"), ".3f"),
+                "identical": _num(f.get("identical"), ".2f"),
+                "retrieval": _num(_retrieval_mean(f.get("retrieval") or {}), ".2f"),
             }
         )
     ref = result.get("reference", {}).get("retrieval")
@@ -49,6 +53,91 @@ SUMMARY_COLUMNS = [
 ]
 
 
+def measured(result: dict) -> dict[str, bool]:
+    """Which of the optional measures the run made (``--prompts 0`` / ``--retrieval-samples 0``
+    leave them out)."""
+    fmts = result["formats"].values()
+    return {
+        "words": any(f.get("words_changed") is not None for f in fmts),
+        "retrieval": any(f.get("retrieval") for f in fmts),
+    }
+
+
+def summary_columns(result: dict) -> list[str]:
+    """SUMMARY_COLUMNS less those of measures the run did not make."""
+    m = measured(result)
+    drop = ({"words_changed", "identical"} if not m["words"] else set()) | (
+        {"retrieval"} if not m["retrieval"] else set()
+    )
+    return [c for c in SUMMARY_COLUMNS if c not in drop]
+
+
+#: What each column of the summary table means (printed under it and in the report).
+_LEGEND = {
+    "bits": "bits: stored bits per K/V element, scales and metadata included (Llama-3.1-8B "
+    "shape); a GPU holds about 16/bits times as many sessions as with bf16",
+    "kl_mean": "kl_mean, kl_median, kl_p99: KL divergence of the next-token distribution from "
+    "bf16's, at every position of held-out text (0 = identical; lower is better)",
+    "top1_agree": "top1_agree: share of positions where the most likely next token is bf16's",
+    "words_changed": "words_changed: word edit distance of the greedy continuation from "
+    "bf16's, per bf16 word; identical: share of continuations equal to bf16's",
+    "retrieval": "retrieval: accuracy at finding keyed values in a long context (mean over "
+    "tasks and lengths)",
+}
+
+
+def legend(result: dict) -> list[str]:
+    """One line per column group of the run's summary table."""
+    cols = summary_columns(result)
+    return [text for key, text in _LEGEND.items() if key in cols]
+
+
+def frontier(result: dict) -> tuple[list[str], list[tuple[str, str]]]:
+    """The formats no other format beats on both bits and mean KL (fewest bits first), and
+    for each other format the one that beats it: ``(frontier, [(beaten, by), ...])``."""
+    fmts = result["formats"]
+    tol = 0.01  # sizes within 0.01 bits are one size (4bit's 4.1251 and turbo4's 4.125)
+    names = sorted(fmts, key=lambda n: (fmts[n]["bits"], fmts[n]["kl_mean"]))
+    on, beaten = [], []
+    for n in names:
+        b, k = fmts[n]["bits"], fmts[n]["kl_mean"]
+        better = [
+            m
+            for m in names
+            if m != n
+            and fmts[m]["bits"] <= b + tol
+            and fmts[m]["kl_mean"] <= k
+            and (fmts[m]["kl_mean"] < k or fmts[m]["bits"] < b - tol)
+        ]
+        if better:
+            beaten.append((n, min(better, key=lambda m: fmts[m]["kl_mean"])))
+        else:
+            on.append(n)
+    return on, beaten
+
+
+def frontier_lines(result: dict) -> list[str]:
+    """Which format is best at which size, in words."""
+    fmts = result["formats"]
+    on, beaten = frontier(result)
+
+    def desc(n):
+        f = fmts[n]
+        return (
+            f"{n} ({f['bits']:.3f} bits, {16 / f['bits']:.1f}x bf16's sessions, "
+            f"KL {f['kl_mean']:.4f})"
+        )
+
+    lines = ["Best quality for the size (no format is both smaller and closer to bf16):"]
+    lines += [f"  {desc(n)}" for n in on]
+    for n, by in beaten:
+        lines.append(
+            f"  not {n} ({fmts[n]['bits']:.3f} bits, KL {fmts[n]['kl_mean']:.4f}): {by} is no "
+            "larger and at least as close to bf16"
+        )
+    return lines
+
+
 def retrieval_rows(result: dict) -> list[dict]:
     rows = []
     sources = dict(result["formats"])
@@ -66,10 +155,14 @@ def _noise_note(result: dict) -> list[str]:
     nf = result.get("reference", {}).get("noise_floor")
     if not nf:
         return []
+    words = (
+        f", words changed {nf['words_changed']:.3f}, identical {nf['identical']:.2f}"
+        if nf.get("words_changed") is not None
+        else ""
+    )
     return [
         f"- noise floor (the bf16 reference run twice in this process): KL mean "
-        f"{nf['kl_mean']:.4f}, top-1 agree {nf['top1_agree']:.3f}, words changed "
-        f"{nf['words_changed']:.3f}, identical {nf['identical']:.2f}"
+        f"{nf['kl_mean']:.4f}, top-1 agree {nf['top1_agree']:.3f}{words}"
     ]
 
 
@@ -80,12 +173,16 @@ def _protocol_note(s: dict) -> list[str]:
     short = []
     if s["kl_windows"] < PROTOCOL.kl_windows:
         short.append(f"KL windows {s['kl_windows']} (protocol {PROTOCOL.kl_windows})")
-    if s["prompts"] < PROTOCOL.prompts or s["new_tokens"] < PROTOCOL.new_tokens:
+    if s["prompts"] == 0:
+        short.append("words changed not measured")
+    elif s["prompts"] < PROTOCOL.prompts or s["new_tokens"] < PROTOCOL.new_tokens:
         short.append(
             f"{s['prompts']} prompts x {s['new_tokens']} tokens (protocol "
             f"{PROTOCOL.prompts} x {PROTOCOL.new_tokens})"
         )
-    if s["retrieval_samples"] < PROTOCOL.retrieval_samples:
+    if s["retrieval_samples"] == 0:
+        short.append("retrieval not measured")
+    elif s["retrieval_samples"] < PROTOCOL.retrieval_samples:
         short.append(
             f"{s['retrieval_samples']} retrieval samples per task and length (protocol "
             f"{PROTOCOL.retrieval_samples}, lengths up to the model's context)"
@@ -100,7 +197,8 @@ def _protocol_note(s: dict) -> list[str]:
 
 
 def write_report(result: dict, out_dir: str | Path, formats: dict | None = None) -> Path:
-    """``report.md`` plus ``kl.png``, ``capacity.png`` and ``retrieval.png`` in ``out_dir``."""
+    """``report.md`` plus ``frontier.png``, ``kl.png``, ``capacity.png`` and
+    ``retrieval.png`` in ``out_dir``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,6 +229,42 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
     ax.set_title(f"KL at every position, {result['model']['name']}")
     fig.tight_layout()
     fig.savefig(out / "kl.png", dpi=120)
+    plt.close(fig)
+
+    # The frontier a user chooses on: mean KL against bits, every format of the run.
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    on = set(frontier(result)[0])
+    pts = [(fmts[n]["bits"], fmts[n]["kl_mean"], n) for n in names]
+    floor = min((k for _, k, _ in pts if k > 0), default=1.0) / 3
+    line = sorted((b, max(k, floor)) for b, k, n in pts if n in on)
+    if line:
+        ax.plot(*zip(*line, strict=True), color="tab:gray", lw=1, zorder=1)
+    for i, (b, k, n) in enumerate(sorted(pts)):
+        ax.scatter(b, max(k, floor), color="tab:blue" if n in on else "tab:red", zorder=2)
+        # neighbours of about one size (4.125, 4.25 bits) get labels at three heights
+        ax.annotate(
+            n,
+            (b, max(k, floor)),
+            fontsize=8,
+            xytext=(5, 10 * (i % 3) - 8),
+            textcoords="offset points",
+        )
+    if any(k > 0 for _, k, _ in pts):
+        ax.set_yscale("log")
+    ax.set_xscale("log", base=2)
+    lo, hi = min(b for b, _, _ in pts), max(b for b, _, _ in pts)
+    ticks = [t for t in (2, 3, 3.5, 4, 4.5, 5, 6, 8, 12, 16, 32) if lo * 0.9 <= t <= hi * 1.1]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("bits per element, log scale (fewer: more sessions per GPU)")
+    ax.set_ylabel("mean KL vs bf16 (bf16's 0 at the bottom)")
+    ax.set_title(
+        f"Size against quality, {result['model']['name']}\nblue: best for the size; red: "
+        "another format is no larger and closer to bf16",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)
 
     # Capacity: sessions per GPU (docs/protocol.md's capacity method), bars to scale from zero.
@@ -165,9 +299,10 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
     if "bf16" not in sources and result.get("reference"):
         sources = {"bf16 (reference)": {"retrieval": result["reference"]["retrieval"]}, **sources}
     tasks = sorted({t for f in sources.values() for t in f["retrieval"]})
+    (out / "retrieval.png").unlink(missing_ok=True)  # a rebuilt report keeps no stale plot
     fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 3.5))
     axes = axes if len(tasks) > 1 else [axes]
-    for ax, task in zip(axes, tasks, strict=True):
+    for ax, task in zip(axes if tasks else [], tasks, strict=True):
         for n, f in sources.items():
             per = f["retrieval"].get(task, {})
             xs = [int(L) for L in per]
@@ -177,9 +312,10 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         ax.set_title(task, fontsize=9)
         ax.set_xlabel("context tokens")
         ax.set_ylabel("accuracy")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "retrieval.png", dpi=120)
+    if tasks:
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "retrieval.png", dpi=120)
     plt.close(fig)
 
     prov = result["provenance"]
@@ -194,25 +330,29 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         f"- settings: KL on {s['kl_windows']} windows x {s['kl_length']} tokens (every "
         f"position); words changed on {s['prompts']} prompts x {s['new_tokens']} new tokens; "
         f"retrieval {', '.join(s['tasks'])} at {', '.join(map(str, s['retrieval_lengths']))} "
-        f"tokens, {s['retrieval_samples']} samples each; seed {s['seed']}",
+        f"tokens, {s['retrieval_samples']} samples each (0: not measured); seed {s['seed']}",
         f"- stage wall times on this machine (s): {result.get('timings_s')}",
         *_noise_note(result),
         *_protocol_note(s),
         "",
-        "bits: effective bits per element by docs/protocol.md's accounting (Llama-3.1-8B shape). "
-        "KL: KL(P_bf16 || P_format) over the full vocabulary at every position. "
-        "words_changed: word-level edit distance to the bf16 output / its words (mean over "
-        "prompts); identical: share of outputs token-identical to bf16. retrieval: mean "
-        "accuracy over tasks and lengths.",
+        markdown_table(summary_rows(result), summary_columns(result)),
         "",
-        markdown_table(summary_rows(result), SUMMARY_COLUMNS),
+        *[f"- {line}" for line in legend(result)],
+        "- bits follow the accounting of docs/protocol.md; KL is KL(P_bf16 || P_format) over "
+        "the full vocabulary",
         "",
-        "## Retrieval accuracy by task and length",
+        "![KL against bits](frontier.png)",
+        "",
+        *[
+            line.strip() if i == 0 else f"- {line.strip()}"
+            for i, line in enumerate(frontier_lines(result))
+        ],
         "",
     ]
-    rrows = retrieval_rows(result)
-    lens = [str(L) for L in s["retrieval_lengths"]]
-    md += [markdown_table(rrows, ["format", "task", *lens]), ""]
+    if tasks:
+        lens = [str(L) for L in s["retrieval_lengths"]]
+        md += ["## Retrieval accuracy by task and length", ""]
+        md += [markdown_table(retrieval_rows(result), ["format", "task", *lens]), ""]
     md += ["## KL by position (mean over 8 equal spans of the window)", ""]
     md += [
         markdown_table(
@@ -234,8 +374,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         "",
         "![capacity](capacity.png)",
         "",
-        "![retrieval](retrieval.png)",
-        "",
+        *(["![retrieval](retrieval.png)", ""] if tasks else []),
     ]
     path = out / "report.md"
     path.write_text("\n".join(md))

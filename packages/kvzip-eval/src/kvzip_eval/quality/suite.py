@@ -1,12 +1,12 @@
 """One evaluation run: KL, words changed and retrieval for several formats on the same inputs.
 
-Settings presets: ``quick`` (about a minute on 2 CPU cores) for tests and checks, ``default``
-(a few minutes there) for a first look, ``full`` for published numbers: the quality protocol
-of docs/protocol.md, 8 windows of the model's full context, 32 prompts x 256 new tokens, 50
-samples per retrieval task at 1,024, 2,048, 4,096 tokens and the full context. ``full`` is
-meant for a GPU (``--device cuda``): on 2 shared CPU cores an 8,192-token forward of
-SmolLM2-135M took 128 s, so the protocol would take days there. Every count can be changed
-with the command's options.
+Settings presets: ``quick`` (about a minute on 2 CPU cores) for tests and checks,
+``default`` (KL only, a few minutes there) for a first look, ``full`` for published numbers:
+the quality protocol of docs/protocol.md, 8 windows of the model's full context, 32 prompts x
+256 new tokens, 50 samples per retrieval task at 1,024, 2,048, 4,096 tokens and the full
+context. ``full`` is meant for a GPU (``--device cuda``): on 2 shared CPU cores an
+8,192-token forward of SmolLM2-135M took 128 s, so the protocol would take days there. Every
+count can be changed with the command's options.
 """
 
 from __future__ import annotations
@@ -56,16 +56,19 @@ PRESETS = {
         retrieval_lengths=(512,),
         retrieval_samples=1,
     ),
-    # With (512, 1024) x 1 sample the default took 694 s for 8 formats at load ~9 (KL 116 s,
-    # words 168 s, retrieval 365 s); one length, two samples cuts retrieval by ~40%.
+    # The first look, sized to finish in minutes on 2 CPU cores: KL, which tells the formats
+    # apart on 2,048 positions. Words changed and retrieval are left out (prompts = 0,
+    # retrieval_samples = 0): with 4 prompts and 2 samples per task (the earlier default) they
+    # took 231 s and 266 s of a 616 s suite for 8 formats at load ~6 and could not separate
+    # the formats (retrieval of bf16 itself 0.50); --full on a GPU measures them.
     "default": Settings(
         kl_windows=2,
         kl_length=1024,
-        prompts=4,
+        prompts=0,
         passage_tokens=128,
         new_tokens=64,
         retrieval_lengths=(512,),
-        retrieval_samples=2,
+        retrieval_samples=0,
     ),
     # The quality protocol of docs/protocol.md. gen_batch 64 takes each retrieval group (50
     # samples of one task and length) in one batch on a GPU; on the CPU the command lowers it
@@ -243,19 +246,22 @@ def run_suite(
     kl = kl_mod.measure_kl(loaded, formats, wins, progress=progress, rerun_reference=s.noise_floor)
     t["kl"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    if prompts_file:
-        prompts = words.file_prompts(prompts_file, s.prompts)
-    else:
-        prompts = words.corpus_prompts(
-            loaded.tokenizer, s.prompts, s.passage_tokens, text_file=text_file, seed=s.seed
-        )
-    wc = run_words(loaded, formats, prompts, s, progress)
-    t["words"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    rt = run_retrieval(loaded, formats, s, text_file, progress)
-    t["retrieval"] = time.perf_counter() - t0
+    # prompts = 0 / retrieval_samples = 0: that measure is not run (its fields are None / {})
+    prompts, wc, rt = [], None, None
+    if s.prompts > 0:
+        t0 = time.perf_counter()
+        if prompts_file:
+            prompts = words.file_prompts(prompts_file, s.prompts)
+        else:
+            prompts = words.corpus_prompts(
+                loaded.tokenizer, s.prompts, s.passage_tokens, text_file=text_file, seed=s.seed
+            )
+        wc = run_words(loaded, formats, prompts, s, progress)
+        t["words"] = time.perf_counter() - t0
+    if s.retrieval_samples > 0:
+        t0 = time.perf_counter()
+        rt = run_retrieval(loaded, formats, s, text_file, progress)
+        t["retrieval"] = time.perf_counter() - t0
 
     out = {}
     for name, fmt in formats.items():
@@ -266,22 +272,25 @@ def run_suite(
             "kl_median": k.kl_median,
             "kl_p99": k.kl_p99,
             "top1_agree": k.top1_agree,
-            "words_changed": wc[name]["words_changed"],
-            "identical": wc[name]["identical"],
-            "retrieval": rt[name],
+            "words_changed": wc[name]["words_changed"] if wc else None,
+            "identical": wc[name]["identical"] if wc else None,
+            "retrieval": rt[name] if rt else {},
             "kl_by_position": k.kl_by_position,
             "kl_positions": k.positions,
-            "reused_reference": {"kl": k.exact, "words": wc[name]["exact"]},
+            "reused_reference": {"kl": k.exact, "words": wc[name]["exact"] if wc else None},
         }
-    reference = {"retrieval": rt["__reference__"], "outputs": wc["__reference__"]["outputs"]}
+    reference = {
+        "retrieval": rt["__reference__"] if rt else {},
+        "outputs": wc["__reference__"]["outputs"] if wc else [],
+    }
     if s.noise_floor:
         again = kl[kl_mod.RERUN]
         reference["noise_floor"] = {
             "kl_mean": again.kl_mean,
             "kl_p99": again.kl_p99,
             "top1_agree": again.top1_agree,
-            "words_changed": wc["__rerun__"]["words_changed"],
-            "identical": wc["__rerun__"]["identical"],
+            "words_changed": wc["__rerun__"]["words_changed"] if wc else None,
+            "identical": wc["__rerun__"]["identical"] if wc else None,
         }
     extra = {
         "reference": reference,
