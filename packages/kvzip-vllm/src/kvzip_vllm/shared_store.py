@@ -8,7 +8,9 @@ and that key (an instance running another version of this value format never rea
 It keeps nothing of its own in memory: the byte budget and the eviction live on the server,
 which it configures on every connection (``CONFIG SET maxmemory <budget_bytes>`` and
 ``maxmemory-policy allkeys-lru``) or, where the server refuses CONFIG SET, checks (``CONFIG
-GET``) and refuses to use with a message naming the setting.
+GET``) and refuses to use with a message naming the setting. Both settings are the whole
+server's (every database in it): give the tier a Redis server of its own, and every instance
+on it the same ``budget_bytes`` (the last to connect sets it).
 
 One value per block: a header (magic ``KVZS``, format version, blob count, the block's
 uncompressed bytes, each blob's length), the blobs back to back, then a BLAKE2b-256 digest
