@@ -78,3 +78,24 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_cpu_package_needs_no_triton_and_no_vllm():
+    """What ``pip install kvzip-lossless`` gives a CPU machine: compress/decompress with the
+    compiled CPU coder while ``triton`` and ``vllm`` cannot be imported."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('triton', 'vllm'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, kvzip_lossless as kl\n"
+        "x = (torch.randn(200, 2, 16) * 3).bfloat16()\n"
+        "assert torch.equal(kl.decompress(kl.compress(x)).view(torch.int16), x.view(torch.int16))\n"
+        "assert 'triton' not in sys.modules and 'vllm' not in sys.modules\n"
+        "print(kl.coder('cpu'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "numba"

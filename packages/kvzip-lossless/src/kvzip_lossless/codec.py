@@ -4,11 +4,12 @@ decode of a blob's tiles (tables, tiling and blob assembly: ``tiles.py``)."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
 
-from kvzip_lossless import _cpu
+from kvzip_lossless import _cpu, _cpu_fast
 from kvzip_lossless._torch import as_u16
 from kvzip_lossless.blob import (
     MODE_RANS,
@@ -35,7 +36,9 @@ from kvzip_lossless.tiles import (  # noqa: F401
 
 def coder(device="cpu") -> str:
     """Which coder :func:`compress` / :func:`decompress` run for tensors on ``device``:
-    ``"cuda"`` (the CUDA C coder, built for that GPU), ``"triton"``, or on the CPU ``"numpy"``.
+    ``"cuda"`` (the CUDA C coder, built for that GPU), ``"triton"``, or on the CPU ``"numba"``
+    (the compiled coder) or ``"numpy"`` (the reference; where numba does not import, or with
+    ``KVZIP_LOSSLESS_CPU_CODER=numpy``).
     On CUDA the choice is logged (logger ``kvzip_lossless``) with its reason."""
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -43,7 +46,7 @@ def coder(device="cpu") -> str:
 
         if gpu.available():
             return gpu.default_backend(dev)
-    return "numpy"
+    return _cpu_coder(None)
 
 
 def _check_input(x) -> None:
@@ -86,10 +89,38 @@ def compress(
     return compress_u16(vals, shape, table, tables, slot, rows_per_tile)
 
 
-def compress_u16(vals, shape, table, tables, slot, rows_per_tile=ROWS_PER_TILE) -> bytes:
+CPU_CODERS = ("numba", "numpy")
+
+
+def _cpu_coder(name: str | None) -> str:
+    """The CPU coder to run: ``name``, else ``KVZIP_LOSSLESS_CPU_CODER``, else numba when it
+    imports (the numpy coder is the reference, and the fallback)."""
+    name = name or os.environ.get("KVZIP_LOSSLESS_CPU_CODER") or None
+    if name is None:
+        return "numba" if _cpu_fast.available() else "numpy"
+    if name not in CPU_CODERS:
+        raise ValueError(f"CPU coder {name!r}: supported are {', '.join(CPU_CODERS)}")
+    if name == "numba" and not _cpu_fast.available():
+        raise RuntimeError("the numba CPU coder was asked for, but numba does not import")
+    return name
+
+
+def compress_u16(
+    vals, shape, table, tables, slot, rows_per_tile=ROWS_PER_TILE, cpu: str | None = None
+) -> bytes:
+    """A blob from the bit patterns ``vals`` (flat uint16) on the CPU coder ``cpu`` (None:
+    the default, :func:`coder`)."""
     if not 1 <= rows_per_tile < 1 << 31:
         raise ValueError(f"rows_per_tile must be a positive int32, got {rows_per_tile}")
     table, cols, table_id, slot_, embedded = prepare_table(vals, shape, table, tables, slot)
+    if _cpu_coder(cpu) == "numba":
+        parts = _cpu_fast.encode_parts(vals, table, cols, rows_per_tile)
+    else:
+        parts = _encode_parts_numpy(vals, table, cols, rows_per_tile)
+    return assemble(shape, cols, rows_per_tile, table_id, slot_, embedded, parts)
+
+
+def _encode_parts_numpy(vals, table, cols, rows_per_tile) -> list[dict]:
     rows = vals.size // cols
     parts = []
     for t0, nt, nr in plan_tiles(rows, rows_per_tile):
@@ -108,11 +139,14 @@ def compress_u16(vals, shape, table, tables, slot, rows_per_tile=ROWS_PER_TILE) 
                     checksum=int(enc["checksum"][i]),
                 )
             )
-    return assemble(shape, cols, rows_per_tile, table_id, slot_, embedded, parts)
+    return parts
 
 
-def decode_u16(buf: memoryview, h: Header, table: Table) -> np.ndarray:
-    """Decode every tile on the CPU and verify each checksum; returns the values (uint16)."""
+def decode_u16(buf: memoryview, h: Header, table: Table, cpu: str | None = None) -> np.ndarray:
+    """Decode every tile on the CPU coder ``cpu`` (None: the default) and verify each
+    checksum; returns the values (uint16)."""
+    if _cpu_coder(cpu) == "numba":
+        return _cpu_fast.decode_u16(buf, h, table)
     cols = h.columns
     out = np.empty(h.numel, np.uint16)
     offs = h.offsets()
