@@ -66,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     start_s = time.perf_counter() - t0
-    policy = llm.llm_engine.vllm_config.kv_transfer_config.kv_load_failure_policy
+    # the policy as the engine sees it (this process's config only when the engine runs here)
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    policy = (
+        llm.llm_engine.vllm_config.kv_transfer_config.kv_load_failure_policy
+        if in_process
+        else "not visible here: the engine runs in its own process (the connector sets it there)"
+    )
     tok = llm.get_tokenizer()
     warmup = token_windows(tok, 1, 1152, split="calib")[0].tolist()
     ids = token_windows(tok, 1, args.prompt_tokens, split="eval")[0].tolist()
