@@ -11,9 +11,8 @@ shapes; the ``cuda`` parameters (marked ``gpu``) use Llama-3.1-8B's attention sh
 The compact formats use ``kvzip_kernels.testing.synthetic_calibration`` (random but valid
 channel statistics, full d x d transforms as on a real model): the embedded model's
 calibration (``calibration_cache.py``) only exists for 3 KV heads at head_dim 64 and needs
-the model, which the GPU machine does not have. Both ``4bit`` and ``3.5bit`` are taken by the
-kernels at head_dim 64, so the CPU twin runs at 64 (``3bit`` at 64 is refused: the fallback
-test below).
+the model, which the GPU machine does not have. The compact formats are taken by the kernels
+at head_dim 64, so the CPU twin runs at 64 (head_dim 32 is refused: the fallback test below).
 """
 
 from __future__ import annotations
@@ -652,23 +651,23 @@ def _flash_attention_matches(c, q, qsl, outs, reqs, tols):
 
 # --------------------------------------------------------------------------- fallback
 def test_refused_format_falls_back_once_with_the_reason(caplog):
-    """``3bit`` at head_dim 64: the decode kernel cannot read its rows (kvzip-kernels'
+    """``4bit`` at head_dim 32: the kernels take head_dim 64 and 128 only (kvzip-kernels'
     documented refusal); the layer takes the reference path, and the reason is logged once
     per process, not per layer."""
     _device_ok("cpu")
-    fmt = _fmt("3bit", SHAPES["cpu"])
+    fmt = _fmt("4bit", Shape(6, 2, 32, 16, (1,)))
     paged._kernel_refusal.cache_clear()
     with caplog.at_level(logging.WARNING, logger="vllm.kvzip.paged"):
         layers = [
-            PagedAttention(fmt, num_heads=6, num_kv_heads=2, head_size=64, block_size=16, scale=1)
+            PagedAttention(fmt, num_heads=6, num_kv_heads=2, head_size=32, block_size=16, scale=1)
             for _ in range(3)
         ]
         assert not any(p.use_kernels(torch.device("cpu")) for p in layers)
     (rec,) = caplog.records
-    assert "3bit" in rec.message and "two channel groups" in rec.message
+    assert "4bit" in rec.message and "head_dim 64 and 128" in rec.message
     with pytest.raises(RuntimeError, match="refuse"):
         PagedAttention(
-            fmt, num_heads=6, num_kv_heads=2, head_size=64, block_size=16, scale=1, kernels=True
+            fmt, num_heads=6, num_kv_heads=2, head_size=32, block_size=16, scale=1, kernels=True
         ).use_kernels(torch.device("cpu"))
 
 
