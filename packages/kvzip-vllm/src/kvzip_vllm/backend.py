@@ -261,7 +261,7 @@ class KvzipAttentionImpl(AttentionImpl):
             block_size=self.block_size,
             scale=self.scale,
             kernels=False if cpu else None,
-            prefill="reference" if cpu else "workspace",
+            prefill="reference" if cpu else None,  # None: the workspace for CUDA tensors
             varlen=None if cpu else compat.flash_attn_varlen(),
         )
 

@@ -43,7 +43,7 @@ Paths, the same bytes and (within the kernels' earned tolerance) the same attent
   batch), sinks placed, then a variable-length attention kernel over it (vLLM's
   FlashAttention where the backend passes it, ``sdpa_varlen`` otherwise).
 
-A format, head size or block size the kernels refuse (e.g. ``3bit`` at head size 64) is found
+A format, head size or block size the kernels refuse (e.g. head size 32, or ``turbo4``) is found
 once per process by a probe call on well-formed inputs, which only their documented refusal
 (``FormatError``) may fail; the reason is logged and that configuration takes the reference
 path. Errors on real calls are never caught.
