@@ -270,3 +270,47 @@ def test_scheduler_rewinds_and_stores_again_after_a_refusal():
     meta = sched.build_connector_meta(out(cached=[("r", 2 * BS)], n=2 * BS + 1))
     assert meta.seen_report == 5
     assert [(s.key, s.pos) for s in meta.stores] == [(keys[2], 2), (keys[3], 3)]
+
+
+def test_the_cuda_path_refuses_the_same_stores():
+    """The worker on the CUDA tier pipeline (run on the CPU device, Triton interpreted): a
+    damaged entry fails its load in ``wait_loads``, and the stores computed on it are refused
+    before they reach the store thread."""
+    from kvzip_vllm.cuda_pipeline import CudaTierPipeline
+    from kvzip_vllm.tier.metadata import Load, Store
+
+    w = _worker()
+    caches = _caches(1)
+    w.register_kv_caches(caches)
+    w._cuda = CudaTierPipeline(w.store, [c for _, c in w.layers], BS)
+    try:
+        keys = [bytes([i]) * 32 for i in range(6)]
+        w.wait_for_save(_meta(stores=[Store("a", keys[i], i, i) for i in range(3)]))
+        w._cuda.drain()
+        rep = w.build_connector_worker_meta()
+        assert rep.stored == keys[:3]
+        blobs, _, data = w.store.get_entry(keys[2])
+        mid = len(blobs[0]) // 2
+        data[mid : mid + 16] ^= 0xFF
+        loads = [Load("b", keys[i], 4 + i, i) for i in range(3)]
+        stores = [Store("b", keys[3], 7, 3), Store("d", keys[5], 9, 0)]
+        meta = _meta(loads=loads, stores=stores, req_blocks={"b": [4, 5, 6, 7], "d": [9]})
+        w.start_load_kv(meta)
+        w.wait_for_layer_load("model.layers.0.self_attn.attn")
+        w.wait_for_save(meta)
+        assert w.get_block_ids_with_load_errors() == {6}
+        w._cuda.drain()
+        rep = w.build_connector_worker_meta()
+        assert rep.failed_loads == [("b", 2)]
+        assert [(r.req_id, r.pos) for r in rep.refused] == [("b", 3)]
+        assert rep.stored == [keys[5]] and keys[3] not in w.store
+        for cache in caches.values():  # the good loads reached the cache bit for bit
+            assert torch.equal(cache[4], cache[0]) and torch.equal(cache[5], cache[1])
+    finally:
+        w._cuda.close()
+
+
+def _meta(**kw):
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata
+
+    return KvzipConnectorMetadata(**kw)
