@@ -467,6 +467,12 @@ class PagedAttention:
                 block_size=self.block_size,
                 # vLLM's slots are valid; the range check reads them on the host (a sync)
                 check_slots=False,
+                # the value check's verdict would be read on the host too: a sync, which CUDA
+                # graph capture forbids. Unchecked, a row the spec rejects (NaN, inf,
+                # |x| > 65504) is still written with a NaN scale by the kernel, so it decodes to
+                # NaN, never to a plausible value; the FormatError itself is raised only where
+                # the verdict can be read (the reference path, cache_write's default)
+                check_values=False,
                 block_stride=pages.stride(0),
             )
         self.write_sinks(key, value, kv_cache, sinks)
