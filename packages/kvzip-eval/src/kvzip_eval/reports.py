@@ -63,7 +63,10 @@ def emit(
     elif json_path:
         click.echo(f"wrote {write_json(json_path, result)}", err=to_err)
     if report_dir:
-        click.echo(f"wrote {write_report(result, report_dir, formats=formats)}", err=to_err)
+        path = write_report(result, report_dir, formats=formats)
+        plots = sorted(p.name for p in path.parent.glob("*.png"))
+        with_plots = f" (plots beside it: {', '.join(plots)})" if plots else ""
+        click.echo(f"wrote {path}{with_plots}", err=to_err)
 
 
 def write_report(result: dict, out_dir: str | Path, *, formats: dict | None = None) -> Path:

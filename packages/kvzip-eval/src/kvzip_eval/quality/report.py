@@ -166,6 +166,24 @@ def _noise_note(result: dict) -> list[str]:
     ]
 
 
+def _settings_text(s: dict) -> str:
+    words = (
+        f"words changed on {s['prompts']} prompts x {s['new_tokens']} new tokens"
+        if s["prompts"]
+        else "words changed not measured"
+    )
+    retrieval = (
+        f"retrieval {', '.join(s['tasks'])} at {', '.join(map(str, s['retrieval_lengths']))} "
+        f"tokens, {s['retrieval_samples']} samples each"
+        if s["retrieval_samples"]
+        else "retrieval not measured"
+    )
+    return (
+        f"KL on {s['kl_windows']} windows x {s['kl_length']} tokens (every position); "
+        f"{words}; {retrieval}; seed {s['seed']}"
+    )
+
+
 def _protocol_note(s: dict) -> list[str]:
     """Say so when a run used less than the quality protocol (docs/protocol.md) asks for."""
     from kvzip_eval.quality.suite import PROTOCOL
@@ -189,10 +207,13 @@ def _protocol_note(s: dict) -> list[str]:
         )
     if not short:
         return []
+    coarse = (
+        ". Small samples: retrieval accuracies and words-changed shares here are coarse."
+        if s["prompts"] or s["retrieval_samples"]
+        else "."
+    )
     return [
-        "- **smaller than the quality protocol of docs/protocol.md**: "
-        + "; ".join(short)
-        + ". Small samples: retrieval accuracies and words-changed shares here are coarse."
+        "- **smaller than the quality protocol of docs/protocol.md**: " + "; ".join(short) + coarse
     ]
 
 
@@ -327,10 +348,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         f"- model: {result['model']['name']} ({result['model']['source']}), "
         f"identity {result['model']['identity']}",
         f"- text: {result['text']}",
-        f"- settings: KL on {s['kl_windows']} windows x {s['kl_length']} tokens (every "
-        f"position); words changed on {s['prompts']} prompts x {s['new_tokens']} new tokens; "
-        f"retrieval {', '.join(s['tasks'])} at {', '.join(map(str, s['retrieval_lengths']))} "
-        f"tokens, {s['retrieval_samples']} samples each (0: not measured); seed {s['seed']}",
+        f"- settings: {_settings_text(s)}",
         f"- stage wall times on this machine (s): {result.get('timings_s')}",
         *_noise_note(result),
         *_protocol_note(s),
