@@ -152,8 +152,14 @@ def _gguf_name(hf_name: str) -> str:
     )
 
 
-def pack(gguf_path: Path, folder: Path, out: Path, sizes_mib: list[float]) -> dict:
-    """Write the pieces and manifests into ``out/p<i>/``; returns the manifest."""
+def pack(
+    gguf_path: Path, folder: Path, out: Path, sizes_mib: list[float], identity: str | None = None
+) -> dict:
+    """Write the pieces and manifests into ``out/p<i>/``; returns the manifest.
+
+    ``identity``: the folder's kvzip model identity where it is packed (recorded, so the GPU
+    side can tell a calibration made for these bytes even if its transformers serializes
+    the config differently)."""
     import gguf  # only here: the GPU machine needs numpy alone
 
     folder, out = Path(folder), Path(out)
@@ -286,6 +292,7 @@ def pack(gguf_path: Path, folder: Path, out: Path, sizes_mib: list[float]) -> di
     manifest = {
         "version": PACK_VERSION,
         "model": folder.name,
+        "identity": identity,
         "source_gguf": {"name": Path(gguf_path).name, "sha256": _file_sha(Path(gguf_path))},
         "files": files,
         "sections": sections,
@@ -402,12 +409,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "pack":
-            from kvzip_eval.model import embedded_gguf, hf_folder
+            from transformers import AutoConfig
+
+            from kvzip_eval.model import embedded_gguf, hf_folder, model_identity
 
             g = a.gguf or embedded_gguf()
             folder = a.folder or hf_folder(g)
             sizes = [float(x) for x in a.sizes_mib.split(",") if x.strip()]
-            m = pack(g, folder, a.out, sizes)
+            ident = model_identity(folder, AutoConfig.from_pretrained(folder))
+            m = pack(g, folder, a.out, sizes, identity=ident)
+            print(f"model identity {ident}")
             for piece in m["pieces"]:
                 print(f"{a.out / piece['dir']}: {piece['size'] / 2**20:.2f} MiB")
             print(

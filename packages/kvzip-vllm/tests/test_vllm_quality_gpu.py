@@ -73,6 +73,8 @@ def test_vllm_logprobs_cost_of_each_format_matches_kvzip_eval(tmp_path):
     assert sorted(rows) == sorted(FORMATS)
     noise = res["noise"]
     for fmt, r in rows.items():
+        # vLLM ran the compact cache: the same KV bytes held more blocks than bf16's
+        assert r["kv_blocks_vs_bf16"] > 1.5, r
         # the format costs something measurable in vLLM, more than vLLM's own bf16 noise
         assert r["vllm_kl_topk"] > 4 * max(noise["vllm_bf16_alone_vs_batched"], 1e-6), r
         # and as much as kvzip eval says: within what changing HF's attention kernel alone
