@@ -122,7 +122,7 @@ def test_backend_spec_uses_format_bytes(monkeypatch):
 
     monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
     spec = FullAttentionSpec(block_size=32, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
-    custom = KvzipAttentionBackend.customize_spec(spec)
+    custom = compat.layer_spec(KvzipAttentionBackend, spec)
     tbh = kvzip_formats.get_format("int4").token_head_bytes(64)  # 32 codes + 4 scale/zero
     assert custom.page_size_bytes == 32 * 3 * 2 * tbh == 6912
     assert spec.page_size_bytes / custom.page_size_bytes == 256 / 72
@@ -192,6 +192,8 @@ def test_spec_shim_gives_kvzip_layers_the_compact_page(monkeypatch):
     assert spec.dtype == torch.uint8
     assert spec.page_size_bytes == p.block_bytes == 16 * 8 * 136
     assert type(spec).merge([spec, spec]).page_size_bytes == p.block_bytes
+    base = Layer(object).get_kv_cache_spec(None)
+    assert compat.layer_spec(backend.KvzipAttentionBackend, base).page_size_bytes == p.block_bytes
     other = Layer(object).get_kv_cache_spec(None)  # another backend's layer: untouched
     assert type(other) is FullAttentionSpec and other.page_size_bytes == 16 * 8 * 2 * 128 * 2
 

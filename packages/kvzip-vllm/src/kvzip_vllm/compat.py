@@ -187,6 +187,14 @@ def kvzip_layer_spec(spec, content_bytes: int):
     )
 
 
+def layer_spec(backend_cls, spec):
+    """The spec vLLM sizes a kvzip layer by, from the layer's own ``FullAttentionSpec``:
+    ``customize_spec`` on 0.32/0.33, the shim's spec on 0.26."""
+    if has_spec_api():
+        return backend_cls.customize_spec(spec)
+    return kvzip_layer_spec(spec, backend_cls.kvzip_content_bytes(spec.head_size, spec.block_size))
+
+
 def install_spec_shim() -> bool:
     """On vLLM without ``customize_spec`` (0.26), make ``Attention.get_kv_cache_spec`` of the
     layers whose backend is kvzip's return a spec of the compact page size, so that vLLM sizes
