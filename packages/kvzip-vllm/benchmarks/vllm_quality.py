@@ -543,11 +543,16 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
     }
     pending = [s for s in [BF16, "hf", BF16_RERUN, *names] if s not in done]
     running: dict[str, tuple[subprocess.Popen, float, object]] = {}
+    t_start = time.perf_counter()
     while pending or running:
         for stage in list(pending):
             if len(running) >= a.jobs:
                 break
             if stage == "hf" and BF16 not in done:
+                continue
+            if stage == "hf" and done[BF16]["rc"] != 0:
+                pending.remove(stage)
+                done[stage] = {"rc": None, "error": "not run: the bf16 stage failed"}
                 continue
             env = dict(base)
             if stage in KVZIP_FORMATS:
@@ -563,21 +568,28 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
             running[stage] = (p, time.perf_counter(), log)
             pending.remove(stage)
         time.sleep(0.5)
+        late = time.perf_counter() - t_start > a.deadline_s
         for stage, (p, t, log) in list(running.items()):
-            if p.poll() is None:
+            if p.poll() is None and not late:
                 continue
+            if p.poll() is None:
+                p.kill()
+                p.wait()
             log.close()
             del running[stage]
             rc = p.returncode
             done[stage] = {"rc": rc, "wall_s": round(time.perf_counter() - t, 1)}
             if rc != 0:
-                for q, _, lg in running.values():
-                    q.kill()
-                    lg.close()
-                tail = (Path(a.work) / f"stage_{stage}.log").read_text()[-3000:]
-                _collect_logs(Path(a.work), out)
-                raise SystemExit(f"stage {stage} failed (rc {rc}):\n{tail}")
-            print(f"stage {stage}: done in {done[stage]['wall_s']} s", flush=True)
+                # one format failing leaves the others to be compared; its log tail is kept
+                tail = (Path(a.work) / f"stage_{stage}.log").read_text(errors="replace")
+                done[stage]["error"] = ("killed at --deadline-s; " if late else "") + tail[-2000:]
+                print(f"stage {stage} FAILED (rc {rc}):\n{tail[-3000:]}", flush=True)
+            else:
+                print(f"stage {stage}: done in {done[stage]['wall_s']} s", flush=True)
+        if late:
+            for stage in pending:
+                done[stage] = {"rc": None, "error": "not started before --deadline-s"}
+            pending = []
     return done
 
 
@@ -673,6 +685,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block", type=int, default=256, help="positions per block for the SE")
     ap.add_argument(
+        "--deadline-s", type=float, default=480, help="stages still running then are killed"
+    )
+    ap.add_argument(
         "--resume",
         default=None,
         help="a work folder of an earlier run: its finished stages are kept",
@@ -729,7 +744,17 @@ def main(argv=None) -> int:
     np.save(wpath, wins)
     t = time.perf_counter()
     stages = run_stages(a, out, names)
-    for st in stages:
+    failed = {st: m for st, m in stages.items() if m.get("rc") != 0}
+    names = [f for f in names if f not in failed]
+    if any(st in failed for st in (BF16, BF16_RERUN, "hf")) or not names:
+        _collect_logs(Path(a.work), out)
+        fail = {"failed_stages": failed, "provenance": provenance(), "work": a.work}
+        (out / "vllm_quality_failed.json").write_text(json.dumps(fail, indent=2) + "\n")
+        raise SystemExit(
+            f"stages {sorted(failed)} failed (see {out}/vllm_quality_stages.log); "
+            "nothing to compare"
+        )
+    for st in [x for x in stages if x not in failed]:
         meta_path = Path(a.work) / (f"vllm_{st}.json" if st != "hf" else "hf.json")
         if meta_path.is_file():
             meta = json.loads(meta_path.read_text())
@@ -761,6 +786,7 @@ def main(argv=None) -> int:
         **cmp,
         "measure_kl": json.loads((Path(a.work) / "hf.json").read_text())["measure_kl"],
         "stages": stages,
+        "failed_formats": sorted(failed),
         "wall_s": round(time.perf_counter() - t, 1),
         "provenance": provenance(),
     }
