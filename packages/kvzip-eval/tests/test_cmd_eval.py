@@ -64,6 +64,12 @@ def test_json_schema_and_values(run):
     bf16, int4 = data["formats"]["bf16"], data["formats"]["int4"]
     assert bf16["kl_mean"] == 0.0 and bf16["identical"] == 1.0 and bf16["words_changed"] == 0
     assert int4["kl_mean"] > 0 and int4["bits"] == 4.25 and bf16["bits"] == 16
+    # bf16 never departs from itself: the whole continuation, an interval of one point
+    n_ref = len(data["reference"]["outputs"])
+    assert n_ref == 1 and bf16["first_departure"] >= 1
+    assert bf16["first_departure_ci95"] == [bf16["first_departure"]] * 2
+    assert bf16["words_changed_ci95"] == [0.0, 0.0] and bf16["identical_ci95"] == [1.0, 1.0]
+    assert 0 <= int4["first_departure"] <= bf16["first_departure"]
     prov = data["provenance"]
     assert {"date", "machine", "versions", "command"} <= set(prov)
 
@@ -85,6 +91,8 @@ def test_table_and_report(run):
     assert "| bf16 |" in res.output and "| int4 |" in res.output
     md = (out / "rep" / "report.md").read_text()
     assert "command:" in md and "versions:" in md and "| int4 |" in md
+    assert "first departure, identical outputs (95% intervals)" in md
+    assert "| bf16 | 0.000 [0.000, 0.000] |" in md
     for png in ("frontier.png", "kl.png", "capacity.png", "retrieval.png"):
         assert (out / "rep" / png).read_bytes()[:4] == b"\x89PNG"
     # readable without the docs: column meanings, the best format for the size, what next

@@ -30,6 +30,7 @@ def summary_rows(result: dict) -> list[dict]:
                 "kl_p99": f"{f['kl_p99']:.3f}",
                 "top1_agree": f"{f['top1_agree']:.3f}",
                 "words_changed": _num(f.get("words_changed"), ".3f"),
+                "first_departure": _num(f.get("first_departure"), ".1f"),
                 "identical": _num(f.get("identical"), ".2f"),
                 "retrieval": _num(_retrieval_mean(f.get("retrieval") or {}), ".2f"),
             }
@@ -48,6 +49,7 @@ SUMMARY_COLUMNS = [
     "kl_p99",
     "top1_agree",
     "words_changed",
+    "first_departure",
     "identical",
     "retrieval",
 ]
@@ -66,9 +68,10 @@ def measured(result: dict) -> dict[str, bool]:
 def summary_columns(result: dict) -> list[str]:
     """SUMMARY_COLUMNS less those of measures the run did not make."""
     m = measured(result)
-    drop = ({"words_changed", "identical"} if not m["words"] else set()) | (
-        {"retrieval"} if not m["retrieval"] else set()
-    )
+    drop = {"words_changed", "first_departure", "identical"} if not m["words"] else set()
+    if not any(f.get("first_departure") is not None for f in result["formats"].values()):
+        drop.add("first_departure")  # results written before it was measured
+    drop |= {"retrieval"} if not m["retrieval"] else set()
     return [c for c in SUMMARY_COLUMNS if c not in drop]
 
 
@@ -81,6 +84,8 @@ _LEGEND = {
     "top1_agree": "top1_agree: share of positions where the most likely next token is bf16's",
     "words_changed": "words_changed: word edit distance of the greedy continuation from "
     "bf16's, per bf16 word; identical: share of continuations equal to bf16's",
+    "first_departure": "first_departure: mean position (generated tokens) of the first token "
+    "that differs from bf16's (an identical continuation counts its length)",
     "retrieval": "retrieval: accuracy at finding keyed values in a long context (mean over "
     "tasks and lengths)",
 }
@@ -136,6 +141,25 @@ def frontier_lines(result: dict) -> list[str]:
             "larger and at least as close to bf16"
         )
     return lines
+
+
+def words_ci_rows(result: dict) -> list[dict]:
+    """Words-changed statistics with their 95% intervals, for results that have them."""
+
+    def ci(f, key, spec):
+        v, c = f.get(key), f.get(f"{key}_ci95")
+        return "-" if v is None else f"{v:{spec}} [{c[0]:{spec}}, {c[1]:{spec}}]"
+
+    return [
+        {
+            "format": n,
+            "words_changed": ci(f, "words_changed", ".3f"),
+            "first_departure": ci(f, "first_departure", ".1f"),
+            "identical": ci(f, "identical", ".2f"),
+        }
+        for n, f in result["formats"].items()
+        if f.get("words_changed_ci95") is not None
+    ]
 
 
 def retrieval_rows(result: dict) -> list[dict]:
@@ -367,6 +391,17 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         ],
         "",
     ]
+    wrows = words_ci_rows(result)
+    if wrows:
+        md += [
+            "## Words changed, first departure, identical outputs (95% intervals)",
+            "",
+            f"Over {s['prompts']} prompts x {s['new_tokens']} greedy tokens; intervals: "
+            "percentile bootstrap of the mean over prompts.",
+            "",
+            markdown_table(wrows, ["format", "words_changed", "first_departure", "identical"]),
+            "",
+        ]
     if tasks:
         lens = [str(L) for L in s["retrieval_lengths"]]
         md += ["## Retrieval accuracy by task and length", ""]

@@ -95,6 +95,10 @@ class SuiteResult:
     timings_s: dict = field(default_factory=dict)
 
 
+#: The words-changed statistics besides the two means (``words.summarize``).
+WORDS_EXTRA = ("words_changed_ci95", "identical_ci95", "first_departure", "first_departure_ci95")
+
+
 def bits_of(fmt, info) -> dict:
     """Effective bits per element by the accounting of docs/protocol.md: at the Llama-3.1-8B
     shape (131k tokens) and at the evaluated model's own shape."""
@@ -274,6 +278,7 @@ def run_suite(
             "top1_agree": k.top1_agree,
             "words_changed": wc[name]["words_changed"] if wc else None,
             "identical": wc[name]["identical"] if wc else None,
+            **{k: wc[name][k] if wc else None for k in WORDS_EXTRA},
             "retrieval": rt[name] if rt else {},
             "kl_by_position": k.kl_by_position,
             "kl_positions": k.positions,
@@ -291,6 +296,7 @@ def run_suite(
             "top1_agree": again.top1_agree,
             "words_changed": wc["__rerun__"]["words_changed"] if wc else None,
             "identical": wc["__rerun__"]["identical"] if wc else None,
+            "first_departure": wc["__rerun__"]["first_departure"] if wc else None,
         }
     extra = {
         "reference": reference,

@@ -34,21 +34,56 @@ def words_changed(reference: str, output: str) -> float:
     return dist / len(ref)
 
 
+def first_departure(ref_ids, out_ids) -> int:
+    """Index of the first generated token where ``out_ids`` departs from ``ref_ids``; the
+    length of the shorter when one is a prefix of the other (equal outputs: their length, a
+    value censored at the generation length)."""
+    for i, (a, b) in enumerate(zip(ref_ids, out_ids, strict=False)):
+        if a != b:
+            return i
+    return min(len(ref_ids), len(out_ids))
+
+
+#: Resamples of the percentile bootstrap behind every ``*_ci95`` interval (fixed seed).
+BOOTSTRAP = 2000
+
+
+def mean_ci95(values) -> list[float]:
+    """95% percentile-bootstrap interval of the mean over prompts (seeded: reproducible)."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("no values")
+    means = np.random.default_rng(0).choice(x, size=(BOOTSTRAP, x.size)).mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return [float(lo), float(hi)]
+
+
 def summarize(references: list[str], outputs: list[str], ref_ids=None, out_ids=None) -> dict:
-    """Mean per-prompt words changed and the share of outputs identical to the reference."""
+    """Mean per-prompt words changed and the share of outputs identical to the reference,
+    each with a 95% interval over prompts; with token ids, also the mean position of the
+    first token that departs from the reference (``first_departure``)."""
     if len(references) != len(outputs) or not references:
         raise ValueError(
             f"need as many outputs as references (>0), got {len(outputs)} and {len(references)}"
         )
     changed = [words_changed(r, o) for r, o in zip(references, outputs, strict=True)]
     if ref_ids is not None:
-        same = [a == b for a, b in zip(ref_ids, out_ids, strict=True)]
+        same = [list(a) == list(b) for a, b in zip(ref_ids, out_ids, strict=True)]
     else:
         same = [r == o for r, o in zip(references, outputs, strict=True)]
-    return {
+    out = {
         "words_changed": sum(changed) / len(changed),
+        "words_changed_ci95": mean_ci95(changed),
         "identical": sum(same) / len(same),
+        "identical_ci95": mean_ci95([float(x) for x in same]),
     }
+    if ref_ids is not None:
+        dep = [first_departure(list(a), list(b)) for a, b in zip(ref_ids, out_ids, strict=True)]
+        out["first_departure"] = sum(dep) / len(dep)
+        out["first_departure_ci95"] = mean_ci95(dep)
+    return out
 
 
 def corpus_prompts(tokenizer, n: int, passage_tokens: int, *, text_file=None, seed: int = 0):
