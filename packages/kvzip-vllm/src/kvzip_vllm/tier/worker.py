@@ -154,11 +154,12 @@ class KvzipWorker:
             for _ in range(2 * len(self.layers))
         ]
 
-    def read_block(self, key: bytes) -> list[torch.Tensor] | None:
-        """The decoded tensors of ``key`` (layer 0 K, layer 0 V, ...) token-major, on the
-        cache's device, or None if not held or damaged (for tests and inspection; a damaged
-        entry is dropped). On CUDA, call it with no store in flight (``drain``)."""
-        outs = self._block_outputs(self.layers[0][1].device)
+    def read_block(self, key: bytes, device="cpu") -> list[torch.Tensor] | None:
+        """The decoded tensors of ``key`` (layer 0 K, layer 0 V, ...) token-major, decoded by
+        kvzip_lossless on ``device`` (the CPU by default: independent of the GPU restore path),
+        or None if not held or damaged (for tests and inspection; a damaged entry is dropped).
+        With the CUDA pipeline, call it with no store in flight (``drain``)."""
+        outs = self._block_outputs(device)
         return outs if self.store.get(key, outs) else None
 
     # -- the step -------------------------------------------------------------------------
