@@ -243,3 +243,16 @@ def test_backend_refuses_unsupported_setups_at_start(change, match, monkeypatch)
     pytest.importorskip("vllm")
     with pytest.raises(support.UnsupportedConfigError, match=match):
         _backend_impl(change, monkeypatch)
+
+
+def test_backend_takes_a_connector_only_when_it_loads_placeholders(monkeypatch):
+    """The benchmarks' fill connector says it loads placeholder KV; any other is refused."""
+    pytest.importorskip("vllm")
+    from kvzip_vllm.backend import BENCH_CONNECTOR_KEY
+
+    ok = SimpleNamespace(kv_connector_extra_config={BENCH_CONNECTOR_KEY: True})
+    assert _backend_impl({"kv_transfer_config": ok}, monkeypatch).fmt.name == "int4"
+    for extra in ({}, {BENCH_CONNECTOR_KEY: "yes"}, {BENCH_CONNECTOR_KEY: False}):
+        kt = SimpleNamespace(kv_connector_extra_config=extra)
+        with pytest.raises(support.UnsupportedConfigError, match="a KV connector"):
+            _backend_impl({"kv_transfer_config": kt}, monkeypatch)

@@ -89,6 +89,20 @@ def sink_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> SinkPool:
     return pool
 
 
+#: ``kv_connector_extra_config`` key that lets a connector run beside the compact backend:
+#: only for connectors that load no real KV (benchmarks filling the cache with placeholder
+#: blocks), whose sequences may read another sequence's stale bf16 sinks.
+BENCH_CONNECTOR_KEY = "kvzip_placeholder_kv"
+
+
+def _connector_refused(cfg) -> bool:
+    kt = getattr(cfg, "kv_transfer_config", None)
+    if kt is None:
+        return False
+    extra = getattr(kt, "kv_connector_extra_config", None) or {}
+    return extra.get(BENCH_CONNECTOR_KEY) is not True
+
+
 @compat.kv_cache_api
 class KvzipAttentionBackend(AttentionBackend):
     """Paged attention over a kvzip compact-format cache."""
@@ -219,7 +233,7 @@ class KvzipAttentionImpl(AttentionImpl):
             **{k: v is not None for k, v in extra.items()},
             # a connector's loaded blocks would arrive without their sink slots (the pool
             # gives a slot when the backend writes a sequence's first chunk)
-            "a KV connector": getattr(cfg, "kv_transfer_config", None) is not None,
+            "a KV connector": _connector_refused(cfg),
         }
         bad = [k for k, v in unsupported.items() if v]
         if bad or attn_type != AttentionType.DECODER:
