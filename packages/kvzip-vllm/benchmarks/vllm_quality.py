@@ -241,6 +241,7 @@ def vllm_stage(a) -> None:
         "num_gpu_blocks": int(cc.num_gpu_blocks or 0),
         "block_size": int(cc.block_size),
         "attention_backend": kw.get("attention_backend", "default"),
+        "settings": _stage_settings(a),
     }
     (work / f"vllm_{stage}.json").write_text(json.dumps(meta, indent=1))
     print("STAGE", json.dumps(meta), flush=True)
@@ -341,6 +342,8 @@ def hf_stage(a) -> None:
     )
     meta = {
         "device": device,
+        "settings": _stage_settings(a),
+        "formats": names,
         "identity": loaded.info.identity,
         "lists_s": round(lists_s, 2),
         "measure_kl_s": round(time.perf_counter() - t1, 2),
@@ -521,6 +524,15 @@ def _stage_cmd(a, stage: str) -> list[str]:
     return cmd + (["--graphs"] if a.graphs else [])
 
 
+def _stage_settings(a) -> dict:
+    return {
+        "topk": a.topk,
+        "gen": a.gen,
+        "graphs": a.graphs,
+        "max_batched_tokens": a.max_batched_tokens,
+    }
+
+
 def run_stages(a, out: Path, names: list[str]) -> dict:
     """The vLLM stages (up to ``--jobs`` at once), then the HF stage once bf16 is done."""
     pp = os.pathsep.join(
@@ -535,8 +547,14 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
     base = {**os.environ, **ENV, "PYTHONPATH": pp}
 
     def finished(stage: str) -> bool:
+        """Kept from an earlier run (``--resume``) only if made with these settings."""
         stem = "hf" if stage == "hf" else f"vllm_{stage}"
-        return all((Path(a.work) / f"{stem}.{x}").is_file() for x in ("npz", "json"))
+        if not all((Path(a.work) / f"{stem}.{x}").is_file() for x in ("npz", "json")):
+            return False
+        meta = json.loads((Path(a.work) / f"{stem}.json").read_text())
+        if meta.get("settings") != _stage_settings(a):
+            return False
+        return stage != "hf" or set(names) <= set(meta.get("formats", []))
 
     done: dict[str, dict] = {
         s: {"rc": 0, "resumed": True} for s in [BF16, "hf", BF16_RERUN, *names] if finished(s)
@@ -567,6 +585,7 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
             )
             running[stage] = (p, time.perf_counter(), log)
             pending.remove(stage)
+            time.sleep(1.0)  # staggered starts: vLLM's imports and port picks do not collide
         time.sleep(0.5)
         late = time.perf_counter() - t_start > a.deadline_s
         for stage, (p, t, log) in list(running.items()):
