@@ -98,11 +98,22 @@ class KvzipBenchFill(KVConnectorBase_V1):
             scale=d**-0.5,
             kernels=False,
         )
-        one = torch.zeros((2, *shape), dtype=torch.uint8, device=cache.device)
+        # a scratch cache with room for one sink slot; the template is its block 1, written
+        # as the first block of a sequence (position 0 is a sink token)
+        n = max(2, 2 * pa.blocks_per_slot)
+        one = torch.zeros((n, *shape), dtype=torch.uint8, device=cache.device)
         k = torch.randn(bs, h, d, generator=g, device=cache.device).to(torch.bfloat16)
         v = torch.randn(bs, h, d, generator=g, device=cache.device).to(torch.bfloat16)
-        slots = torch.arange(bs, device=cache.device) + bs  # block 1 of the scratch cache
-        pa.write(k, v, one, slots, layer=int(os.environ.get("KVZIP_BENCH_TEMPLATE_LAYER", "0")))
+        slots = torch.arange(bs, device=cache.device) + bs
+        sinks = None
+        if pa.sink_tokens:
+            from kvzip_vllm.paged import plan_step, sink_plan
+
+            fresh, rows = sink_plan([0, bs], [bs], pa.sink_tokens)
+            first = torch.tensor([1], device=cache.device)
+            sinks = plan_step(pa.new_pool(one), first, fresh, rows)
+        layer = int(os.environ.get("KVZIP_BENCH_TEMPLATE_LAYER", "0"))
+        pa.write(k, v, one, slots, layer=layer, sinks=sinks)
         return one[1].clone()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
