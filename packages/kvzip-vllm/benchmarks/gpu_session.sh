@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One H200 session of kvzip inside vLLM 0.26, call by call (the machine keeps /tmp between
+# back-to-back calls). From the checkout's root, with $OUT the folder that comes back:
+#
+#   gpu_session.sh install   # vLLM bundle part 2 (part 1 already in /tmp/vstage), the model's first piece
+#   gpu_session.sh checks    # support matrix on 0.26, the CUDA decode kernels' tests (picks the decode path)
+#   gpu_session.sh serving   # bench_serving.py: every format, 32k and 128k
+#   gpu_session.sh e2e       # tests/test_vllm_gpu.py (tier at 32k, compact + CUDA graphs), gpu fault tests
+#   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval (second model piece carried)
+set -uo pipefail
+stage=${1:?stage}
+R=$PWD/packages
+env_line() {
+  export PYTHONPATH=/tmp/site:$R/kvzip-formats/src:$R/kvzip-kernels/src:$R/kvzip-lossless/src:$R/kvzip-vllm/src:$R/kvzip-eval/src
+  # at most 8 files come back from $OUT: each stage's files go to one tarball ($OUT/$stage.tgz)
+  RES=/tmp/res/$stage; mkdir -p $RES
+  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 KVZIP_RESULTS_DIR=$RES
+  # the CUDA decode kernels serve vLLM only if their tests passed in this session
+  export KVZIP_KERNELS_BACKEND=$(cat /tmp/kvzip_kernels_backend 2>/dev/null || echo triton)
+}
+case $stage in
+install)
+  P=.carry/vllm-gpu/part2
+  cp $P/* /tmp/vstage/ && bash $P/install.sh /tmp/vstage /tmp/site >/tmp/envline 2>$OUT/install.log || exit 1
+  mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p0 /tmp/smollm2/
+  env_line
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
+  ;;
+checks)
+  env_line
+  timeout 120 python3 -m pytest -q packages/kvzip-vllm/tests/test_support.py 2>&1 | tee $RES/checks_support.log | tail -3
+  PYTHONPATH=$PYTHONPATH:$R/kvzip-kernels/tests timeout 200 python3 -m pytest -q -m gpu \
+    packages/kvzip-kernels/tests/test_cuda_decode.py 2>&1 | tee $RES/checks_cuda_decode.log | tail -5
+  if [ "${PIPESTATUS[0]}" = 0 ]; then echo auto >/tmp/kvzip_kernels_backend; else echo triton >/tmp/kvzip_kernels_backend; fi
+  echo "decode path for vLLM: $(cat /tmp/kvzip_kernels_backend)"
+  export KVZIP_KERNELS_BACKEND=$(cat /tmp/kvzip_kernels_backend)
+  KVZIP_GPU_SHAPE=tiny timeout 240 python3 -m pytest -q -m gpu packages/kvzip-vllm/tests/test_vllm_e2e.py \
+    -k backend_on_cuda -x 2>&1 | tee $RES/checks_backend_on_cuda.log | tail -4
+  ;;
+serving)
+  env_line
+  echo "KVZIP_KERNELS_BACKEND=$KVZIP_KERNELS_BACKEND"
+  python3 packages/kvzip-vllm/benchmarks/bench_serving.py --out $RES --prefill-max-context 32768 \
+    --deadline-s ${DEADLINE:-570} --stage-timeout-s 150 2>&1 | tail -25
+  ;;
+e2e)
+  env_line
+  mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p1 .carry/smollm2/calibration /tmp/smollm2/ 2>/dev/null
+  timeout 420 python3 -m pytest -q -m gpu packages/kvzip-vllm/tests/test_vllm_gpu.py -x 2>&1 | tee $RES/e2e_pytest.log | tail -6
+  timeout 150 python3 -m pytest -q -m gpu packages/kvzip-vllm/tests/test_gpu_faults.py 2>&1 | tee $RES/faults_pytest.log | tail -4
+  ;;
+quality)
+  env_line
+  timeout 560 python3 packages/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \
+    --calibration /tmp/smollm2/calibration --out $RES --deadline-s 480 2>&1 | tail -20
+  ;;
+*) echo "unknown stage $stage"; exit 2 ;;
+esac
+[ -n "${RES:-}" ] && tar czf $OUT/$stage.tgz -C /tmp/res $stage && ls -la $RES | tail -n +2 | awk '{print $5, $9}'
