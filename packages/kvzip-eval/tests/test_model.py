@@ -121,11 +121,12 @@ def test_file_hash_is_cached_and_invalidated(tmp_path, monkeypatch):
     import os
 
     from kvzip_eval import model
+    from kvzip_formats import identity
 
     monkeypatch.setenv("KVZIP_CACHE_DIR", str(tmp_path / "cache"))
     reads = []
-    real = model._sha256_of
-    monkeypatch.setattr(model, "_sha256_of", lambda p: reads.append(p) or real(p))
+    real = identity._sha256_of
+    monkeypatch.setattr(identity, "_sha256_of", lambda p: reads.append(p) or real(p))
     f = tmp_path / "w.safetensors"
     f.write_bytes(b"x" * 1000)
     want = hashlib.sha256(b"x" * 1000).hexdigest()

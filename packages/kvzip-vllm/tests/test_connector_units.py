@@ -314,3 +314,24 @@ def _meta(**kw):
     from kvzip_vllm.tier.metadata import KvzipConnectorMetadata
 
     return KvzipConnectorMetadata(**kw)
+
+
+# ---------------------------------------------------------------------------- tier keys
+def test_tier_keys_differ_for_models_whose_weights_differ(tmp_path, monkeypatch):
+    """Two fine-tunes of one base (same config, same file names and sizes, other bytes) get
+    different model identities, so neither is ever served the other's stored blocks."""
+    from kvzip_vllm.connector import _model_identity
+
+    monkeypatch.setenv("KVZIP_CACHE_DIR", str(tmp_path / "cache"))
+
+    def cfg(folder):
+        d = tmp_path / folder
+        d.mkdir()
+        order = range(256) if folder == "a" else range(255, -1, -1)  # same size, other bytes
+        (d / "model.safetensors").write_bytes(bytes(order) * 4)
+        hf = SimpleNamespace(to_json_string=lambda use_diff=False: '{"hidden_size": 8}')
+        mc = SimpleNamespace(model=str(d), revision=None, hf_config=hf)
+        return SimpleNamespace(model_config=mc)
+
+    a, b = _model_identity(cfg("a")), _model_identity(cfg("b"))
+    assert a.split("#")[1] != b.split("#")[1]

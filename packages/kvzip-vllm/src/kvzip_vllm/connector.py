@@ -66,10 +66,15 @@ logger = init_logger("vllm.kvzip.connector")
 
 
 def _model_identity(vllm_config: VllmConfig) -> str:
-    """The model part of the key: path/name, revision and a hash of its HF config."""
+    """The model part of the key: path/name, revision, and a hash of its HF config and of its
+    weight files' contents (``kvzip_formats.identity``: hashed once, then cached by path,
+    size and mtime), so two fine-tunes of one base never share stored blocks."""
+    from kvzip_formats import identity
+
     mc = vllm_config.model_config
     cfg = mc.hf_config.to_json_string(use_diff=False) if mc.hf_config is not None else ""
-    digest = hashlib.sha256(cfg.encode()).hexdigest()[:16]
+    weights = identity.weight_files(mc.model)
+    digest = identity.file_identity(weights, hashlib.sha256(cfg.encode()).hexdigest())
     return f"{mc.model}@{mc.revision or ''}#{digest}"
 
 
