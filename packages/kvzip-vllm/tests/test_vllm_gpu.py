@@ -24,16 +24,17 @@ pytestmark = [
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_e2e.py"
 
 
-def _run(tmp_path: Path, *args: str, timeout: int = 420) -> dict:
+def _run(tmp_path: Path, *args: str, timeout: int = 520) -> dict:
     out = Path(os.environ.get("KVZIP_RESULTS_DIR") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(SCRIPT), *args, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     log = out / ("gpu_e2e_" + "_".join(a.lstrip("-") for a in args) + ".log")
-    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"{cmd} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    )
+    with open(log, "w") as f:  # written as the scenario runs: a stopped run leaves its log
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    text = log.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    why = f"{cmd} failed ({proc.returncode}):\n{text[-4000:]}"
+    assert proc.returncode == 0 and lines, why
     return json.loads(lines[-1][len("RESULT ") :])
 
 
