@@ -37,7 +37,10 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
         connector_settings({"budget_byte": 1 << 20}, environ={})
     msg = str(e.value)
     assert "'budget_byte'" in msg
-    assert "known keys: budget_bytes, fit_tokens, stats_path, tables_path" in msg
+    assert (
+        "known keys: budget_bytes, fit_tokens, shared_budget_bytes, shared_timeout_s, "
+        "shared_url, stats_path, tables_path"
+    ) in msg
 
 
 @pytest.mark.parametrize(

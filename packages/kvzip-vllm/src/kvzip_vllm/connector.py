@@ -135,6 +135,7 @@ class KvzipConnector(KVConnectorBase_V1):
             layout="per-layer-block",
             block_size=vllm_config.cache_config.block_size,
             dtype=str(vllm_config.model_config.dtype),
+            tp_world=vllm_config.parallel_config.tensor_parallel_size,
         )
         self.scheduler: KvzipScheduler | None = None
         self.worker: KvzipWorker | None = None
@@ -142,11 +143,21 @@ class KvzipConnector(KVConnectorBase_V1):
             from kvzip_vllm.tier.scheduler import KvzipScheduler
 
             require_recompute_policy(ktc)
-            self.scheduler = KvzipScheduler(vllm_config, kv_cache_config, ns)
+            shared = self._open_shared()
+            self.scheduler = KvzipScheduler(vllm_config, kv_cache_config, ns, shared=shared)
         else:
             from kvzip_vllm.tier.worker import KvzipWorker
 
             self.worker = KvzipWorker(vllm_config, self.settings)
+
+    def _open_shared(self):
+        """The shared tier's store for the scheduler (None when ``shared_url`` is unset)."""
+        from kvzip_vllm.tier.shared import open_shared
+
+        try:
+            return open_shared(self.settings)
+        except ValueError as e:  # a bad URL, or a server whose limits cannot be set
+            raise support.UnsupportedConfigError(str(e)) from None
 
     # ------------------------------------------------------------------ scheduler side
     def on_new_request(self, request: Request) -> None:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_FORMAT = "KVZIP_KV_FORMAT"
 ENV_CALIBRATION = "KVZIP_CALIBRATION"
@@ -66,12 +66,16 @@ def load_format(name: str, calibration: str | None):
 ENV_TIER_BYTES = "KVZIP_TIER_BYTES"
 ENV_STATS_PATH = "KVZIP_STATS_PATH"
 ENV_TIER_TABLES = "KVZIP_TIER_TABLES"
+ENV_SHARED_URL = "KVZIP_SHARED_URL"
+ENV_SHARED_BYTES = "KVZIP_SHARED_BYTES"
 DEFAULT_BUDGET_BYTES = 4 << 30
 #: key -> environment variable read when the key is absent
 CONNECTOR_ENV = {
     "budget_bytes": ENV_TIER_BYTES,
     "stats_path": ENV_STATS_PATH,
     "tables_path": ENV_TIER_TABLES,
+    "shared_url": ENV_SHARED_URL,
+    "shared_budget_bytes": ENV_SHARED_BYTES,
 }
 
 
@@ -93,13 +97,41 @@ class ConnectorSettings(BaseModel):
     fit_tokens: int = Field(1024, ge=0)
     """Without ``tables_path``: fit the table set from the first this many tokens stored
     (0: never; every blob then embeds its own table)."""
+    shared_url: str | None = None
+    """The shared tier's Redis server (``redis://127.0.0.1:6379/0``); None: off (the default).
+    Needs ``tables_path`` or ``fit_tokens=0`` (every instance codes with the same tables)."""
+    shared_budget_bytes: int | None = Field(None, gt=0)
+    """The server's ``maxmemory`` (set by the tier, LRU eviction): the same on every instance."""
+    shared_timeout_s: float | None = Field(None, gt=0, le=60)
+    """Connect and read timeout of each call to the server (default 0.2 s / 0.5 s)."""
 
-    @field_validator("budget_bytes", "fit_tokens", mode="before")
+    @field_validator("budget_bytes", "fit_tokens", "shared_budget_bytes", mode="before")
     @classmethod
     def _not_bool(cls, v):
         if isinstance(v, bool):
             raise ValueError("Input should be an integer, not a bool")
         return v
+
+    @model_validator(mode="after")
+    def _shared(self):
+        if not self.shared_url:
+            given = [k for k in ("shared_budget_bytes", "shared_timeout_s") if getattr(self, k)]
+            if given:
+                raise ValueError(f"{', '.join(given)} given without shared_url")
+            return self
+        if self.shared_budget_bytes is None:
+            raise ValueError(
+                "shared_url needs shared_budget_bytes (the server's maxmemory, the same on "
+                "every instance)"
+            )
+        if not self.tables_path and self.fit_tokens != 0:
+            raise ValueError(
+                "shared_url needs tables_path (one table set file for every instance) or "
+                "fit_tokens=0 (each blob embeds its table): a set fitted by each instance "
+                "from its own first blocks differs between instances, so a block stored by one "
+                "would not decode on another"
+            )
+        return self
 
 
 def connector_settings(extra: dict | None = None, environ=None):
@@ -134,7 +166,10 @@ def connector_settings(extra: dict | None = None, environ=None):
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            key = str(err["loc"][0]) if err["loc"] else "?"
+            if not err["loc"]:  # a rule over several keys: its message names them
+                problems.append(err["msg"].removeprefix("Value error, "))
+                continue
+            key = str(err["loc"][0])
             problems.append(
                 f"{key}={values.get(key)!r} (from {source.get(key, 'default')}): {err['msg']}"
             )

@@ -34,9 +34,11 @@ class _ReqState:
 class KvzipScheduler:
     """Scheduler side of ``KvzipConnector`` (one per engine)."""
 
-    def __init__(self, vllm_config, kv_cache_config, namespace: bytes):
+    def __init__(self, vllm_config, kv_cache_config, namespace: bytes, shared=None):
         self.block_size = vllm_config.cache_config.block_size
         self.namespace = namespace
+        #: the shared tier's store (tier/shared.py), queried for the blocks not held locally
+        self.shared = shared
         self._held: set[bytes] = set()
         self._pending: set[bytes] = set()
         self._reqs: dict[str, _ReqState] = {}
@@ -81,14 +83,34 @@ class KvzipScheduler:
         # At least one prompt token must be computed to produce the next token's logits.
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit = 0
-        for key in self.keys_of(request, max_blocks):
+        keys = self.keys_of(request, max_blocks)
+        for key in keys:
             if key not in self._held:
                 break
             hit += 1
+        if self.shared is not None:
+            hit = self._shared_hit(keys, hit, num_computed_tokens)
         hit_tokens = hit * self.block_size
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, False
+
+    def _shared_hit(self, keys: list[bytes], hit: int, num_computed_tokens: int) -> int:
+        """The leading blocks available from the local tier or the shared store: one
+        pipelined EXISTS for those after the local hit and vLLM's own prefix (a server down
+        or slow answers none within its timeout: only the local blocks count)."""
+        start = max(hit, num_computed_tokens // self.block_size)
+        rest = keys[start:]
+        ask = [k for k in rest if k not in self._held]
+        if not ask:
+            return hit
+        found = dict(zip(ask, self.shared.contains_many(ask), strict=True))
+        n = 0
+        for key in rest:
+            if key not in self._held and not found[key]:
+                break
+            n += 1
+        return start + n if n else hit
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -79,6 +79,12 @@ class KvzipWorker:
         self.store = BlockStore(
             settings.budget_bytes, tables=tables, fit_tokens=settings.fit_tokens
         )
+        # the shared tier (tier/shared.py): None unless shared_url is set
+        from kvzip_vllm.tier.shared import SharedWriter, open_shared
+
+        self.shared = open_shared(settings)
+        self._shared_writer = SharedWriter(self.shared) if self.shared is not None else None
+        self._shared_counts = {"shared_blocks_fetched": 0, "shared_blocks_bad": 0}
         self.layers: list[tuple[str, torch.Tensor]] = []
         self._load_errors: set[int] = set()  # block ids, until get_block_ids_with_load_errors
         self._report = KvzipWorkerMetadata()
@@ -172,6 +178,7 @@ class KvzipWorker:
             self.store.clear()
         if not meta.loads:
             return
+        fetched = self._fetch_shared(meta.loads) if self.shared is not None else set()
         if self._cuda is not None:
             self._cuda_loads = {load.block_id: load for load in meta.loads}
             self._cuda.start_loads([(ld.req_id, ld.key, ld.block_id) for ld in meta.loads])
@@ -189,6 +196,9 @@ class KvzipWorker:
                 failed.append(load)
                 self._report.dropped.append(load.key)
                 self.store.stats.load_errors += 1
+                if load.key in fetched:  # intact value, blobs failing to decode: for all
+                    self._shared_counts["shared_blocks_bad"] += 1
+                    self.shared.delete(load.key)
         self._record_failures(failed)
         s = self.store.stats
         s.restore_seconds += time.perf_counter() - t0
@@ -203,6 +213,35 @@ class KvzipWorker:
             f", {len(failed)} failed (recomputed)" if failed else "",
         )
         self._write_stats()
+
+    def _fetch_shared(self, loads: list[Load]) -> set[bytes]:
+        """Bring the loads' blocks the local store lacks from the shared store into it (a
+        miss stays a miss: the load then fails and vLLM recomputes). Returns the keys
+        fetched; they are reported held (and what their room evicted, dropped)."""
+        fetched = set()
+        for load in loads:
+            if load.key in self.store or load.key in fetched:
+                continue
+            entry = self.shared.get_entry(load.key)  # None when absent, damaged or down
+            if entry is None:
+                continue
+            nbytes, evicted = self.store.put_blobs(load.key, tuple(entry.blobs), entry.raw_bytes)
+            self._report.dropped.extend(evicted)
+            if nbytes:
+                fetched.add(load.key)
+                self._report.stored.append(load.key)
+        self._shared_counts["shared_blocks_fetched"] += len(fetched)
+        return fetched
+
+    def _share(self, key: bytes) -> None:
+        """Queue a block just stored locally for the shared store (never waits)."""
+        entry = self.store._entries.get(key)
+        if self._shared_writer is not None and entry is not None:
+            self._shared_writer.submit(key, entry.blobs, entry.raw_bytes)
+
+    def flush_shared(self, timeout_s: float = 10.0) -> bool:
+        """Wait up to ``timeout_s`` until the queued shared puts are done (tests, shutdown)."""
+        return self._shared_writer is None or self._shared_writer.flush(timeout_s)
 
     def _record_failures(self, failed: list[Load]) -> None:
         """Remember the step's failed loads until the scheduler has seen them."""
@@ -287,6 +326,8 @@ class KvzipWorker:
                 nbytes, evicted = 0, []
             self._report.dropped.extend(evicted)
             (self._report.stored if nbytes else self._report.dropped).append(st.key)
+            if nbytes:
+                self._share(st.key)
         s = self.store.stats
         logger.info(
             "kvzip tier: %d blocks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
@@ -309,6 +350,8 @@ class KvzipWorker:
     def build_connector_worker_meta(self) -> KvzipWorkerMetadata | None:
         if self._cuda is not None:
             stored, dropped = self._cuda.collect()
+            for key in stored:
+                self._share(key)
             self._report.stored.extend(stored)
             self._report.dropped.extend(dropped)
             if stored or dropped or self._stats_dirty or self._report.refused:
@@ -324,8 +367,15 @@ class KvzipWorker:
         return report
 
     def stats(self) -> dict:
-        """The tier's counters (also written to ``stats_path`` when set)."""
-        return self.store.stats.as_dict()
+        """The tier's counters (also written to ``stats_path`` when set); with the shared
+        tier, its ``shared_*`` counters too (this worker's calls)."""
+        d = self.store.stats.as_dict()
+        if self.shared is not None:
+            d.update(self.shared.stats)
+            d.update(self._shared_counts)
+            d["shared_put_queued"] = self._shared_writer.queued
+            d["shared_put_dropped"] = self._shared_writer.dropped
+        return d
 
     def _write_stats(self) -> None:
         if not self.stats_path:
@@ -338,4 +388,8 @@ class KvzipWorker:
     def shutdown(self) -> None:
         if self._cuda is not None:
             self._cuda.close()
+        if self._shared_writer is not None:
+            self._shared_writer.close(timeout_s=10.0)  # bounded: puts fail fast when down
+            self.shared.close()
+            self._shared_writer = None
         self._write_stats()
