@@ -117,7 +117,12 @@ def test_keys_depend_on_model_layout_and_prefix():
     base = block_key(namespace(**ns), b"h1")
     assert base == block_key(namespace(**ns), b"h1")
     assert base != block_key(namespace(**ns), b"h2")
-    for field, other in (("model", "m2"), ("block_size", 64), ("dtype", "torch.float16")):
+    for field, other in (
+        ("model", "m2"),
+        ("block_size", 64),
+        ("dtype", "torch.float16"),
+        ("tp_world", 2),
+    ):
         assert base != block_key(namespace(**{**ns, field: other}), b"h1"), field
     assert f"kvzip_lossless/{kvzip_lossless.FORMAT_VERSION}".encode() in namespace(**ns)
 

@@ -83,11 +83,44 @@ def test_model_refusals_name_what_is_supported():
         )
 
 
-def test_parallel_refused():
-    with pytest.raises(support.UnsupportedConfigError, match="tensor_parallel_size=2"):
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_parallel_tp_sizes_accepted(tp):
+    support.check_parallel(
+        SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1), what="connector"
+    )
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(3, 1), (16, 1), (1, 2), (2, 2)])
+def test_parallel_refused(tp, pp):
+    with pytest.raises(
+        support.UnsupportedConfigError,
+        match=f"tensor_parallel_size={tp}, pipeline_parallel_size={pp} is not supported; "
+        "supported: tensor_parallel_size 1, 2, 4, 8 with pipeline_parallel_size 1",
+    ):
         support.check_parallel(
-            SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1), what="connector"
+            SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp), what="connector"
         )
+
+
+@pytest.mark.parametrize(
+    ("total", "world", "ranges"),
+    [
+        (8, 2, [(0, 4), (4, 8)]),
+        (8, 8, [(i, i + 1) for i in range(8)]),
+        (4, 1, [(0, 4)]),
+        (2, 4, [(0, 1), (0, 1), (1, 2), (1, 2)]),  # fewer KV heads than ranks: replicated
+        (1, 8, [(0, 1)] * 8),
+    ],
+)
+def test_kv_head_range_matches_vllm_partition(total, world, ranges):
+    assert [support.kv_head_range(total, r, world) for r in range(world)] == ranges
+
+
+def test_kv_head_range_refuses_indivisible():
+    with pytest.raises(support.UnsupportedConfigError, match="3 KV heads cannot be split"):
+        support.kv_head_range(3, 0, 2)
+    with pytest.raises(support.UnsupportedConfigError, match="rank 2 of world size 2"):
+        support.kv_head_range(4, 2, 2)
 
 
 def test_plugin_is_inert_without_env(monkeypatch):
@@ -134,7 +167,7 @@ def test_backend_spec_uses_format_bytes(monkeypatch):
         ({"dtype": torch.float16}, "dtype torch.float16 is not supported; supported: bfloat16"),
         ({"arch": "GPT2LMHeadModel"}, "supported: LlamaForCausalLM"),
         ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
-        ({"tp": 2}, "tensor_parallel_size=2"),
+        ({"tp": 3}, "tensor_parallel_size=3"),
     ],
 )
 def test_connector_refuses_unsupported_setups_at_start(change, match):

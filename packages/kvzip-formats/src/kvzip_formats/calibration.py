@@ -92,6 +92,30 @@ class Calibration:
             )
         return tuple(self.tensors[f"{kind}_{s}"][layer] for s in ("mean", "var", "weight"))
 
+    def for_heads(self, start: int, stop: int) -> Calibration:
+        """This calibration restricted to KV heads ``[start, stop)`` (a tensor-parallel rank's
+        heads): every statistic sliced along the head axis, so the formats derive, per head,
+        the same transforms they derive from the whole. The model record then says which heads
+        (``kv_heads = [start, stop]`` of ``total_kv_heads``) and counts only those (query heads
+        in proportion). A range outside the calibration's heads is refused."""
+        total = self.num_kv_heads
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= total):
+            raise CalibrationError(
+                f"KV heads [{start}, {stop}) are not within this calibration's {total} KV heads "
+                f"(model {self.model['name']!r}); supported: 0 <= start < stop <= {total}"
+            )
+        group = int(self.model["num_q_heads"]) // total
+        first = int(self.model.get("kv_heads", [0, total])[0])  # already a slice: offset
+        model = {
+            **self.model,
+            "num_kv_heads": stop - start,
+            "num_q_heads": group * (stop - start),
+            "kv_heads": [first + start, first + stop],
+            "total_kv_heads": int(self.model.get("total_kv_heads", total)),
+        }
+        tensors = {k: t[:, start:stop].contiguous() for k, t in self.tensors.items()}
+        return Calibration(model=model, tensors=tensors, fit=dict(self.fit))
+
     def check_model(self, info) -> None:
         """Raise ``CalibrationError`` unless ``info`` (a ModelInfo) is the calibrated model."""
         got = {k: getattr(info, k) for k in ("identity", "num_layers", "num_kv_heads", "head_dim")}

@@ -75,6 +75,52 @@ def _active_format():
     return load_format(s.kv_format, s.calibration)
 
 
+#: Formats bound to one rank's slice of a calibration: (format, calibration, heads) -> format.
+_RANK_FORMATS: dict[tuple, object] = {}
+
+
+def rank_format(fmt, model_config, parallel_config, num_kv_heads: int, rank: int | None = None):
+    """``fmt`` for this worker's KV heads: with tensor parallelism rank r of W holds heads
+    ``support.kv_head_range(H, r, W)`` of the model's H, and a calibrated format codes them
+    with the calibration sliced to those heads (``Calibration.for_heads``: per-head
+    transforms; the codebooks are per bit width, the sinks bf16 copies, neither per head). A
+    calibration made for another KV head count than the model's is refused."""
+    cal = getattr(fmt, "calibration", None)
+    if cal is None:
+        return fmt
+    total = model_config.get_total_num_kv_heads()
+    if cal.num_kv_heads != total or cal.head_dim != model_config.get_head_size():
+        raise support.UnsupportedConfigError(
+            f"kvzip-vllm attention backend: the calibration (model {cal.model.get('name')!r}) "
+            f"has {cal.num_kv_heads} KV heads of head_dim {cal.head_dim}, but the model served "
+            f"has {total} of {model_config.get_head_size()}; supported: a calibration of this "
+            "model, of all its KV heads (`kvzip calibrate --model M --out DIR`; each "
+            "tensor-parallel rank takes its heads' slice)"
+        )
+    world = parallel_config.tensor_parallel_size
+    if world == 1:
+        return fmt
+    if rank is None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    start, stop = support.kv_head_range(total, rank, world)
+    if stop - start != num_kv_heads:
+        raise support.UnsupportedConfigError(
+            f"kvzip-vllm attention backend: tensor-parallel rank {rank} of {world} holds "
+            f"{num_kv_heads} KV heads, but vLLM's partition of {total} gives it "
+            f"[{start}, {stop})"
+        )
+    key = (fmt.name, id(cal), start, stop)
+    part = _RANK_FORMATS.get(key)
+    if part is None:
+        import kvzip_formats
+
+        part = kvzip_formats.get_format(fmt.name, calibration=cal.for_heads(start, stop))
+        _RANK_FORMATS[key] = part
+    return part
+
+
 #: One sink pool per cache geometry and device (shared by every layer of the model).
 _POOLS: dict[tuple, SinkPool] = {}
 
@@ -255,7 +301,9 @@ class KvzipAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_sharing_target_layer_name = None
-        self.fmt = _active_format()
+        self.fmt = rank_format(
+            _active_format(), cfg.model_config, cfg.parallel_config, num_kv_heads
+        )
         self.block_size = cfg.cache_config.block_size
         self._layer_index: dict[str, int] = {}
 

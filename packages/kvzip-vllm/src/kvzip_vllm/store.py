@@ -78,15 +78,26 @@ def block_key(namespace: bytes, block_hash: bytes) -> bytes:
     return hashlib.sha256(namespace + b"\0" + bytes(block_hash)).digest()
 
 
-def namespace(*, model: str, layout: str, block_size: int, dtype: str, rank: int = 0) -> bytes:
-    """Everything besides the tokens that decides a block's bytes (codec version included)."""
+def shard_key(key: bytes, rank: int, world: int) -> bytes:
+    """The key of tensor-parallel rank ``rank``'s shard (its KV heads) of the block the
+    scheduler keys ``key``: ``key`` itself with one rank, else hashed with the rank and the
+    world size, so a shard is never restored on another rank or layout."""
+    if world == 1:
+        return key
+    return block_key(f"tp_rank={rank}|tp_world={world}".encode(), key)
+
+
+def namespace(*, model: str, layout: str, block_size: int, dtype: str, tp_world: int = 1) -> bytes:
+    """Everything besides the tokens that decides a block's bytes (codec version included).
+    ``tp_world``: the tensor-parallel size the blocks are sharded for (each rank then keys
+    its shard by its rank too: ``KvzipWorker.shard_key``)."""
     parts = [
         f"model={model}",
         f"codec=kvzip_lossless/{kvzip_lossless.FORMAT_VERSION}",
         f"layout={layout}",
         f"block_size={block_size}",
         f"dtype={dtype}",
-        f"rank={rank}",
+        f"tp_world={tp_world}",
     ]
     return "|".join(parts).encode()
 

@@ -66,12 +66,41 @@ def check_model(model_config, *, dtypes, what: str, head_sizes=None) -> None:
             )
 
 
+#: Tensor-parallel sizes the tier and the backend shard by (each rank its own KV heads).
+SUPPORTED_TENSOR_PARALLEL = (1, 2, 4, 8)
+
+
 def check_parallel(parallel_config, *, what: str) -> None:
-    """The tier and the backend are written for one worker (TP = PP = 1)."""
+    """Tensor parallelism 1, 2, 4 or 8 (each worker stores and restores its own KV heads);
+    pipeline parallelism 1 only."""
     tp = parallel_config.tensor_parallel_size
     pp = parallel_config.pipeline_parallel_size
-    if tp != 1 or pp != 1:
+    if tp not in SUPPORTED_TENSOR_PARALLEL or pp != 1:
         raise UnsupportedConfigError(
             f"kvzip-vllm {what}: tensor_parallel_size={tp}, pipeline_parallel_size={pp} "
-            "is not supported; supported: 1 and 1"
+            "is not supported; supported: tensor_parallel_size "
+            + ", ".join(map(str, SUPPORTED_TENSOR_PARALLEL))
+            + " with pipeline_parallel_size 1"
         )
+
+
+def kv_head_range(total_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
+    """The KV heads ``[start, stop)`` tensor-parallel rank ``rank`` of ``world`` holds, as
+    vLLM's ``QKVParallelLinear`` partitions them: ``total/world`` consecutive heads each when
+    ``world`` divides ``total``; one head, replicated on ``world/total`` consecutive ranks,
+    when ``total`` divides ``world`` (fewer KV heads than ranks). Other pairs are refused
+    (vLLM refuses them too)."""
+    if world < 1 or not 0 <= rank < world:
+        raise UnsupportedConfigError(
+            f"kvzip-vllm: tensor-parallel rank {rank} of world size {world} is not valid"
+        )
+    if total_kv_heads % world == 0:
+        per = total_kv_heads // world
+        return rank * per, (rank + 1) * per
+    if world % total_kv_heads == 0:
+        head = rank // (world // total_kv_heads)
+        return head, head + 1
+    raise UnsupportedConfigError(
+        f"kvzip-vllm: {total_kv_heads} KV heads cannot be split over tensor_parallel_size="
+        f"{world}; supported: a size that divides the KV head count or that it divides"
+    )

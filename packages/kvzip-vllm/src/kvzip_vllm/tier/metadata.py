@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -51,12 +51,22 @@ class KvzipConnectorMetadata(KVConnectorMetadata):
     #: reported up to it are known to the scheduler (vLLM recomputes from them), so the
     #: worker stops refusing on their account
     seen_report: int = 0
+    #: with tensor parallelism, ``seen_report`` per rank (each rank numbers its own reports)
+    seen_by_rank: dict[int, int] = field(default_factory=dict)
+    #: keys every rank drops before this step's loads and stores: a rank refused to store
+    #: them (computed on a load that failed there), so another rank's copy may be wrong too
+    drop: list[bytes] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests finished since last step
 
 
 @dataclass
 class KvzipWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: keys now held, keys no longer held, stores refused."""
+    """Worker -> scheduler, one step: keys now held, keys no longer held, stores refused.
+
+    Keys are the scheduler's (rank-free) keys. With tensor parallelism each rank sends its
+    own report (``rank``) and vLLM folds them into one with :meth:`aggregate` (0.32-0.33:
+    ``KVOutputAggregator`` over every worker's output): the fold keeps each rank's report
+    apart (``by_rank``), so the scheduler counts which ranks hold a block."""
 
     stored: list[bytes] = field(default_factory=list)
     dropped: list[bytes] = field(default_factory=list)
@@ -64,16 +74,29 @@ class KvzipWorkerMetadata(KVConnectorWorkerMetadata):
     #: (req_id, pos) of each load that failed: vLLM recomputes the request from there
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
     seq: int = 0  # the worker's report number (echoed back as ``seen_report``)
+    rank: int = 0  # the tensor-parallel rank that sent it
+    #: the other ranks' reports folded into this one by :meth:`aggregate`
+    others: list[KvzipWorkerMetadata] = field(default_factory=list)
+
+    def by_rank(self) -> list[KvzipWorkerMetadata]:
+        """The reports folded into this one, one per rank that sent one (this one first)."""
+        return [replace(self, others=[]), *self.others]
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvzipWorkerMetadata)
-        return KvzipWorkerMetadata(
-            self.stored + other.stored,
-            self.dropped + other.dropped,
-            self.refused + other.refused,
-            self.failed_loads + other.failed_loads,
-            max(self.seq, other.seq),
-        )
+        if other.rank == self.rank and not other.others and not self.others:
+            # one rank's reports (a connector inside vLLM's MultiConnector): concatenated
+            return KvzipWorkerMetadata(
+                self.stored + other.stored,
+                self.dropped + other.dropped,
+                self.refused + other.refused,
+                self.failed_loads + other.failed_loads,
+                max(self.seq, other.seq),
+                self.rank,
+            )
+        return replace(self, others=[*self.others, *other.by_rank()])
 
     def empty(self) -> bool:
-        return not (self.stored or self.dropped or self.refused or self.failed_loads)
+        return all(
+            not (r.stored or r.dropped or r.refused or r.failed_loads) for r in self.by_rank()
+        )
