@@ -5,6 +5,12 @@ report), counts each new request's leading blocks held (its external prefix hit)
 each step's loads (before the forward) and stores (blocks that became full after it). A store
 the worker refused (a load it depends on failed) or a failed load moves the request's store
 frontier back, so the blocks vLLM recomputes are stored then, from correct values.
+
+With tensor parallelism each rank stores its own KV heads of a block and reports it; the
+scheduler's keys carry no rank, and a block counts as held only once every rank has reported
+it stored (and none has dropped it since). A store any rank refused is dropped on every rank
+in the next step (``drop``): the other ranks computed it on the same failed load, so their
+shards may be wrong too.
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ class KvzipScheduler:
         self.namespace = namespace
         #: the shared tier's store (tier/shared.py), queried for the blocks not held locally
         self.shared = shared
-        self._held: set[bytes] = set()
+        self._held: set[bytes] = set()  # keys every rank holds
+        self.world = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
+        self._holders: dict[bytes, set[int]] = {}  # TP > 1: the ranks holding a key not held
+        self._drop: list[bytes] = []  # keys every rank drops next step
+        self._seen: dict[int, int] = {}  # per rank, the last report taken in
         self._pending: set[bytes] = set()
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[Load] = []
@@ -130,9 +140,11 @@ class KvzipScheduler:
             loads=self._loads,
             clear=self._clear,
             seen_report=self._seen_report,
+            seen_by_rank=dict(self._seen),
+            drop=self._drop,
             finished=self._finished,
         )
-        self._loads, self._clear, self._finished = [], False, []
+        self._loads, self._clear, self._finished, self._drop = [], False, [], []
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -178,19 +190,42 @@ class KvzipScheduler:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, KvzipWorkerMetadata):
             return
-        for key in report.stored:
-            self._pending.discard(key)
-            self._held.add(key)
+        parts = report.by_rank()
+        # every rank's stores first: a rank's refusal or drop of a key wins over another
+        # rank's store of it in the same step
+        for part in parts:
+            for key in part.stored:
+                holders = self._holders.setdefault(key, set())
+                holders.add(part.rank)
+                if len(holders) >= self.world:
+                    del self._holders[key]
+                    self._pending.discard(key)
+                    self._held.add(key)
+        for part in parts:
+            self._take_losses(part)
+
+    def _take_losses(self, report: KvzipWorkerMetadata) -> None:
+        """One rank's keys no longer held, refused stores and failed loads."""
         for key in report.dropped:
-            self._pending.discard(key)
-            self._held.discard(key)
+            self._forget(key)
         # vLLM recomputes a request from its first failed block: store from there again
         for req_id, pos, key in report.refused:
-            self._pending.discard(key)
+            self._forget(key)
+            if self.world > 1:
+                self._drop.append(key)  # the other ranks' shards of it may be wrong
             self._rewind(req_id, pos)
         for req_id, pos in report.failed_loads:
             self._rewind(req_id, pos)
-        self._seen_report = max(self._seen_report, report.seq)
+        seen = max(self._seen.get(report.rank, 0), report.seq)
+        self._seen[report.rank] = seen
+        if report.rank == 0:
+            self._seen_report = seen
+
+    def _forget(self, key: bytes) -> None:
+        """Some rank no longer holds ``key``: not held, and storable again."""
+        self._pending.discard(key)
+        self._held.discard(key)
+        self._holders.pop(key, None)
 
     def _rewind(self, req_id: str, pos: int) -> None:
         state = self._reqs.get(req_id)
@@ -206,5 +241,7 @@ class KvzipScheduler:
         """``LLM.reset_prefix_cache(reset_connector=True)``: empty the tier as well."""
         self._held.clear()
         self._pending.clear()
+        self._holders.clear()
+        self._drop = []
         self._clear = True
         return True

@@ -11,10 +11,17 @@ scheduler has seen the failure (vLLM then recomputes those blocks, and they are 
 recomputation). The failures are known before any store of the step runs (CPU: loads finish in
 ``start_load_kv``; CUDA: ``wait_for_save`` finishes them first), so a block computed on a
 failed one is never in the store, and a wrong prefix is never served.
+
+With tensor parallelism each worker holds its own KV heads (its paged caches hold only
+those): it stores and restores its shard of each block under the scheduler's key made
+specific to its rank and world size (:meth:`KvzipWorker.shard_key`: the step's keys are
+turned into shard keys as the step arrives, and back in the report), so a shard is never
+restored on another rank or layout; its reports carry its rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -25,7 +32,7 @@ from vllm.logger import init_logger
 
 import kvzip_lossless
 from kvzip_vllm import blocks, support
-from kvzip_vllm.store import BlockStore
+from kvzip_vllm.store import BlockStore, shard_key
 from kvzip_vllm.tier.metadata import (
     KvzipConnectorMetadata,
     KvzipWorkerMetadata,
@@ -66,6 +73,16 @@ def order_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Te
     return [(n, c) for _, n, c in indexed]
 
 
+def _tp_rank(vllm_config) -> tuple[int, int]:
+    """(tensor-parallel world size, this worker's rank)."""
+    world = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
+    if world == 1:
+        return 1, 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return world, get_tensor_model_parallel_rank()
+
+
 class KvzipWorker:
     """Worker side of ``KvzipConnector`` (one per model worker)."""
 
@@ -94,9 +111,49 @@ class KvzipWorker:
         self._bad_blocks: dict[int, int] = {}  # block id -> report
         self._cuda = None  # set in register_kv_caches when the cache is on a GPU
         self._stats_dirty = False
+        self.world, self.rank = _tp_rank(vllm_config)
+        if self.world > 1 and self.stats_path:  # one file per rank: stats.json -> stats.rank1.json
+            root, ext = os.path.splitext(self.stats_path)
+            self.stats_path = f"{root}.rank{self.rank}{ext}"
+        self._logical: dict[bytes, bytes] = {}  # TP > 1: shard key -> the scheduler's key
         logger.info(
             "kvzip tier: budget %.1f MB, stats -> %s", settings.budget_bytes / 1e6, self.stats_path
         )
+
+    # -- keys (tensor parallelism) ---------------------------------------------------------
+    def shard_key(self, key: bytes) -> bytes:
+        """The store key of this rank's shard of the scheduler's ``key``: the key itself with
+        one worker, else hashed with the rank and the world size (``store.shard_key``)."""
+        if self.world == 1:
+            return key
+        skey = shard_key(key, self.rank, self.world)
+        self._logical[skey] = key
+        return skey
+
+    def _shard_meta(self, meta: KvzipConnectorMetadata) -> KvzipConnectorMetadata:
+        """The step with this rank's shard keys in place of the scheduler's keys."""
+        if self.world == 1 or meta is None:
+            return meta
+        sk = self.shard_key
+        return dataclasses.replace(
+            meta,
+            loads=[ld._replace(key=sk(ld.key)) for ld in meta.loads],
+            stores=[st._replace(key=sk(st.key)) for st in meta.stores],
+            drop=[sk(k) for k in meta.drop],
+        )
+
+    def _unshard_report(self, report: KvzipWorkerMetadata) -> None:
+        """The report with the scheduler's keys in place of this rank's shard keys."""
+        if self.world == 1:
+            return
+        back = self._logical
+        report.stored = [back.get(k, k) for k in report.stored]
+        report.refused = [r._replace(key=back.get(r.key, r.key)) for r in report.refused]
+        dropped = [back.get(k, k) for k in report.dropped]
+        for k in report.dropped:
+            if k not in self.store:
+                back.pop(k, None)
+        report.dropped = dropped
 
     # -- caches ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -166,16 +223,23 @@ class KvzipWorker:
         or None if not held or damaged (for tests and inspection; a damaged entry is dropped).
         With the CUDA pipeline, call it with no store in flight (``drain``)."""
         outs = self._block_outputs(device)
-        return outs if self.store.get(key, outs) else None
+        return outs if self.store.get(self.shard_key(key), outs) else None
 
     # -- the step -------------------------------------------------------------------------
     def start_load_kv(self, meta: KvzipConnectorMetadata) -> None:
+        meta = self._shard_meta(meta)
         self._forget_seen(meta)
         if meta.clear:
             if self._cuda is not None:
                 self._cuda.drain()  # the store thread is done writing to the store
             self._report.dropped.extend(k for k in list(self.store._entries))
             self.store.clear()
+        if meta.drop:  # a rank refused these stores: this rank's shards may be wrong too
+            if self._cuda is not None:
+                self._cuda.drain()  # no store of a dropped key still in flight
+            for key in meta.drop:  # (not reported: the scheduler forgot them as it sent this)
+                self.store.drop(key)
+                self._logical.pop(key, None)
         if not meta.loads:
             return
         fetched = self._fetch_shared(meta.loads) if self.shared is not None else set()
@@ -261,7 +325,7 @@ class KvzipWorker:
 
     def _forget_seen(self, meta: KvzipConnectorMetadata) -> None:
         """Failures the scheduler has taken in are being recomputed: stop refusing for them."""
-        seen = meta.seen_report
+        seen = meta.seen_by_rank.get(self.rank, meta.seen_report)
         self._bad_reqs = {
             r: v for r, v in self._bad_reqs.items() if v[1] > seen and r not in meta.finished
         }
@@ -311,6 +375,7 @@ class KvzipWorker:
 
     def wait_for_save(self, meta: KvzipConnectorMetadata | None) -> None:
         self._finish_cuda_loads()  # this step's failures are known before anything is stored
+        meta = self._shard_meta(meta)
         if meta is None or not meta.stores:
             return
         stores = self._admit(meta)
@@ -364,6 +429,8 @@ class KvzipWorker:
         self._seq += 1
         report, self._report = self._report, KvzipWorkerMetadata()
         report.seq = self._seq
+        report.rank = self.rank
+        self._unshard_report(report)
         return report
 
     def stats(self) -> dict:
