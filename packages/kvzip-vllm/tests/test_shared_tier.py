@@ -224,6 +224,24 @@ def test_the_scheduler_counts_blocks_the_shared_store_holds(server):
     sched.shared.close()
 
 
+def test_with_tensor_parallelism_a_block_counts_once_every_rank_shard_is_shared(server):
+    from kvzip_vllm.store import block_key, shard_key
+
+    sched = _sched(server.url)
+    sched.world = 2  # the scheduler of a TP = 2 engine
+    req = SimpleNamespace(
+        request_id="r", block_hashes=[bytes([i]) * 8 for i in range(3)], num_tokens=3 * BS + 1
+    )
+    keys = [block_key(b"ns", h) for h in req.block_hashes]
+    for k in keys:  # rank 0 stored its shard of every block, rank 1 of blocks 0 and 1 only
+        assert sched.shared.put(shard_key(k, 0, 2), [b"x"], raw_bytes=1)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    for k in keys[:2]:
+        assert sched.shared.put(shard_key(k, 1, 2), [b"x"], raw_bytes=1)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    sched.shared.close()
+
+
 # ---------------------------------------------------------------------------- settings
 def test_shared_settings_and_their_rules():
     s = connector_settings(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvzip_vllm import support
-from kvzip_vllm.store import block_key
+from kvzip_vllm.store import block_key, shard_key
 from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, KvzipWorkerMetadata, Load, Store
 
 if TYPE_CHECKING:
@@ -114,7 +114,10 @@ class KvzipScheduler:
         ask = [k for k in rest if k not in self._held]
         if not ask:
             return hit
-        found = dict(zip(ask, self.shared.contains_many(ask), strict=True))
+        # with tensor parallelism, a block counts once every rank's shard is there
+        w = self.world
+        got = self.shared.contains_many([shard_key(k, r, w) for k in ask for r in range(w)])
+        found = {k: all(got[i * w : (i + 1) * w]) for i, k in enumerate(ask)}
         n = 0
         for key in rest:
             if key not in self._held and not found[key]:
