@@ -6,11 +6,13 @@
 #   gpu_session.sh checks    # support matrix on 0.26, the CUDA decode kernels' tests (picks the decode path)
 #   gpu_session.sh serving   # bench_serving.py: every format, 32k and 128k
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
+#   gpu_session.sh decode    # the kernels' paged-decode benchmark beside XQA (FlashInfer bundle carried)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race
 #   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval (second model piece carried)
 set -uo pipefail
 stage=${1:?stage}
-R=$PWD/packages
+# KVZIP_TREE: a snapshot of the checkout to run (the working tree may be edited meanwhile)
+R=${KVZIP_TREE:-$PWD}/packages
 env_line() {
   export PYTHONPATH=/tmp/site:$R/kvzip-formats/src:$R/kvzip-kernels/src:$R/kvzip-lossless/src:$R/kvzip-vllm/src:$R/kvzip-eval/src
   # at most 8 files come back from $OUT: each stage's files go to one tarball ($OUT/$stage.tgz)
@@ -29,20 +31,20 @@ install)
   ;;
 checks)
   env_line
-  timeout 120 python3 -m pytest -q packages/kvzip-vllm/tests/test_support.py 2>&1 | tee $RES/checks_support.log | tail -3
+  timeout 120 python3 -m pytest -q $R/kvzip-vllm/tests/test_support.py 2>&1 | tee $RES/checks_support.log | tail -3
   # the test checks the dispatch itself: no override in its environment
   env -u KVZIP_KERNELS_BACKEND PYTHONPATH=$PYTHONPATH:$R/kvzip-kernels/tests timeout 200 python3 -m pytest -q -m gpu \
-    packages/kvzip-kernels/tests/test_cuda_decode.py 2>&1 | tee $RES/checks_cuda_decode.log | tail -5
+    $R/kvzip-kernels/tests/test_cuda_decode.py 2>&1 | tee $RES/checks_cuda_decode.log | tail -5
   if [ "${PIPESTATUS[0]}" = 0 ]; then echo auto >/tmp/kvzip_kernels_backend; else echo triton >/tmp/kvzip_kernels_backend; fi
   echo "decode path for vLLM: $(cat /tmp/kvzip_kernels_backend)"
   export KVZIP_KERNELS_BACKEND=$(cat /tmp/kvzip_kernels_backend)
-  KVZIP_GPU_SHAPE=tiny timeout 240 python3 -m pytest -q -m gpu packages/kvzip-vllm/tests/test_vllm_e2e.py \
+  KVZIP_GPU_SHAPE=tiny timeout 240 python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_vllm_e2e.py \
     -k backend_on_cuda -x 2>&1 | tee $RES/checks_backend_on_cuda.log | tail -4
   ;;
 serving)
   env_line
   echo "KVZIP_KERNELS_BACKEND=$KVZIP_KERNELS_BACKEND"
-  python3 packages/kvzip-vllm/benchmarks/bench_serving.py --out $RES --prefill-max-context 32768 \
+  python3 $R/kvzip-vllm/benchmarks/bench_serving.py --out $RES --prefill-max-context 32768 \
     --deadline-s ${DEADLINE:-570} --stage-timeout-s 150 2>&1 | tail -25
   ;;
 e2e)
@@ -51,16 +53,24 @@ e2e)
   # measured on the H200 (2026-12-01): an 8B-shaped engine starts in about 45 s, and the tier
   # stores at about 0.025 GB/s, so the 32k tier scenario alone needs about 5 minutes; a test's
   # scenario log is written as it runs (a test stopped by its limit still leaves it)
-  timeout ${E2E_LIMIT_S:-540} python3 -m pytest -q -m gpu packages/kvzip-vllm/tests/test_vllm_gpu.py \
+  timeout ${E2E_LIMIT_S:-540} python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_vllm_gpu.py \
     -k "${E2E_TESTS:-tier}" 2>&1 | tee $RES/e2e_pytest.log | tail -6
+  ;;
+decode)
+  env_line
+  # the kernels' decode benchmark (FlashInfer bundle carried as .carry/flashinfer): CUDA and Triton beside XQA
+  env -u KVZIP_KERNELS_BACKEND timeout ${DECODE_LIMIT_S:-300} python3 $R/kvzip-kernels/benchmarks/bench_paged_decode.py \
+    --bundle .carry/flashinfer --formats ${DECODE_FORMATS:-fp8,int4,4bit} --backends ${DECODE_BACKENDS:-triton,cuda} \
+    --shapes ${DECODE_SHAPES:-8b,70b-tp8} --batches ${DECODE_BATCHES:-8,32} --contexts 32768,131072 --tag ${DECODE_TAG:-v4a} \
+    --time-budget-s ${DECODE_BUDGET_S:-260} --out $RES 2>&1 | tee $RES/decode.log | tail -30
   ;;
 faults)
   env_line
-  timeout ${FAULTS_LIMIT_S:-540} python3 -m pytest -q -m gpu packages/kvzip-vllm/tests/test_gpu_faults.py 2>&1 | tee $RES/faults_pytest.log | tail -4
+  timeout ${FAULTS_LIMIT_S:-540} python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_gpu_faults.py 2>&1 | tee $RES/faults_pytest.log | tail -4
   ;;
 quality)
   env_line
-  timeout 560 python3 packages/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \
+  timeout 560 python3 $R/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \
     --calibration /tmp/smollm2/calibration --out $RES --deadline-s 480 2>&1 | tail -20
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
