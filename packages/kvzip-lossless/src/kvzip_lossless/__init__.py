@@ -7,20 +7,34 @@ True
 """
 
 from kvzip_lossless._version import __version__
+from kvzip_lossless.batch import (
+    PLAN_FIELDS,
+    EncodedBatch,
+    check_batch,
+    decode_batch,
+    encode_batch,
+    plan_blobs,
+)
 from kvzip_lossless.blob import FORMAT_VERSION, CorruptBlobError
 from kvzip_lossless.codec import coder, compress, decompress
 from kvzip_lossless.tables import Table, TableSet, build_kv_tables, fit_table, kv_slot
 
 __all__ = [
     "FORMAT_VERSION",
+    "PLAN_FIELDS",
+    "EncodedBatch",
     "CorruptBlobError",
     "Table",
     "TableSet",
     "__version__",
     "build_kv_tables",
+    "check_batch",
     "coder",
     "compress",
+    "decode_batch",
     "decompress",
+    "encode_batch",
     "fit_table",
     "kv_slot",
+    "plan_blobs",
 ]
