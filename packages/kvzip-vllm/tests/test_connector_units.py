@@ -18,11 +18,12 @@ vllm = pytest.importorskip("vllm", reason="the connector needs vLLM")
 # ---------------------------------------------------------------------------- settings
 def test_settings_defaults_env_and_extra_config():
     s = connector_settings({}, environ={})
-    assert (s.budget_bytes, s.stats_path, s.tables_path, s.fit_tokens) == (
+    assert (s.budget_bytes, s.stats_path, s.tables_path, s.fit_tokens, s.chunk_tokens) == (
         4 << 30,
         None,
         None,
         1024,
+        256,
     )
     env = {"KVZIP_TIER_BYTES": "123", "KVZIP_STATS_PATH": "/tmp/s.json"}
     s = connector_settings({}, environ=env)
@@ -38,8 +39,8 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
     msg = str(e.value)
     assert "'budget_byte'" in msg
     assert (
-        "known keys: budget_bytes, fit_tokens, shared_budget_bytes, shared_timeout_s, "
-        "shared_url, stats_path, tables_path"
+        "known keys: budget_bytes, chunk_tokens, fit_tokens, shared_budget_bytes, "
+        "shared_timeout_s, shared_url, stats_path, tables_path"
     ) in msg
 
 
@@ -49,6 +50,8 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
         ({"budget_bytes": -1}, {}, r"budget_bytes=-1 \(from kv_connector_extra_config\).*greater"),
         ({"budget_bytes": True}, {}, "budget_bytes=True.*not a bool"),
         ({"fit_tokens": 1.5}, {}, "fit_tokens=1.5.*fractional"),
+        ({"chunk_tokens": 0}, {}, r"chunk_tokens=0 .*greater than 0"),
+        ({"chunk_tokens": True}, {}, "chunk_tokens=True.*not a bool"),
         ({}, {"KVZIP_TIER_BYTES": "8G"}, "budget_bytes='8G' .from environment variable KVZIP_TIER"),
     ],
 )
@@ -139,11 +142,12 @@ def _vllm_config(extra=None):
     )
 
 
-def _worker():
+def _worker(chunk_tokens=BS):
     from kvzip_vllm.settings import connector_settings
     from kvzip_vllm.tier.worker import KvzipWorker
 
-    return KvzipWorker(_vllm_config(), connector_settings({"fit_tokens": 0}, environ={}))
+    extra = {"fit_tokens": 0, "chunk_tokens": chunk_tokens}
+    return KvzipWorker(_vllm_config(), connector_settings(extra, environ={}))
 
 
 def _caches(seed=0):
@@ -338,3 +342,153 @@ def test_tier_keys_differ_for_models_whose_weights_differ(tmp_path, monkeypatch)
 
     a, b = _model_identity(cfg("a")), _model_identity(cfg("b"))
     assert a.split("#")[1] != b.split("#")[1]
+
+
+# ---------------------------------------------------------------------------- chunks
+def test_the_connector_refuses_chunk_tokens_not_a_multiple_of_the_block_size():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvzip_vllm.connector import KvzipConnector
+
+    cfg = _vllm_config(extra={"chunk_tokens": BS + 8})
+    with pytest.raises(
+        support.UnsupportedConfigError, match=rf"chunk_tokens={BS + 8} is not a multiple .* {BS}"
+    ):
+        KvzipConnector(cfg, KVConnectorRole.WORKER, None)
+    with pytest.raises(support.UnsupportedConfigError, match="not a multiple"):
+        _worker(chunk_tokens=BS // 2)
+
+
+def _sched_out(new=(), cached=(), n=None):
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            new_block_ids=[None for _ in cached],
+            resumed_req_ids=set(),
+            num_computed_tokens=[c[1] for c in cached],
+        ),
+        num_scheduled_tokens=n or {},
+    )
+
+
+def test_scheduler_keys_chunks_by_their_last_blocks_hash_and_reports_whole_chunks():
+    """Chunks of 2 blocks: a key per chunk (the chained hash of its last block), a hit only
+    of whole chunks held (a prefix ending mid-chunk is not reported), a load of a chunk partly
+    in vLLM's own cache writes only its other blocks, only whole computed chunks stored."""
+    from kvzip_vllm.store import block_key
+    from kvzip_vllm.tier.metadata import KvzipWorkerMetadata
+    from kvzip_vllm.tier.scheduler import KvzipScheduler
+
+    sched = KvzipScheduler(_vllm_config(), None, b"ns", chunk_tokens=2 * BS)
+    hashes = [bytes([i]) * 8 for i in range(7)]  # 7 full blocks: 3 whole chunks
+    req = SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=7 * BS + 3)
+    keys = sched.keys_of(req)
+    assert keys == [block_key(b"ns", hashes[j]) for j in (1, 3, 5)]
+    sched.on_new_request(req)
+    # nothing held: no hit; stores of the chunks whose every block is computed
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(10, 18)),), num_computed_tokens=0)
+    meta = sched.build_connector_meta(_sched_out(new=[new], n={"r": 5 * BS}))  # 2.5 chunks
+    assert [(s.key, s.ids, s.pos) for s in meta.stores] == [
+        (keys[0], (10, 11), 0),
+        (keys[1], (12, 13), 1),
+    ]
+    assert meta.req_blocks == {"r": [10, 11, 12, 13]}
+    report = KvzipWorkerMetadata(stored=keys[:2], seq=1)
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    meta = sched.build_connector_meta(_sched_out(cached=[("r", 5 * BS)], n={"r": 2 * BS + 3}))
+    assert [(s.key, s.ids, s.pos) for s in meta.stores] == [(keys[2], (14, 15), 2)]
+    sched.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=KvzipWorkerMetadata(stored=[keys[2]], seq=2))
+    )
+    # a new request with the same 7 blocks: 3 chunks held, 6 blocks; vLLM holds 3 blocks
+    # itself (a local hit that ends mid-chunk 1): the tier reports tokens up to chunk 3 only
+    req2 = SimpleNamespace(request_id="q", block_hashes=hashes, num_tokens=7 * BS + 3)
+    sched.on_new_request(req2)
+    assert sched.get_num_new_matched_tokens(req2, 3 * BS) == (3 * BS, False)
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(20, 28)),))
+    sched.update_state_after_alloc(req2, blocks, 3 * BS)
+    meta = sched.build_connector_meta(_sched_out())
+    assert [(ld.key, ld.ids, ld.pos, ld.skip, ld.written) for ld in meta.loads] == [
+        (keys[1], (22, 23), 1, 1, (23,)),
+        (keys[2], (24, 25), 2, 0, (24, 25)),
+    ]
+    # a prompt that ends inside chunk 1's held blocks (one token past block 2): 1 chunk
+    req3 = SimpleNamespace(request_id="s", block_hashes=hashes[:3], num_tokens=3 * BS + 1)
+    assert sched.get_num_new_matched_tokens(req3, 0) == (2 * BS, False)
+    # the last prompt token is always computed: a prompt of exactly 2 chunks restores one
+    req4 = SimpleNamespace(request_id="t", block_hashes=hashes[:4], num_tokens=4 * BS)
+    assert sched.get_num_new_matched_tokens(req4, 0) == (2 * BS, False)
+
+
+def test_chunks_restore_into_the_blocks_after_a_local_hit_and_refuse_what_depends_on_a_failure():
+    """The CPU worker with chunks of 2 blocks: stored and restored bit for bit into other
+    blocks (skipping those vLLM holds), a damaged chunk fails every block it would write,
+    and a store whose chunk or any earlier block depends on it is refused."""
+    from kvzip_vllm.tier.metadata import Load, Store
+
+    w = _worker(chunk_tokens=2 * BS)
+    caches = _caches(3)
+    w.register_kv_caches(caches)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    # request "a": chunks 0-1 in paged blocks (0, 1), (2, 3)
+    _, rep = _step(w, stores=[Store("a", keys[0], (0, 1), 0), Store("a", keys[1], (2, 3), 1)])
+    assert rep.stored == keys[:2]
+    before = {n: c.clone() for n, c in caches.items()}
+    # "b" has block 0 locally (paged 4 = a copy of block 0), restores chunk 0's block 1 into
+    # paged 5 and chunk 1 into paged 6-7
+    loads = [Load("b", keys[0], (4, 5), 0, 1), Load("b", keys[1], (6, 7), 1)]
+    errors, rep = _step(w, loads=loads, seen=1)
+    assert errors == set() and w.stats()["tokens_restored"] == 3 * BS
+    for name, cache in caches.items():
+        assert torch.equal(cache[4], before[name][4])  # skipped: left as vLLM had it
+        for dst, src in ((5, 1), (6, 2), (7, 3)):
+            assert torch.equal(cache[dst], cache[src]), (name, dst)
+    # damage chunk 1; "c" restores chunk 0 (8, 9) and chunk 1 (10, 11), computes chunk 2
+    # (12, 13); "d" shares c's paged blocks 8-11 and computes its chunk 2 (14, 15)
+    blobs, _, data = w.store.get_entry(keys[1])
+    mid = len(blobs[0]) // 2
+    data[mid : mid + 16] ^= 0xFF
+    loads = [Load("c", keys[0], (8, 9), 0), Load("c", keys[1], (10, 11), 1)]
+    stores = [Store("c", keys[2], (12, 13), 2), Store("d", keys[3], (14, 15), 2)]
+    req_blocks = {"c": list(range(8, 14)), "d": [8, 9, 10, 11, 14, 15]}
+    errors, rep = _step(w, loads=loads, stores=stores, req_blocks=req_blocks, seen=1)
+    assert errors == {10, 11}  # every block the damaged chunk would have written
+    assert rep.failed_loads == [("c", 1)]
+    assert sorted((r.req_id, r.pos) for r in rep.refused) == [("c", 2), ("d", 2)]
+    assert not rep.stored and keys[1] not in w.store and keys[2] not in w.store
+    assert w.stats()["stores_refused_after_load_error"] == 2
+
+
+def test_the_cuda_pipeline_restores_chunks_in_one_copy_per_run_of_records():
+    """The CUDA pipeline (CPU device, Triton interpreted) with chunks of 2 blocks: chunks
+    stored back to back in the arena are copied to the device in one copy, decoded bit for
+    bit into the blocks after each load's skip."""
+    from kvzip_vllm.cuda_pipeline import CudaTierPipeline
+
+    w = _worker(chunk_tokens=2 * BS)
+    caches = _caches(4)
+    w.register_kv_caches(caches)
+    pipe = CudaTierPipeline(w.store, [c for _, c in w.layers], BS, 2)
+    try:
+        keys = [bytes([i]) * 32 for i in range(3)]
+        pipe.start_stores([(keys[0], (0, 1)), (keys[1], (2, 3)), (keys[2], (4, 5))])
+        pipe.drain()
+        stored, dropped = pipe.collect()
+        assert stored == keys and dropped == []
+        offs = [w.store._entries[k].off for k in keys]
+        assert offs == sorted(offs)  # back to back: one run
+        before = {n: c.clone() for n, c in caches.items()}
+        pipe.start_loads([("r", keys[2], (10, 11), 1), ("r", keys[0], (6, 7), 0),
+                          ("r", keys[1], (8, 9), 0)])  # fmt: skip
+        assert pipe.wait_loads() == set()
+        assert pipe.last_copies == 1
+        for name, cache in caches.items():
+            assert torch.equal(cache[10], before[name][10])  # skipped
+            for dst, src in ((6, 0), (7, 1), (8, 2), (9, 3), (11, 5)):
+                assert torch.equal(cache[dst], cache[src]), (name, dst)
+        # the loads' leases ended: the arena is reusable once entries go
+        assert all(e.leases == 0 for e in w.store._entries.values())
+    finally:
+        pipe.close()

@@ -3,6 +3,7 @@ the per-model table set."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,26 +133,100 @@ def test_bad_budget_rejected():
         BlockStore(0)
 
 
-def test_pinned_records_charged_at_the_allocators_size(monkeypatch):
-    # torch's pinned host allocator rounds every allocation up to a power of two: a pinned
-    # store charges that, so its budget bounds the page-locked memory. (Pinning itself needs
-    # an accelerator: here the record is packed unpinned and only the charge is checked.)
+def test_entries_lie_in_one_arena_allocated_once_and_charged_as_used():
     import kvzip_vllm.store as st
 
-    assert [st.pinned_overhead(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 0, 0, 1, 0, 4095]
-    real = st.pack_record
-    monkeypatch.setattr(st, "pack_record", lambda b, t=None, pin_memory=False: real(b, t))
-    block = _block(0)
-    plain, pinned = BlockStore(64 << 20), BlockStore(64 << 20, pin_memory=True)
-    n_plain, _ = plain.put(b"k" * 32, block)
-    n_pinned, _ = pinned.put(b"k" * 32, block)
-    blobs = plain.get_blobs(b"k" * 32)
-    rec = st.record_bytes(blobs)
-    assert n_pinned - n_plain == st.pinned_overhead(rec) > 0
-    assert (
-        pinned.stats.bytes_held == n_pinned
-        and (rec + st.pinned_overhead(rec)) & (rec + st.pinned_overhead(rec) - 1) == 0
-    )
-    # the budget counts the rounded size: one that fits the blobs but not the rounding refuses
-    tight = BlockStore(n_plain + 1, pin_memory=True)
-    assert tight.put(b"k" * 32, block)[0] == 0 and tight.stats.blocks_skipped == 1
+    store = BlockStore(8 << 20, fit_tokens=0)
+    arena, ptr = store.arena, store.arena.buf.data_ptr()
+    assert arena.capacity <= store.budget_bytes and store.stats.arena_bytes == arena.capacity
+    sizes = []
+    for i in range(6):
+        key, block = bytes([i]) * 32, _block(i)
+        nbytes, _ = store.put(key, block)
+        rec = st.record_bytes(store.get_blobs(key))
+        # the aligned extent the record takes in the arena, nothing more
+        assert nbytes == -(-rec // st.RECORD_ALIGN) * st.RECORD_ALIGN
+        sizes.append(nbytes)
+        e = store._entries[key]
+        blob = np.asarray(e.blobs[0])
+        assert blob.ctypes.data == ptr + e.off  # the blob lies in the arena, not a copy
+    assert store.stats.bytes_held == sum(sizes) == arena.used
+    assert store.stats.peak_bytes_held == sum(sizes)
+    assert store.arena.buf.data_ptr() == ptr  # never reallocated
+    store.drop(bytes([2]) * 32)
+    assert store.stats.bytes_held == arena.used == sum(sizes) - sizes[2]
+    store.clear()
+    assert arena.used == 0 and arena.largest_free() == arena.capacity  # holes coalesced
+
+
+def test_eviction_makes_a_contiguous_hole_and_never_exceeds_the_budget():
+    one = BlockStore(64 << 20, fit_tokens=0).put(b"a" * 32, _block(0))[0]
+    store = BlockStore(int(one * 3.5), fit_tokens=0)  # three records fit, a fourth evicts
+    keys = [bytes([i]) * 32 for i in range(12)]
+    for i, key in enumerate(keys):
+        if i % 3 == 2:
+            assert store.get(keys[i - 2], _outs())  # reorders LRU: holes are not in a row
+        nbytes, evicted = store.put(key, _block(i))
+        assert nbytes > 0
+        s = store.stats
+        assert s.bytes_held <= store.budget_bytes and store.arena.used <= store.arena.capacity
+        for k in evicted:
+            assert k not in store and not store.get(k, _outs())
+    for key in store.keys():
+        i = keys.index(key)
+        outs = _outs()
+        assert store.get(key, outs)
+        _assert_same(outs, _block(i), key)
+
+
+def test_a_leased_record_is_not_overwritten_until_released():
+    one = BlockStore(64 << 20, fit_tokens=0).put(b"a" * 32, _block(0))[0]
+    store = BlockStore(int(one * 1.5), fit_tokens=0)  # room for one record
+    a, b = b"a" * 32, b"b" * 32
+    store.put(a, _block(0))
+    entry = store.lease(a)  # a load copying from it
+    before = bytes(store.record(entry).numpy())
+    nbytes, evicted = store.put(b, _block(1))  # evicts a, but its extent is still read
+    assert evicted == [a] and nbytes == 0 and store.stats.blocks_skipped == 1
+    assert bytes(store.record(entry).numpy()) == before
+    store.unlease([entry])
+    assert store.arena.used == 0
+    assert store.put(b, _block(1))[0] > 0  # the extent is free again
+
+
+def test_pinning_registers_the_arena_or_says_it_did_not(monkeypatch):
+    import kvzip_vllm.store as st
+
+    calls = []
+    monkeypatch.setattr(st, "_host_register", lambda t: calls.append(t.numel()) or True)
+    store = BlockStore(1 << 20, fit_tokens=0)
+    assert store.pin() and store.stats.arena_pinned and calls == [store.arena.capacity]
+    assert store.pin() and len(calls) == 1  # once
+    monkeypatch.setattr(st, "_host_register", lambda t: False)
+    other = BlockStore(1 << 20, fit_tokens=0)
+    assert not other.pin() and not other.stats.arena_pinned
+
+
+@pytest.mark.parametrize("tokens", [2 * N, 256])
+def test_a_chunk_of_several_blocks_round_trips(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    chunk = [
+        tuple(torch.randn(tokens, H, D, generator=g).bfloat16() for _ in range(2))
+        for _ in range(LAYERS)
+    ]
+    store = BlockStore(64 << 20, fit_tokens=0)
+    store.put(b"c" * 32, chunk)
+    outs = [torch.empty(tokens, H, D, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+    assert store.get(b"c" * 32, outs)
+    _assert_same(outs, chunk, b"c")
+    assert not store.get(b"c" * 32, _outs())  # a block-shaped buffer: refused, dropped
+
+
+def test_chunk_tokens_must_be_a_multiple_of_the_block_size():
+    from kvzip_vllm.settings import ConnectorSettingsError, blocks_per_chunk
+
+    assert blocks_per_chunk(256, 16) == 16 and blocks_per_chunk(32, 32) == 1
+    with pytest.raises(ConnectorSettingsError, match=r"chunk_tokens=100 .* block size 16"):
+        blocks_per_chunk(100, 16)
+    with pytest.raises(ConnectorSettingsError, match="multiple"):
+        blocks_per_chunk(16, 32)

@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 
 
+def as_ids(block_ids) -> tuple[int, ...]:
+    """A chunk's paged-cache block ids as a tuple (an int: a chunk of one block)."""
+    return (int(block_ids),) if isinstance(block_ids, int) else tuple(int(b) for b in block_ids)
+
+
 def check_paged_cache(name: str, cache: torch.Tensor) -> None:
     """Raise ValueError unless ``cache`` is a bf16 ``[num_blocks, kv_heads, block_size,
     2 * head_size]`` view (what the stock attention backends give a connector)."""

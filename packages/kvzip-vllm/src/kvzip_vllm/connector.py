@@ -12,7 +12,7 @@ served.
 Use (the plugin registers the name with vLLM's connector factory)::
 
     --kv-transfer-config '{"kv_connector": "KvzipConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"budget_bytes": 8000000000,
+        "kv_connector_extra_config": {"budget_bytes": 8000000000, "chunk_tokens": 256,
                                       "stats_path": "/tmp/kvzip-stats.json"}}'
 
 (``"kv_connector_module_path": "kvzip_vllm.connector"`` also works, for a vLLM that does not
@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvzip_vllm import support
-from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
+from kvzip_vllm.settings import ConnectorSettingsError, blocks_per_chunk, connector_settings
 from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, KvzipWorkerMetadata
 
 # The halves (and kvzip_lossless, with its numba coder) are imported when a connector is made,
@@ -126,6 +126,7 @@ class KvzipConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         try:
             self.settings = connector_settings(ktc.kv_connector_extra_config)
+            blocks_per_chunk(self.settings.chunk_tokens, vllm_config.cache_config.block_size)
         except ConnectorSettingsError as e:
             raise support.UnsupportedConfigError(str(e)) from None
         from kvzip_vllm.store import namespace
@@ -136,6 +137,7 @@ class KvzipConnector(KVConnectorBase_V1):
             block_size=vllm_config.cache_config.block_size,
             dtype=str(vllm_config.model_config.dtype),
             tp_world=vllm_config.parallel_config.tensor_parallel_size,
+            chunk_tokens=self.settings.chunk_tokens,
         )
         self.scheduler: KvzipScheduler | None = None
         self.worker: KvzipWorker | None = None
@@ -144,7 +146,10 @@ class KvzipConnector(KVConnectorBase_V1):
 
             require_recompute_policy(ktc)
             shared = self._open_shared()
-            self.scheduler = KvzipScheduler(vllm_config, kv_cache_config, ns, shared=shared)
+            chunk = self.settings.chunk_tokens
+            self.scheduler = KvzipScheduler(
+                vllm_config, kv_cache_config, ns, shared=shared, chunk_tokens=chunk
+            )
         else:
             from kvzip_vllm.tier.worker import KvzipWorker
 

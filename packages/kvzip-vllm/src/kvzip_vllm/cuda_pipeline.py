@@ -40,7 +40,7 @@ import torch
 
 import kvzip_lossless
 from kvzip_vllm.batch_decode import BlockPlan, DecodeStep, plan_block
-from kvzip_vllm.blocks import gather_token_major, scatter_token_major
+from kvzip_vllm.blocks import as_ids, gather_token_major, scatter_token_major
 from kvzip_vllm.store import BlockStore, pack_record
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
@@ -58,31 +58,45 @@ class _Load:
     t0: float
     failed: set[int] = field(default_factory=set)
     dropped: list[bytes] = field(default_factory=list)
-    blocks: list[tuple[str, bytes, int]] = field(default_factory=list)  # decoded: (req, key, id)
-    out: torch.Tensor | None = None  # [2 * layers, n, block_size, kv_heads, head_size]
+    # decoded chunks: (req, key, block ids, skip)
+    blocks: list[tuple[str, bytes, tuple[int, ...], int]] = field(default_factory=list)
+    out: torch.Tensor | None = None  # [2 * layers, n, chunk_tokens, kv_heads, head_size]
     flags: torch.Tensor | None = None  # [2 * layers * n] damage flags, slot-major
     keep: list = field(default_factory=list)  # tensors alive until the step is done
+    leased: list = field(default_factory=list)  # store entries read by the step's copies
+    copies: int = 0  # host-to-device copies issued for the step's records
     host_plan_s: float = 0.0  # host time: the step's per-blob plan (DecodeStep)
     host_s: float = 0.0  # host time of start_loads (lookups, plan, copies and launches)
 
 
 def plan_blobs(blobs: tuple[bytes, ...], tables) -> tuple[BlockPlan, int, np.ndarray]:
-    """``BlockStore.put``'s ``plan`` hook: the decode plan of a block's blobs, its host bytes,
+    """``BlockStore.put``'s ``plan`` hook: the decode plan of a chunk's blobs, its host bytes,
     and its tail (kept after the blobs in the entry's record)."""
     plan = plan_block(blobs, tables)
     return plan.without_tail(), plan.host_bytes, plan.tail
 
 
+def _load_item(item) -> tuple[str, bytes, tuple[int, ...], int]:
+    """``(req_id, key, block_ids[, skip])``; an int block id is a chunk of one block."""
+    req_id, key, ids, *rest = item
+    return req_id, key, as_ids(ids), int(rest[0]) if rest else 0
+
+
 class CudaTierPipeline:
-    def __init__(self, store: BlockStore, caches: list[torch.Tensor], block_size: int):
+    def __init__(
+        self, store: BlockStore, caches: list[torch.Tensor], block_size: int, bpc: int = 1
+    ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
+        if bpc < 1:
+            raise ValueError(f"blocks per chunk must be >= 1, got {bpc}")
         self.store = store
         self.caches = caches
         self.block_size = block_size
+        self.bpc = bpc  # paged-cache blocks per stored chunk
         self.device = caches[0].device
         _, h, n, c = caches[0].shape
-        self.block_shape = (n, h, c // 2)  # token-major [block_size, kv_heads, head_size]
+        self.block_shape = (n * bpc, h, c // 2)  # token-major [chunk_tokens, kv_heads, head]
         cuda = self.device.type == "cuda"
         if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
             from kvzip_lossless import gpu
@@ -90,10 +104,14 @@ class CudaTierPipeline:
             logger.info("kvzip tier: GPU coder %s", gpu.default_backend(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
         self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
-        store.pin_memory = cuda  # records page-locked from now on: copied from where they lie
+        if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
+            store.pin()
+        # every entry holds its decode plan (also those the shared tier's fetches put)
+        store.planner = lambda blobs: plan_blobs(blobs, store.tables)
         self._tables, self._slot_tables = store.tables, {}  # device copies of the set's tables
         self._load: _Load | None = None
         self.last_host_s: dict[str, float] = {}  # host time of the last load step, by part
+        self.last_copies = 0  # host-to-device copies of the last load step
         self._carry: set[int] = set()  # failures of loads finished by a later start_loads
         self._dropped: list[bytes] = []
         self._done: queue.Queue = queue.Queue()
@@ -106,24 +124,33 @@ class CudaTierPipeline:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     # -- loads --------------------------------------------------------------------------
-    def start_loads(self, loads: list[tuple[str, bytes, int]]) -> None:
-        """Begin restoring ``(req_id, key, block_id)`` into the paged cache (asynchronous)."""
+    def start_loads(self, loads) -> None:
+        """Begin restoring ``(req_id, key, block_ids, skip)`` chunks into the paged cache
+        (asynchronous): the chunk's blocks after the first ``skip`` are written."""
         self._carry = self.wait_loads()  # a previous step's loads, if never waited for
         load = self._load = _Load(time.perf_counter())
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
-        good, plans, blobs, records = [], [], [], []
+        good, plans, blobs, records, offs = [], [], [], [], []
         cuda = self.device.type == "cuda"
-        for req_id, key, block_id in loads:
-            got = self.store.get_entry(key)
+        for item in loads:
+            req_id, key, ids, skip = _load_item(item)
+            if len(ids) != self.bpc or not 0 <= skip < self.bpc:
+                raise ValueError(
+                    f"a load names {len(ids)} blocks (skip {skip}); a chunk is {self.bpc} blocks"
+                )
+            entry = self.store.lease(key)
             plan = None
-            if got is not None:
-                entry_blobs, plan, data = got
+            if entry is not None:
+                load.leased.append(entry)
+                entry_blobs, plan, data, off = entry.blobs, entry.aux, None, entry.off
                 try:
                     if plan is None:  # stored without a plan (by the CPU path)
                         plan = plan_block(entry_blobs, self.store.tables)
                         data, _ = pack_record(entry_blobs, plan.tail, pin_memory=cuda)
-                        plan = plan.without_tail()
+                        plan, off = plan.without_tail(), -1
+                    else:
+                        data = self.store.record(entry)
                     sizes, plan_numel, record_bytes = plan.shape_key
                     if (
                         len(sizes) != n_tensors
@@ -133,21 +160,27 @@ class CudaTierPipeline:
                     ):
                         raise kvzip_lossless.CorruptBlobError("entry does not match its plan")
                 except kvzip_lossless.CorruptBlobError as e:
-                    logger.warning("kvzip tier: block %s dropped: %s", key[:4].hex(), e)
+                    logger.warning("kvzip tier: chunk %s dropped: %s", key[:4].hex(), e)
                     self.store.drop(key)
                     plan = None
             if plan is None:
-                load.failed.add(block_id)
+                load.failed.update(ids[skip:])
                 load.dropped.append(key)
                 continue
-            good.append((req_id, key, block_id))
+            good.append((req_id, key, ids, skip))
             plans.append(plan)
             blobs.append(entry_blobs)
             records.append(data)
+            offs.append(off)
         n = len(good)
-        load.blocks = good
         if n == 0:
             return
+        # in arena order: records of consecutive extents go to the device in one copy
+        order = sorted(range(n), key=lambda j: (offs[j] < 0, offs[j]))
+        good, plans, blobs, records, offs = (
+            [x[j] for j in order] for x in (good, plans, blobs, records, offs)
+        )
+        load.blocks = good
         t_host = time.perf_counter()
         if self._tables is not self.store.tables:
             self._tables, self._slot_tables = self.store.tables, {}
@@ -163,17 +196,35 @@ class CudaTierPipeline:
                 stream.wait_stream(cur)  # the buffers above were allocated on the compute stream
         with self._on(self.decode_stream):
             step.upload()
-        # every record straight from the store's (pinned) memory, no host staging copy; all
-        # copies issued first (the copy engine never waits for the host's decode launches),
-        # each block group's plan shift and decode waits for its own copies only
+        # every record straight from the store's (page-locked) arena, no host staging copy;
+        # a run of records that lie back to back in the arena (and so in the step) is one
+        # copy; all copies issued first (the copy engine never waits for the host's decode
+        # launches), each chunk group's plan shift and decode waits for its own copies only
         groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
         bounds = np.linspace(0, n, groups + 1).astype(int)
         events = []
+        arena = self.store.arena.buf
         with self._on(self.copy_stream):
             for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True):
-                for j in range(j0, j1):
+                j = j0
+                while j < j1:
+                    k = j + 1
+                    if offs[j] >= 0:
+                        while (
+                            k < j1
+                            and offs[k] >= 0
+                            and offs[k] - offs[j] == int(step.rec_base[k] - step.rec_base[j])
+                        ):
+                            k += 1
                     a = int(step.rec_base[j])
-                    blob_dev[a : a + records[j].numel()].copy_(records[j], non_blocking=True)
+                    if k - j > 1:
+                        end = offs[k - 1] + records[k - 1].numel()
+                        src = arena[offs[j] : end]
+                    else:
+                        src = records[j]
+                    blob_dev[a : a + src.numel()].copy_(src, non_blocking=True)
+                    load.copies += 1
+                    j = k
                 if self.copy_stream is not None:
                     events.append(torch.cuda.Event())
                     events[-1].record(self.copy_stream)
@@ -186,8 +237,8 @@ class CudaTierPipeline:
         with self._on(self.decode_stream):
             load.flags = step.finish(blob_dev, out)
         load.out = out
-        # the records stay referenced until the step is done (an entry evicted meanwhile keeps
-        # its memory until then; torch's pinned allocator also waits for the copies' events)
+        # the records stay leased until the step is done (an entry evicted meanwhile keeps
+        # its arena extent until then; an unplanned one's own pinned copy stays referenced)
         load.keep += [blob_dev, step, records]
         load.host_s = time.perf_counter() - load.t0
 
@@ -200,47 +251,70 @@ class CudaTierPipeline:
             return failed
         failed |= load.failed
         self.last_host_s = {"start_loads": load.host_s, "plan": load.host_plan_s}
+        self.last_copies = load.copies
         s = self.store.stats
         hits: dict[str, int] = {}
-        if load.blocks:
-            n = len(load.blocks)
-            if self.decode_stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
-            bad = load.flags.view(-1, n).amax(0).cpu().numpy()  # the step's one sync
-            ok = [j for j in range(n) if not bad[j]]
-            for j in np.flatnonzero(bad):
-                _, key, block_id = load.blocks[j]
-                logger.warning("kvzip tier: block %s failed its checksums: dropped", key[:4].hex())
-                self.store.drop(key)
-                failed.add(block_id)
-                load.dropped.append(key)
-            if ok:
-                ids = torch.tensor([load.blocks[j][2] for j in ok], device=self.device)
-                out = (
-                    load.out if len(ok) == n else load.out[:, torch.tensor(ok, device=self.device)]
-                )
-                for layer, cache in enumerate(self.caches):
-                    scatter_token_major(cache, ids, out[2 * layer], out[2 * layer + 1])
-            for j in ok:
-                req_id = load.blocks[j][0]
-                hits[req_id] = hits.get(req_id, 0) + 1
+        tokens = 0
+        try:
+            if load.blocks:
+                n, b = len(load.blocks), self.bpc
+                if self.decode_stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
+                bad = load.flags.view(-1, n).amax(0).cpu().numpy()  # the step's one sync
+                for j in np.flatnonzero(bad):
+                    _, key, ids, skip = load.blocks[j]
+                    logger.warning(
+                        "kvzip tier: chunk %s failed its checksums: dropped", key[:4].hex()
+                    )
+                    self.store.drop(key)
+                    failed.update(ids[skip:])
+                    load.dropped.append(key)
+                rows, dest = [], []  # the decoded blocks to write, and where
+                for j in range(n):
+                    if bad[j]:
+                        continue
+                    req_id, _, ids, skip = load.blocks[j]
+                    rows.extend(j * b + i for i in range(skip, b))
+                    dest.extend(ids[skip:])
+                    hits[req_id] = hits.get(req_id, 0) + 1
+                    tokens += (b - skip) * self.block_size
+                if rows:
+                    out = load.out.view(load.out.shape[0], n * b, self.block_size,
+                                        *self.block_shape[1:])  # fmt: skip
+                    if rows != list(range(n * b)):
+                        out = out[:, torch.tensor(rows, device=self.device)]
+                    ids = torch.tensor(dest, device=self.device)
+                    for layer, cache in enumerate(self.caches):
+                        scatter_token_major(cache, ids, out[2 * layer], out[2 * layer + 1])
+        finally:
+            self.store.unlease(load.leased)  # the copies have landed (the sync above)
         s.restore_hits += len(hits)
         s.blocks_restored += sum(hits.values())
-        s.tokens_restored += sum(hits.values()) * self.block_size
-        s.load_errors += len(load.dropped)  # one key per failed block
+        s.tokens_restored += tokens
+        s.load_errors += len(load.dropped)  # one key per failed chunk
         s.restore_seconds += time.perf_counter() - load.t0
         self._dropped.extend(load.dropped)
         return failed
 
     # -- stores -------------------------------------------------------------------------
-    def start_stores(self, stores: list[tuple[bytes, int]]) -> None:
-        """Queue ``(key, block_id)`` blocks for storing; their bytes are copied before this
+    def start_stores(self, stores) -> None:
+        """Queue ``(key, block_ids)`` chunks for storing; their bytes are copied before this
         returns (on the compute stream), so vLLM may reuse the blocks."""
         if not stores:
             return
         keys = [key for key, _ in stores]
-        ids = torch.tensor([block_id for _, block_id in stores], device=self.device)
-        staged = [gather_token_major(cache, ids) for cache in self.caches]
+        flat = []
+        for _, ids in stores:
+            ids = as_ids(ids)
+            if len(ids) != self.bpc:
+                raise ValueError(f"a store names {len(ids)} blocks; a chunk is {self.bpc}")
+            flat.extend(ids)
+        ids = torch.tensor(flat, device=self.device)
+        m, (t, h, d) = len(stores), self.block_shape
+        staged = [
+            tuple(x.view(m, t, h, d) for x in gather_token_major(cache, ids))
+            for cache in self.caches
+        ]
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -264,8 +338,8 @@ class CudaTierPipeline:
                             nbytes, evicted = self.store.put(
                                 key, layers, plan=lambda b: plan_blobs(b, self.store.tables)
                             )
-                        except Exception:  # noqa: BLE001 (report the block as not stored)
-                            logger.exception("kvzip tier: storing a block failed")
+                        except Exception:  # noqa: BLE001 (report the chunk as not stored)
+                            logger.exception("kvzip tier: storing a chunk failed")
                             self.store.stats.store_errors += 1
                             nbytes, evicted = 0, []
                         self._done.put((key, nbytes, evicted))

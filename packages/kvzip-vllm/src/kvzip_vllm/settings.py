@@ -68,7 +68,10 @@ ENV_STATS_PATH = "KVZIP_STATS_PATH"
 ENV_TIER_TABLES = "KVZIP_TIER_TABLES"
 ENV_SHARED_URL = "KVZIP_SHARED_URL"
 ENV_SHARED_BYTES = "KVZIP_SHARED_BYTES"
+ENV_CHUNK_TOKENS = "KVZIP_TIER_CHUNK_TOKENS"
 DEFAULT_BUDGET_BYTES = 4 << 30
+#: tokens per stored entry by default (see ``ConnectorSettings.chunk_tokens``)
+DEFAULT_CHUNK_TOKENS = 256
 #: key -> environment variable read when the key is absent
 CONNECTOR_ENV = {
     "budget_bytes": ENV_TIER_BYTES,
@@ -76,6 +79,7 @@ CONNECTOR_ENV = {
     "tables_path": ENV_TIER_TABLES,
     "shared_url": ENV_SHARED_URL,
     "shared_budget_bytes": ENV_SHARED_BYTES,
+    "chunk_tokens": ENV_CHUNK_TOKENS,
 }
 
 
@@ -89,7 +93,12 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     budget_bytes: int = Field(DEFAULT_BUDGET_BYTES, gt=0)
-    """CPU memory the compressed blocks may take."""
+    """CPU memory the tier takes: its arena of compressed chunks, allocated once at this size
+    (page-locked on a CUDA host)."""
+    chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, gt=0)
+    """Tokens per stored entry, a multiple of vLLM's block size: the tier stores, keys and
+    restores whole chunks of this many tokens (a prompt's tokens past its last whole chunk
+    are computed by vLLM)."""
     stats_path: str | None = None
     """JSON file the worker rewrites with the tier's counters."""
     tables_path: str | None = None
@@ -105,7 +114,9 @@ class ConnectorSettings(BaseModel):
     shared_timeout_s: float | None = Field(None, gt=0, le=60)
     """Connect and read timeout of each call to the server (default 0.2 s / 0.5 s)."""
 
-    @field_validator("budget_bytes", "fit_tokens", "shared_budget_bytes", mode="before")
+    @field_validator(
+        "budget_bytes", "fit_tokens", "shared_budget_bytes", "chunk_tokens", mode="before"
+    )
     @classmethod
     def _not_bool(cls, v):
         if isinstance(v, bool):
@@ -176,3 +187,15 @@ def connector_settings(extra: dict | None = None, environ=None):
         raise ConnectorSettingsError(
             "kvzip-vllm connector: bad setting " + "; ".join(problems)
         ) from None
+
+
+def blocks_per_chunk(chunk_tokens: int, block_size: int) -> int:
+    """vLLM blocks per tier chunk; :class:`ConnectorSettingsError` unless ``chunk_tokens`` is
+    a positive multiple of ``block_size``."""
+    if block_size <= 0 or chunk_tokens <= 0 or chunk_tokens % block_size:
+        raise ConnectorSettingsError(
+            f"kvzip-vllm connector: chunk_tokens={chunk_tokens} is not a multiple of vLLM's "
+            f"block size {block_size}; supported: chunk_tokens = k * {block_size} for k >= 1 "
+            f"(e.g. {max(1, DEFAULT_CHUNK_TOKENS // max(block_size, 1)) * block_size})"
+        )
+    return chunk_tokens // block_size

@@ -1,23 +1,31 @@
-"""The capacity tier's store: compressed KV blocks in CPU memory, a byte budget, LRU eviction.
+"""The capacity tier's store: compressed KV chunks in one host arena, a byte budget, LRU eviction.
 
-One entry per KV block, keyed by :func:`block_key`: the model, the codec and its format
-version, the cache layout and the block's chained prefix hash. An entry holds one blob per
-layer and kind, ``[block_size, kv_heads, head_size]`` token-major (the codec's rows are
-tokens, with the previous token as context), coded with the per-model table set
-(``kvzip_lossless.TableSet``, slot ``kv_slot(layer, kind)``) once there is one.
+One entry per chunk of ``chunk_tokens`` tokens (a whole number of vLLM's blocks), keyed by
+:func:`block_key`: the model, the codec and its format version, the cache layout, the chunk
+size and the chained prefix hash of the chunk's last block (vLLM's block hashes chain every
+earlier block's tokens, and LoRA / multimodal / salt extras, so equal keys mean equal
+prefixes). An entry holds one blob per layer and kind, ``[chunk_tokens, kv_heads, head_size]``
+token-major (the codec's rows are tokens, with the previous token as context), coded with the
+per-model table set (``kvzip_lossless.TableSet``, slot ``kv_slot(layer, kind)``) once there
+is one. A chunk whose entry was evicted is simply not found, never replaced by another.
+
+Memory: every entry's record (its blobs back to back, then the tail the ``plan`` hook returned:
+the GPU path's decode plan) lies in one :class:`Arena` of ``budget_bytes`` bytes allocated once
+(page-locked on a CUDA host, :meth:`BlockStore.pin`, so a restore copies records to the GPU
+from where they lie), carved in :data:`RECORD_ALIGN`-byte units. ``bytes_held`` is the arena
+bytes the held entries take (their aligned extents) plus their plans' host arrays: it never
+exceeds the budget, and the page-locked memory is the arena, at most the budget.
 
 Table set: given (``tables_path``, e.g. fitted offline on calibration text), or fitted by the
-store from the first ``fit_tokens`` tokens it stores (those blocks keep the tables each blob
-embeds; every later one references the set). Measured on the embedded model, 768 held-out
-tokens in 128-token blocks: tables embedded per block 1.47x, a set fitted on 1,024 other tokens
-1.51x (plus the set's 0.84 MB once). vLLM's block hashes chain
-every earlier block's tokens (and LoRA / multimodal / salt extras), so equal keys mean equal
-prefixes; a block whose entry was evicted is simply not found, never replaced by another.
+store from the first ``fit_tokens`` tokens it stores (those chunks keep the tables each blob
+embeds; every later one references the set).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -29,8 +37,12 @@ import torch
 
 import kvzip_lossless
 
+logger = logging.getLogger("kvzip_vllm.store")
+
 #: An entry's record: its blobs back to back, zeros to a multiple of this, then the tail that
-#: the ``plan`` hook returned (the GPU path's decode plan in the layout its kernels read).
+#: the ``plan`` hook returned (the GPU path's decode plan in the layout its kernels read). The
+#: arena hands out extents in multiples of it too, so records of consecutive extents are laid
+#: out as a restore step places them on the device (one copy for a run of them).
 RECORD_ALIGN = 16
 
 
@@ -39,47 +51,137 @@ def record_tail_offset(blob_bytes: int) -> int:
     return -(-blob_bytes // RECORD_ALIGN) * RECORD_ALIGN
 
 
-def pack_record(
-    blobs, tail: np.ndarray | None = None, *, pin_memory: bool = False
-) -> tuple[torch.Tensor, tuple[memoryview, ...]]:
-    """One uint8 tensor holding ``blobs`` and ``tail`` (layout: :data:`RECORD_ALIGN`), page-
-    locked when ``pin_memory`` (the GPU path copies it to the device straight from there), and
-    the blobs as read-only-by-convention views into it (what the CPU path decodes)."""
-    sizes = [memoryview(b).nbytes for b in blobs]
-    tail_off = record_tail_offset(sum(sizes))
-    tail = np.zeros(0, np.uint8) if tail is None else np.ascontiguousarray(tail).view(np.uint8)
-    n = tail_off + tail.nbytes
-    data = torch.empty(n, dtype=torch.uint8, pin_memory=pin_memory and n > 0)
-    arr = data.numpy()
-    views, a = [], 0
-    for b, size in zip(blobs, sizes, strict=True):
-        arr[a : a + size] = np.frombuffer(b, np.uint8)
-        views.append(memoryview(arr[a : a + size]))
-        a += size
-    arr[a:tail_off] = 0
-    arr[tail_off:] = tail
-    return data, tuple(views)
-
-
 def record_bytes(blobs, tail: np.ndarray | None = None) -> int:
-    """The size of :func:`pack_record`'s tensor for ``blobs`` and ``tail``."""
+    """The size of an entry's record for ``blobs`` and ``tail`` (before alignment)."""
     tail_off = record_tail_offset(sum(memoryview(b).nbytes for b in blobs))
     return tail_off + (0 if tail is None else np.asarray(tail).nbytes)
 
 
-def pinned_overhead(n: int) -> int:
-    """Bytes torch's pinned host allocator takes beyond ``n`` for one ``n``-byte tensor: it
-    rounds every allocation up to a power of two."""
-    return 0 if n <= 0 else (1 << (n - 1).bit_length()) - n
+def write_record(dst: np.ndarray, blobs, tail: np.ndarray | None) -> tuple[memoryview, ...]:
+    """Write ``blobs`` and ``tail`` into ``dst`` (uint8, :func:`record_bytes` long or more);
+    returns the blobs as read-only-by-convention views into it (what the CPU path decodes)."""
+    views, a = [], 0
+    for b in blobs:
+        src = np.frombuffer(b, np.uint8)
+        dst[a : a + src.size] = src
+        views.append(memoryview(dst[a : a + src.size]))
+        a += src.size
+    tail_off = record_tail_offset(a)
+    dst[a:tail_off] = 0
+    if tail is not None:
+        t = np.ascontiguousarray(tail).view(np.uint8).ravel()
+        dst[tail_off : tail_off + t.size] = t
+    return tuple(views)
+
+
+def pack_record(
+    blobs, tail: np.ndarray | None = None, *, pin_memory: bool = False
+) -> tuple[torch.Tensor, tuple[memoryview, ...]]:
+    """One uint8 tensor holding ``blobs`` and ``tail`` on its own (page-locked when
+    ``pin_memory``): for an entry held outside an arena (a load of an entry stored without a
+    plan); the store itself keeps records in its :class:`Arena`."""
+    n = record_bytes(blobs, tail)
+    data = torch.empty(n, dtype=torch.uint8, pin_memory=pin_memory and n > 0)
+    return data, write_record(data.numpy(), blobs, tail)
+
+
+def _extent(n: int) -> int:
+    return -(-n // RECORD_ALIGN) * RECORD_ALIGN
+
+
+def _host_register(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory where it lies (cudaHostRegister: exactly its size, unlike
+    torch's pinned allocator, which rounds each allocation up to a power of two)."""
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        code = rc[0] if isinstance(rc, tuple) else rc
+        return int(getattr(code, "value", code)) == 0
+    except Exception:  # noqa: BLE001  (no CUDA runtime: stays pageable)
+        return False
+
+
+def _host_unregister(t: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class Arena:
+    """``capacity`` bytes of host memory allocated once, handed out in extents of
+    :data:`RECORD_ALIGN` bytes (first fit over a coalescing free list)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity // RECORD_ALIGN * RECORD_ALIGN
+        self.buf = torch.empty(self.capacity, dtype=torch.uint8)
+        self.np = self.buf.numpy()
+        self.pinned = False
+        self._registered = False
+        self._offs: list[int] = [0] if self.capacity else []  # free extents, by offset
+        self._sizes: list[int] = [self.capacity] if self.capacity else []
+        self.used = 0
+
+    def pin(self) -> bool:
+        """Page-lock the whole arena (once; CUDA hosts). True if it is page-locked now."""
+        if not self.pinned and self.capacity:
+            self.pinned = self._registered = _host_register(self.buf)
+            if not self.pinned:
+                logger.warning(
+                    "kvzip tier: the %d-byte arena could not be page-locked (cudaHostRegister "
+                    "failed): restores copy from pageable memory",
+                    self.capacity,
+                )
+        return self.pinned
+
+    def alloc(self, n: int) -> int | None:
+        """The offset of a free extent of ``n`` bytes (rounded up to the alignment), or None."""
+        n = _extent(n)
+        for i, size in enumerate(self._sizes):
+            if size >= n:
+                off = self._offs[i]
+                if size == n:
+                    del self._offs[i], self._sizes[i]
+                else:
+                    self._offs[i] += n
+                    self._sizes[i] -= n
+                self.used += n
+                return off
+        return None
+
+    def free(self, off: int, n: int) -> None:
+        n = _extent(n)
+        self.used -= n
+        i = bisect.bisect_left(self._offs, off)
+        if i > 0 and self._offs[i - 1] + self._sizes[i - 1] == off:  # joins the one before
+            i -= 1
+            self._sizes[i] += n
+        else:
+            self._offs.insert(i, off)
+            self._sizes.insert(i, n)
+        if i + 1 < len(self._offs) and self._offs[i] + self._sizes[i] == self._offs[i + 1]:
+            self._sizes[i] += self._sizes.pop(i + 1)
+            del self._offs[i + 1]
+
+    def largest_free(self) -> int:
+        return max(self._sizes, default=0)
+
+    def view(self, off: int, n: int) -> torch.Tensor:
+        return self.buf[off : off + n]
+
+    def close(self) -> None:
+        if self._registered:
+            _host_unregister(self.buf)
+            self._registered = self.pinned = False
 
 
 def block_key(namespace: bytes, block_hash: bytes) -> bytes:
-    """The store key of one KV block: sha256 over the namespace and vLLM's chained block hash."""
+    """The store key of one chunk: sha256 over the namespace and vLLM's chained block hash of
+    the chunk's last block."""
     return hashlib.sha256(namespace + b"\0" + bytes(block_hash)).digest()
 
 
 def shard_key(key: bytes, rank: int, world: int) -> bytes:
-    """The key of tensor-parallel rank ``rank``'s shard (its KV heads) of the block the
+    """The key of tensor-parallel rank ``rank``'s shard (its KV heads) of the chunk the
     scheduler keys ``key``: ``key`` itself with one rank, else hashed with the rank and the
     world size, so a shard is never restored on another rank or layout."""
     if world == 1:
@@ -87,10 +189,19 @@ def shard_key(key: bytes, rank: int, world: int) -> bytes:
     return block_key(f"tp_rank={rank}|tp_world={world}".encode(), key)
 
 
-def namespace(*, model: str, layout: str, block_size: int, dtype: str, tp_world: int = 1) -> bytes:
-    """Everything besides the tokens that decides a block's bytes (codec version included).
-    ``tp_world``: the tensor-parallel size the blocks are sharded for (each rank then keys
-    its shard by its rank too: ``KvzipWorker.shard_key``)."""
+def namespace(
+    *,
+    model: str,
+    layout: str,
+    block_size: int,
+    dtype: str,
+    tp_world: int = 1,
+    chunk_tokens: int | None = None,
+) -> bytes:
+    """Everything besides the tokens that decides a chunk's bytes (codec version included).
+    ``tp_world``: the tensor-parallel size the chunks are sharded for (each rank then keys
+    its shard by its rank too: ``KvzipWorker.shard_key``); ``chunk_tokens``: the tokens per
+    entry (None: one block)."""
     parts = [
         f"model={model}",
         f"codec=kvzip_lossless/{kvzip_lossless.FORMAT_VERSION}",
@@ -99,35 +210,41 @@ def namespace(*, model: str, layout: str, block_size: int, dtype: str, tp_world:
         f"dtype={dtype}",
         f"tp_world={tp_world}",
     ]
+    if chunk_tokens is not None and chunk_tokens != block_size:
+        parts.append(f"chunk_tokens={chunk_tokens}")
     return "|".join(parts).encode()
 
 
 @dataclass
 class TierStats:
-    """Counters a user can read (the connector writes them as JSON to ``stats_path``)."""
+    """Counters a user can read (the connector writes them as JSON to ``stats_path``). The
+    ``blocks_*`` counters count entries (chunks of ``chunk_tokens`` tokens)."""
 
     budget_bytes: int = 0
+    arena_bytes: int = 0  # the arena (page-locked on a CUDA host): allocated once, <= budget
+    arena_pinned: bool = False
     blocks_held: int = 0
-    bytes_held: int = 0  # compressed bytes held now (with the GPU path's decode plans)
-    raw_bytes_held: int = 0  # bf16 bytes those blocks would take uncompressed
+    bytes_held: int = 0  # arena bytes the held entries take, plus their decode plans' arrays
+    raw_bytes_held: int = 0  # bf16 bytes those chunks would take uncompressed
     blocks_stored: int = 0  # cumulative
     bytes_stored: int = 0  # cumulative compressed bytes written (blobs only)
     raw_bytes_stored: int = 0  # cumulative bf16 bytes compressed
-    blocks_skipped: int = 0  # larger than the whole budget
+    blocks_skipped: int = 0  # larger than the whole budget (or no room the arena can make)
     evictions: int = 0
-    restore_hits: int = 0  # requests whose prefix was restored (at least one block)
+    restore_hits: int = 0  # requests whose prefix was restored (at least one chunk)
     blocks_restored: int = 0
     tokens_restored: int = 0
     restore_seconds: float = 0.0
     store_seconds: float = 0.0
-    load_errors: int = 0  # blocks missing or failing their checksum at load: recomputed
-    # blocks not stored because a block before them in their request failed to load this
+    load_errors: int = 0  # chunks missing or failing their checksum at load: recomputed
+    # chunks not stored because a chunk before them in their request failed to load this
     # step (they were computed on KV that was not restored; vLLM recomputes and stores them)
     stores_refused_after_load_error: int = 0
-    store_errors: int = 0  # stores that raised (the block is not held; recomputed if needed)
+    store_errors: int = 0  # stores that raised (the chunk is not held; recomputed if needed)
     misses: int = field(default=0)
     table_bytes: int = 0  # the per-model table set (stored once), 0 until fitted/loaded
     table_fit_tokens: int = 0  # tokens the set was fitted on by the store (0: loaded)
+    peak_bytes_held: int = 0
 
     @property
     def bytes_saved(self) -> int:
@@ -152,15 +269,18 @@ class TierStats:
 
 @dataclass
 class _Entry:
-    blobs: tuple[memoryview, ...]  # views into ``data``
-    nbytes: int  # blob and tail bytes plus ``aux_bytes``: what it holds against the budget
+    blobs: tuple[memoryview, ...]  # views into the arena
+    nbytes: int  # arena extent plus ``aux_bytes``: what it holds against the budget
     raw_bytes: int
     aux: object = None  # the GPU path's decode plans (kvzip_vllm.batch_decode.BlockPlan)
-    data: torch.Tensor | None = None  # the record: blobs, then the tail (pack_record)
+    off: int = 0  # the record's offset in the arena
+    size: int = 0  # the record's bytes (its extent: rounded up to RECORD_ALIGN)
+    leases: int = 0  # loads in flight reading the record (its extent is reused after them)
+    gone: bool = False  # no longer held; the extent is freed when the last lease ends
 
 
 class BlockStore:
-    """Compressed KV blocks within ``budget_bytes``, least recently used evicted first."""
+    """Compressed KV chunks within ``budget_bytes``, least recently used evicted first."""
 
     def __init__(
         self,
@@ -170,27 +290,47 @@ class BlockStore:
         fit_tokens: int = 1024,
         pin_memory: bool = False,
     ):
-        if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
-        self.stats = TierStats(budget_bytes=budget_bytes)
+        self.arena = Arena(budget_bytes)
+        self.stats = TierStats(budget_bytes=budget_bytes, arena_bytes=self.arena.capacity)
         self.tables = tables
         self.fit_tokens = fit_tokens
-        # records page-locked (set by the CUDA pipeline): a restore then copies each entry to
-        # the GPU from where it lies, with no staging copy (54.9 of a 56.3 ms restore of 64
-        # blocks went to host staging and plans on the H200, results/vllm/cuda_tier_restore.md,
-        # before). torch's pinned allocator rounds each record up to a power of two (and keeps
-        # freed ones for reuse): a pinned entry is charged that rounded size, so the budget
-        # bounds the page-locked memory the records take.
-        self.pin_memory = pin_memory
-        self._fit: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # blocks for the fit
+        #: ``plan(blobs) -> (aux, aux_bytes, tail)`` for entries put without one (the shared
+        #: tier's fetches): set by the CUDA pipeline, so every entry holds its decode plan
+        self.planner: Callable | None = None
+        self._fit: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # chunks for the fit
         if tables is not None:
             self.stats.table_bytes = tables.nbytes
+        if pin_memory:
+            self.pin()
+
+    # -- memory -------------------------------------------------------------------------
+    def pin(self) -> bool:
+        """Page-lock the arena (the CUDA pipeline does, once): restores then copy records to
+        the GPU straight from it."""
+        self.stats.arena_pinned = self.arena.pin()
+        return self.stats.arena_pinned
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.arena.pinned
+
+    @pin_memory.setter
+    def pin_memory(self, value: bool) -> None:
+        if value:
+            self.pin()
+
+    def close(self) -> None:
+        with self._lock:
+            self.arena.close()
+            self.stats.arena_pinned = False
 
     def _maybe_fit(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Collect blocks until ``fit_tokens`` tokens, then fit the table set from them."""
+        """Collect chunks until ``fit_tokens`` tokens, then fit the table set from them."""
         if self.tables is not None or self.fit_tokens <= 0:
             return
         self._fit.append([(k.cpu(), v.cpu()) for k, v in layers])
@@ -207,12 +347,14 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._entries)
+
     def encode(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[bytes, ...]:
-        """The blobs of one block (layer 0 K, layer 0 V, layer 1 K, ...): with the table set
-        once there is one, else each embedding its own table. CUDA tensors are coded on the
-        GPU, except those embedding a table: they are coded on the host, which fits that table
-        there anyway, and kvzip-lossless's GPU coder keeps the device copy of every table it
-        has seen (so one per embedded-table blob, never freed)."""
+        """The blobs of one chunk (layer 0 K, layer 0 V, layer 1 K, ...): with the table set
+        once there is one, else each embedding its own table (coded on the host, which fits
+        that table there anyway)."""
         tables = self.tables
         blobs = []
         for layer, kv in enumerate(layers):
@@ -231,10 +373,10 @@ class BlockStore:
         *,
         plan: Callable[[tuple[bytes, ...]], tuple[object, int, np.ndarray | None]] | None = None,
     ) -> tuple[int, list[bytes]]:
-        """Compress and hold one block under ``key``: per layer ``(K, V)`` bf16
-        ``[block_size, kv_heads, head_size]``. ``plan(blobs)`` may return ``(aux, aux_bytes,
-        tail)``: ``aux`` kept beside the blobs, ``tail`` (bytes) after them in the entry's
-        record (the GPU path's decode plans; their bytes count against the budget).
+        """Compress and hold one chunk under ``key``: per layer ``(K, V)`` bf16
+        ``[chunk_tokens, kv_heads, head_size]``. ``plan(blobs)`` may return ``(aux,
+        aux_bytes, tail)``: ``aux`` kept beside the blobs, ``tail`` (bytes) after them in the
+        entry's record (the GPU path's decode plans; their bytes count against the budget).
 
         Returns (bytes held for the entry, 0 if not stored; keys evicted to make room).
         """
@@ -242,11 +384,8 @@ class BlockStore:
             return self.put_blobs(key, (), 0)
         t0 = time.perf_counter()
         blobs = self.encode(layers)
-        aux, aux_bytes, tail = plan(blobs) if plan is not None else (None, 0, None)
         raw = sum(t.numel() * t.element_size() for kv in layers for t in kv)
-        result = self.put_blobs(
-            key, blobs, raw, time.perf_counter() - t0, aux=aux, aux_bytes=aux_bytes, tail=tail
-        )
+        result = self.put_blobs(key, blobs, raw, time.perf_counter() - t0, plan=plan)
         self._maybe_fit(layers)
         return result
 
@@ -260,35 +399,49 @@ class BlockStore:
         aux: object = None,
         aux_bytes: int = 0,
         tail: np.ndarray | None = None,
+        plan: Callable | None = None,
     ) -> tuple[int, list[bytes]]:
-        blob_bytes = sum(memoryview(b).nbytes for b in blobs)
-        nbytes = blob_bytes + aux_bytes + (0 if tail is None else tail.nbytes)
+        """Hold already coded ``blobs`` under ``key`` (see :meth:`put`)."""
         evicted: list[bytes] = []
-        data = views = None
-        if self.pin_memory:
-            nbytes += pinned_overhead(record_bytes(blobs, tail))
-        if key not in self._entries and nbytes <= self.budget_bytes:  # packed outside the lock
-            data, views = pack_record(blobs, tail, pin_memory=self.pin_memory)
         with self._lock:
-            s = self.stats
-            s.store_seconds += seconds
+            self.stats.store_seconds += seconds
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return self._entries[key].nbytes, evicted
-            if nbytes > self.budget_bytes:
+        plan = plan or (self.planner if tail is None and aux is None else None)
+        if plan is not None and blobs:
+            aux, aux_bytes, tail = plan(blobs)
+        blob_bytes = sum(memoryview(b).nbytes for b in blobs)
+        size = record_bytes(blobs, tail)
+        nbytes = _extent(size) + aux_bytes
+        with self._lock:  # room: evict least recently used entries until the record fits
+            s = self.stats
+            if nbytes > self.budget_bytes or _extent(size) > self.arena.capacity:
                 s.blocks_skipped += 1
                 return 0, evicted
-            while s.bytes_held + nbytes > self.budget_bytes:
+            off = None
+            while True:
+                if s.bytes_held + nbytes <= self.budget_bytes:
+                    off = self.arena.alloc(size)
+                    if off is not None:
+                        break
+                if not self._entries:
+                    break
                 old_key, old = self._entries.popitem(last=False)
-                s.bytes_held -= old.nbytes
-                s.raw_bytes_held -= old.raw_bytes
-                s.blocks_held -= 1
+                self._release(old)
                 s.evictions += 1
                 evicted.append(old_key)
-            if data is None:  # raced with a drop of the same key
-                data, views = pack_record(blobs, tail, pin_memory=self.pin_memory)
-            self._entries[key] = _Entry(views, nbytes, raw_bytes, aux, data)
+            if off is None:  # the room is held by loads in flight: not stored now
+                s.blocks_skipped += 1
+                return 0, evicted
+        views = write_record(self.arena.np[off : off + size], blobs, tail)  # outside the lock
+        with self._lock:
+            if key in self._entries:  # stored meanwhile by another thread
+                self.arena.free(off, size)
+                return self._entries[key].nbytes, evicted
+            self._entries[key] = _Entry(views, nbytes, raw_bytes, aux, off, size)
             s.bytes_held += nbytes
+            s.peak_bytes_held = max(s.peak_bytes_held, s.bytes_held)
             s.raw_bytes_held += raw_bytes
             s.blocks_held += 1
             s.blocks_stored += 1
@@ -296,16 +449,54 @@ class BlockStore:
             s.raw_bytes_stored += raw_bytes
         return nbytes, evicted
 
-    def get_entry(self, key: bytes) -> tuple[tuple[memoryview, ...], object, torch.Tensor] | None:
-        """The blobs of ``key``, what was kept beside them and its record (marking it most
-        recently used), or None if not held."""
+    def _release(self, entry: _Entry) -> None:
+        """An entry no longer held (under the lock): its budget now, its extent once no load
+        reads it."""
+        s = self.stats
+        s.bytes_held -= entry.nbytes
+        s.raw_bytes_held -= entry.raw_bytes
+        s.blocks_held -= 1
+        entry.gone = True
+        if entry.leases == 0:
+            self.arena.free(entry.off, entry.size)
+
+    def get_entry(
+        self, key: bytes, *, lease: bool = False
+    ) -> tuple[tuple[memoryview, ...], object, torch.Tensor] | None:
+        """The blobs of ``key``, what was kept beside them and its record (a view into the
+        arena), marking it most recently used; None if not held. With ``lease`` the record's
+        extent is not reused until :meth:`unlease` (a load copying from it)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end(key)
-            return entry.blobs, entry.aux, entry.data
+            if lease:
+                entry.leases += 1
+            return entry.blobs, entry.aux, self.arena.view(entry.off, entry.size)
+
+    def lease(self, key: bytes):
+        """The entry of ``key`` (leased, see :meth:`get_entry`) and its arena offset, or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            entry.leases += 1
+            return entry
+
+    def unlease(self, entries) -> None:
+        """End the leases of ``entries`` (from :meth:`lease`)."""
+        with self._lock:
+            for entry in entries:
+                entry.leases -= 1
+                if entry.leases == 0 and entry.gone:
+                    self.arena.free(entry.off, entry.size)
+
+    def record(self, entry: _Entry) -> torch.Tensor:
+        return self.arena.view(entry.off, entry.size)
 
     def get_blobs(self, key: bytes) -> tuple[bytes, ...] | None:
         """The blobs of ``key`` (marking it most recently used), or None if not held."""
@@ -317,12 +508,13 @@ class BlockStore:
         bit-exact; False if not held or damaged. Every blob is decoded and checksummed before
         any output is written; a damaged entry is dropped, so it is never served.
         """
-        blobs = self.get_blobs(key)
-        if blobs is None:
+        entry = self.lease(key)
+        if entry is None:
             return False
-        if len(blobs) != len(outs):
-            raise ValueError(f"entry holds {len(blobs)} tensors, {len(outs)} outputs given")
         try:
+            blobs = entry.blobs
+            if len(blobs) != len(outs):
+                raise ValueError(f"entry holds {len(blobs)} tensors, {len(outs)} outputs given")
             decoded = [
                 kvzip_lossless.decompress(b, tables=self.tables, device=o.device)
                 for b, o in zip(blobs, outs, strict=True)
@@ -330,13 +522,15 @@ class BlockStore:
             for d, out in zip(decoded, outs, strict=True):
                 if d.shape != out.shape:
                     raise kvzip_lossless.CorruptBlobError(
-                        f"blob shape {tuple(d.shape)} != block shape {tuple(out.shape)}"
+                        f"blob shape {tuple(d.shape)} != chunk shape {tuple(out.shape)}"
                     )
-            for d, out in zip(decoded, outs, strict=True):
-                out.copy_(d)
         except kvzip_lossless.CorruptBlobError:
             self.drop(key)
             return False
+        finally:
+            self.unlease([entry])
+        for d, out in zip(decoded, outs, strict=True):
+            out.copy_(d)
         return True
 
     def drop(self, key: bytes) -> bool:
@@ -344,13 +538,10 @@ class BlockStore:
             entry = self._entries.pop(key, None)
             if entry is None:
                 return False
-            self.stats.bytes_held -= entry.nbytes
-            self.stats.raw_bytes_held -= entry.raw_bytes
-            self.stats.blocks_held -= 1
+            self._release(entry)
             return True
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
-            s = self.stats
-            s.bytes_held = s.raw_bytes_held = s.blocks_held = 0
+            while self._entries:
+                self._release(self._entries.popitem(last=False)[1])

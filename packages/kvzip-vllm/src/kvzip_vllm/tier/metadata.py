@@ -10,27 +10,45 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvzip_vllm.blocks import as_ids
+
 
 class Load(NamedTuple):
-    """Restore ``key`` into the paged-cache block ``block_id``, block ``pos`` of ``req_id``."""
+    """Restore chunk ``pos`` of ``req_id`` (``key``) into its paged-cache blocks
+    ``block_ids`` (one per vLLM block of the chunk), all but the first ``skip`` of them (those
+    are already in vLLM's own prefix cache: the chunk's first ``skip`` blocks stay as they are)."""
 
     req_id: str
     key: bytes
-    block_id: int
+    block_ids: tuple[int, ...] | int
     pos: int
+    skip: int = 0
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return as_ids(self.block_ids)
+
+    @property
+    def written(self) -> tuple[int, ...]:
+        """The block ids the load writes (those after ``skip``)."""
+        return as_ids(self.block_ids)[self.skip :]
 
 
 class Store(NamedTuple):
-    """Store the paged-cache block ``block_id`` (block ``pos`` of ``req_id``) under ``key``."""
+    """Store chunk ``pos`` of ``req_id`` (its paged-cache blocks ``block_ids``) under ``key``."""
 
     req_id: str
     key: bytes
-    block_id: int
+    block_ids: tuple[int, ...] | int
     pos: int
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return as_ids(self.block_ids)
 
 
 class Refusal(NamedTuple):
-    """Block ``pos`` of ``req_id`` (``key``) was not stored: a load it depends on failed."""
+    """Chunk ``pos`` of ``req_id`` (``key``) was not stored: a load it depends on failed."""
 
     req_id: str
     pos: int
@@ -71,7 +89,7 @@ class KvzipWorkerMetadata(KVConnectorWorkerMetadata):
     stored: list[bytes] = field(default_factory=list)
     dropped: list[bytes] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
-    #: (req_id, pos) of each load that failed: vLLM recomputes the request from there
+    #: (req_id, chunk pos) of each load that failed: vLLM recomputes the request from there
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
     seq: int = 0  # the worker's report number (echoed back as ``seen_report``)
     rank: int = 0  # the tensor-parallel rank that sent it

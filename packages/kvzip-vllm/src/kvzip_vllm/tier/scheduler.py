@@ -1,10 +1,14 @@
-"""The tier's scheduler half: which prompt blocks the worker holds, what to load and store.
+"""The tier's scheduler half: which prompt chunks the worker holds, what to load and store.
 
-It keeps the set of block keys the worker holds (kept current by the worker's per-step
-report), counts each new request's leading blocks held (its external prefix hit), and plans
-each step's loads (before the forward) and stores (blocks that became full after it). A store
-the worker refused (a load it depends on failed) or a failed load moves the request's store
-frontier back, so the blocks vLLM recomputes are stored then, from correct values.
+The tier's unit is a chunk of ``chunk_tokens`` tokens (a whole number of vLLM blocks), keyed by
+the chained prefix hash of its last block. The scheduler keeps the set of chunk keys the worker
+holds (kept current by the worker's per-step report), counts each new request's leading whole
+chunks held (its external prefix hit: only whole restored chunks are reported to vLLM, so a
+prefix that ends mid-chunk is computed from the last whole chunk on), and plans each step's
+loads (before the forward; a chunk partly in vLLM's own prefix cache is loaded into its other
+blocks only) and stores (chunks whose every block is computed after it). A store the worker
+refused (a load it depends on failed) or a failed load moves the request's store frontier
+back, so the chunks vLLM recomputes are stored then, from correct values.
 
 With tensor parallelism each rank stores its own KV heads of a block and reports it; the
 scheduler's keys carry no rank, and a block counts as held only once every rank has reported
@@ -33,15 +37,21 @@ if TYPE_CHECKING:
 class _ReqState:
     request: Request
     block_ids: list[int] = field(default_factory=list)
-    num_stored_blocks: int = 0  # blocks [0, n) already considered for storing
+    num_stored_blocks: int = 0  # chunks [0, n) already considered for storing
     local_tokens: int = 0  # block-aligned local hit seen by get_num_new_matched_tokens
 
 
 class KvzipScheduler:
     """Scheduler side of ``KvzipConnector`` (one per engine)."""
 
-    def __init__(self, vllm_config, kv_cache_config, namespace: bytes, shared=None):
+    def __init__(
+        self, vllm_config, kv_cache_config, namespace: bytes, shared=None, chunk_tokens=None
+    ):
+        from kvzip_vllm.settings import blocks_per_chunk
+
         self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = chunk_tokens or self.block_size
+        self.bpc = blocks_per_chunk(self.chunk_tokens, self.block_size)  # blocks per chunk
         self.namespace = namespace
         #: the shared tier's store (tier/shared.py), queried for the blocks not held locally
         self.shared = shared
@@ -73,11 +83,12 @@ class KvzipScheduler:
             )
         return self.block_size // hash_block_size
 
-    def keys_of(self, request: Request, num_blocks: int | None = None) -> list[bytes]:
-        """The store keys of the request's first ``num_blocks`` full blocks (all if None)."""
+    def keys_of(self, request: Request, num_chunks: int | None = None) -> list[bytes]:
+        """The store keys of the request's first ``num_chunks`` whole chunks (all if None):
+        each the chained hash of the chunk's last block, so it stands for the whole prefix."""
         hashes = request.block_hashes
-        r = self._hash_ratio
-        n = len(hashes) // r if num_blocks is None else min(num_blocks, len(hashes) // r)
+        r = self._hash_ratio * self.bpc  # hashes per chunk
+        n = len(hashes) // r if num_chunks is None else min(num_chunks, len(hashes) // r)
         return [block_key(self.namespace, hashes[(j + 1) * r - 1]) for j in range(n)]
 
     def held(self, key: bytes) -> bool:
@@ -91,16 +102,16 @@ class KvzipScheduler:
         state = self._reqs.setdefault(request.request_id, _ReqState(request))
         state.local_tokens = num_computed_tokens
         # At least one prompt token must be computed to produce the next token's logits.
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_chunks = (request.num_tokens - 1) // self.chunk_tokens
         hit = 0
-        keys = self.keys_of(request, max_blocks)
+        keys = self.keys_of(request, max_chunks)
         for key in keys:
             if key not in self._held:
                 break
             hit += 1
         if self.shared is not None:
             hit = self._shared_hit(keys, hit, num_computed_tokens)
-        hit_tokens = hit * self.block_size
+        hit_tokens = hit * self.chunk_tokens  # whole chunks only
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, False
@@ -109,7 +120,7 @@ class KvzipScheduler:
         """The leading blocks available from the local tier or the shared store: one
         pipelined EXISTS for those after the local hit and vLLM's own prefix (a server down
         or slow answers none within its timeout: only the local blocks count)."""
-        start = max(hit, num_computed_tokens // self.block_size)
+        start = max(hit, num_computed_tokens // self.chunk_tokens)
         rest = keys[start:]
         ask = [k for k in rest if k not in self._held]
         if not ask:
@@ -132,11 +143,14 @@ class KvzipScheduler:
             return
         state = self._reqs[request.request_id]
         block_ids = blocks.get_block_ids()[0]
-        first = state.local_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
+        first = state.local_tokens // self.block_size  # blocks vLLM holds itself
+        last = (state.local_tokens + num_external_tokens) // self.chunk_tokens  # chunks
         keys = self.keys_of(request, last)
-        for j in range(first, last):
-            self._loads.append(Load(request.request_id, keys[j], block_ids[j], j))
+        b = self.bpc
+        for c in range(first // b, last):
+            ids = tuple(block_ids[c * b : (c + 1) * b])
+            skip = max(0, first - c * b)
+            self._loads.append(Load(request.request_id, keys[c], ids, c, skip))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvzipConnectorMetadata:
         meta = KvzipConnectorMetadata(
@@ -171,8 +185,9 @@ class KvzipScheduler:
         return meta
 
     def _plan_stores(self, meta: KvzipConnectorMetadata, state: _ReqState, done: int) -> None:
-        """Store the blocks that are full once this step's tokens are computed."""
-        full = min(done // self.block_size, len(state.block_ids))
+        """Store the chunks whose every block is computed once this step's tokens are."""
+        b = self.bpc
+        full = min(done // self.chunk_tokens, len(state.block_ids) // b)
         if full <= state.num_stored_blocks:
             return
         keys = self.keys_of(state.request, full)
@@ -183,10 +198,10 @@ class KvzipScheduler:
             if key in self._held or key in self._pending:
                 continue
             self._pending.add(key)
-            meta.stores.append(Store(req_id, key, state.block_ids[j], j))
+            meta.stores.append(Store(req_id, key, tuple(state.block_ids[j * b : (j + 1) * b]), j))
             last = j
         if last >= 0:
-            meta.req_blocks[req_id] = state.block_ids[: last + 1]
+            meta.req_blocks[req_id] = state.block_ids[: (last + 1) * b]
         state.num_stored_blocks = len(keys)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -1,5 +1,7 @@
 """The tier's worker half: a :class:`~kvzip_vllm.store.BlockStore` of kvzip-lossless blobs in
-CPU memory, loads decoded into the paged cache before the forward, stores after it.
+CPU memory, loads decoded into the paged cache before the forward, stores after it. The unit
+is a chunk of ``chunk_tokens`` tokens (``chunk_tokens / block_size`` paged-cache blocks, coded
+as one blob per layer and kind); a load or a store names the chunk's block ids.
 
 A load that fails (the entry was evicted since the scheduler counted it, or fails its
 checksum) is reported through ``get_block_ids_with_load_errors``: vLLM recomputes the request
@@ -39,6 +41,7 @@ from kvzip_vllm.tier.metadata import (
     Load,
     Refusal,
     Store,
+    as_ids,
 )
 
 if TYPE_CHECKING:
@@ -90,6 +93,13 @@ class KvzipWorker:
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.settings = settings
+        from kvzip_vllm.settings import ConnectorSettingsError, blocks_per_chunk
+
+        try:
+            self.bpc = blocks_per_chunk(settings.chunk_tokens, self.block_size)
+        except ConnectorSettingsError as e:
+            raise support.UnsupportedConfigError(str(e)) from None
+        self.chunk_tokens = settings.chunk_tokens
         self.stats_path = settings.stats_path
         path = settings.tables_path
         tables = kvzip_lossless.TableSet.load(path) if path else None
@@ -178,7 +188,7 @@ class KvzipWorker:
             from kvzip_vllm.cuda_pipeline import CudaTierPipeline
 
             caches = [cache for _, cache in self.layers]
-            self._cuda = CudaTierPipeline(self.store, caches, self.block_size)
+            self._cuda = CudaTierPipeline(self.store, caches, self.block_size, self.bpc)
 
     def _halves(self, block_id: int):
         """CPU: per layer, the flat K and V halves ``[kv_heads, block_size * head]`` of each
@@ -189,7 +199,7 @@ class KvzipWorker:
             page = blk.view(h, 2, n * c // 2)
             yield page[:, 0], page[:, 1]
 
-    def _gather(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _gather_block(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """CPU: per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
         n, d = self._page_shape
         out = []
@@ -203,17 +213,36 @@ class KvzipWorker:
             )
         return out
 
-    def _scatter(self, block_id: int, outs: list[torch.Tensor]) -> None:
-        for layer, halves in enumerate(self._halves(block_id)):
-            for i, (half, order) in enumerate(zip(halves, self._orders, strict=True)):
-                x = outs[2 * layer + i]  # [N, H, D]
-                half[:, order] = x.permute(1, 0, 2).reshape(half.shape)
+    def _gather(self, block_ids) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """CPU: per layer (K, V) of one chunk (its blocks ``block_ids`` in order), token-major
+        ``[chunk_tokens, kv_heads, head_size]``."""
+        ids = as_ids(block_ids)
+        if len(ids) != self.bpc:
+            raise ValueError(f"a chunk is {self.bpc} blocks, {len(ids)} block ids given")
+        parts = [self._gather_block(b) for b in ids]
+        if len(parts) == 1:
+            return parts[0]
+        return [
+            tuple(torch.cat([p[layer][i] for p in parts]) for i in range(2))
+            for layer in range(len(self.layers))
+        ]
+
+    def _scatter(self, block_ids, outs: list[torch.Tensor], skip: int = 0) -> None:
+        """CPU: write a decoded chunk into its blocks ``block_ids``, all but the first ``skip``."""
+        n = self.block_size
+        for j, block_id in enumerate(as_ids(block_ids)):
+            if j < skip:
+                continue
+            for layer, halves in enumerate(self._halves(block_id)):
+                for i, (half, order) in enumerate(zip(halves, self._orders, strict=True)):
+                    x = outs[2 * layer + i][j * n : (j + 1) * n]  # [N, H, D]
+                    half[:, order] = x.permute(1, 0, 2).reshape(half.shape)
 
     def _block_outputs(self, device="cpu") -> list[torch.Tensor]:
-        """One token-major ``[block_size, kv_heads, head_size]`` buffer per layer and kind."""
+        """One token-major ``[chunk_tokens, kv_heads, head_size]`` buffer per layer and kind."""
         h, n, c = self.layers[0][1].shape[1:]
         return [
-            torch.empty(n, h, c // 2, dtype=torch.bfloat16, device=device)
+            torch.empty(n * self.bpc, h, c // 2, dtype=torch.bfloat16, device=device)
             for _ in range(2 * len(self.layers))
         ]
 
@@ -232,7 +261,7 @@ class KvzipWorker:
         if meta.clear:
             if self._cuda is not None:
                 self._cuda.drain()  # the store thread is done writing to the store
-            self._report.dropped.extend(k for k in list(self.store._entries))
+            self._report.dropped.extend(self.store.keys())
             self.store.clear()
         if meta.drop:  # a rank refused these stores: this rank's shards may be wrong too
             if self._cuda is not None:
@@ -244,18 +273,20 @@ class KvzipWorker:
             return
         fetched = self._fetch_shared(meta.loads) if self.shared is not None else set()
         if self._cuda is not None:
-            self._cuda_loads = {load.block_id: load for load in meta.loads}
-            self._cuda.start_loads([(ld.req_id, ld.key, ld.block_id) for ld in meta.loads])
+            self._cuda_loads = {b: load for load in meta.loads for b in load.written}
+            self._cuda.start_loads([(ld.req_id, ld.key, ld.ids, ld.skip) for ld in meta.loads])
             self._stats_dirty = True
             return
         t0 = time.perf_counter()
         reqs_hit: dict[str, int] = {}
         outs = self._block_outputs()
         failed = []
+        tokens = 0
         for load in meta.loads:
             if self.store.get(load.key, outs):
-                self._scatter(load.block_id, outs)
+                self._scatter(load.ids, outs, load.skip)
                 reqs_hit[load.req_id] = reqs_hit.get(load.req_id, 0) + 1
+                tokens += len(load.written) * self.block_size
             else:
                 failed.append(load)
                 self._report.dropped.append(load.key)
@@ -268,9 +299,9 @@ class KvzipWorker:
         s.restore_seconds += time.perf_counter() - t0
         s.restore_hits += len(reqs_hit)
         s.blocks_restored += sum(reqs_hit.values())
-        s.tokens_restored += sum(reqs_hit.values()) * self.block_size
+        s.tokens_restored += tokens
         logger.info(
-            "kvzip tier: restored %d blocks for %d requests in %.3f s%s",
+            "kvzip tier: restored %d chunks for %d requests in %.3f s%s",
             sum(reqs_hit.values()),
             len(reqs_hit),
             time.perf_counter() - t0,
@@ -299,9 +330,16 @@ class KvzipWorker:
 
     def _share(self, key: bytes) -> None:
         """Queue a block just stored locally for the shared store (never waits)."""
-        entry = self.store._entries.get(key)
-        if self._shared_writer is not None and entry is not None:
-            self._shared_writer.submit(key, entry.blobs, entry.raw_bytes)
+        if self._shared_writer is None:
+            return
+        entry = self.store.lease(key)
+        if entry is None:
+            return
+        try:  # copied out of the arena: its extent may be reused once the entry is evicted
+            blobs = tuple(bytes(b) for b in entry.blobs)
+        finally:
+            self.store.unlease([entry])
+        self._shared_writer.submit(key, blobs, entry.raw_bytes)
 
     def flush_shared(self, timeout_s: float = 10.0) -> bool:
         """Wait up to ``timeout_s`` until the queued shared puts are done (tests, shutdown)."""
@@ -312,13 +350,14 @@ class KvzipWorker:
         seq = self._seq + 1  # the report this step's failures go out with
         for load in failed:
             logger.warning(
-                "kvzip tier: block %d of request %s (%s) not restored: vLLM recomputes it",
+                "kvzip tier: chunk %d of request %s (%s) not restored: vLLM recomputes it",
                 load.pos,
                 load.req_id,
                 load.key[:4].hex(),
             )
-            self._load_errors.add(load.block_id)
-            self._bad_blocks[load.block_id] = seq
+            for block_id in load.written:
+                self._load_errors.add(block_id)
+                self._bad_blocks[block_id] = seq
             pos, _ = self._bad_reqs.get(load.req_id, (load.pos, seq))
             self._bad_reqs[load.req_id] = (min(pos, load.pos), seq)
             self._report.failed_loads.append((load.req_id, load.pos))
@@ -337,7 +376,8 @@ class KvzipWorker:
         failed_ids = self._cuda.wait_loads()
         if failed_ids:
             by_id = getattr(self, "_cuda_loads", {})
-            self._record_failures([by_id[b] for b in sorted(failed_ids) if b in by_id])
+            loads = {id(by_id[b]): by_id[b] for b in sorted(failed_ids) if b in by_id}
+            self._record_failures(list(loads.values()))
             self._load_errors |= failed_ids
         self._cuda_loads = {}
 
@@ -351,8 +391,9 @@ class KvzipWorker:
         first_bad: dict[str, int] = {r: pos for r, (pos, _) in self._bad_reqs.items()}
         if self._bad_blocks:
             for req_id, ids in meta.req_blocks.items():
-                for pos, block_id in enumerate(ids):
+                for j, block_id in enumerate(ids):
                     if block_id in self._bad_blocks:
+                        pos = j // self.bpc  # the chunk holding the bad block
                         if pos < first_bad.get(req_id, pos + 1):
                             first_bad[req_id] = pos
                             self._bad_reqs[req_id] = (pos, self._bad_blocks[block_id])
@@ -367,7 +408,7 @@ class KvzipWorker:
                 keep.append(st)
         if len(keep) < len(meta.stores):
             logger.warning(
-                "kvzip tier: %d blocks not stored: computed on top of a block that failed "
+                "kvzip tier: %d chunks not stored: computed on top of a block that failed "
                 "to load (vLLM recomputes them; they are stored then)",
                 len(meta.stores) - len(keep),
             )
@@ -380,13 +421,13 @@ class KvzipWorker:
             return
         stores = self._admit(meta)
         if self._cuda is not None:
-            self._cuda.start_stores([(st.key, st.block_id) for st in stores])
+            self._cuda.start_stores([(st.key, st.ids) for st in stores])
             return
         for st in stores:
             try:
-                nbytes, evicted = self.store.put(st.key, self._gather(st.block_id))
-            except Exception:  # noqa: BLE001  (a block not stored is recomputed later)
-                logger.exception("kvzip tier: storing block %d of %s failed", st.pos, st.req_id)
+                nbytes, evicted = self.store.put(st.key, self._gather(st.ids))
+            except Exception:  # noqa: BLE001  (a chunk not stored is recomputed later)
+                logger.exception("kvzip tier: storing chunk %d of %s failed", st.pos, st.req_id)
                 self.store.stats.store_errors += 1
                 nbytes, evicted = 0, []
             self._report.dropped.extend(evicted)
@@ -395,7 +436,7 @@ class KvzipWorker:
                 self._share(st.key)
         s = self.store.stats
         logger.info(
-            "kvzip tier: %d blocks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
+            "kvzip tier: %d chunks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
             "the %.2f MB table set), %d evictions",
             s.blocks_held,
             s.bytes_held / 1e6,
@@ -460,3 +501,4 @@ class KvzipWorker:
             self.shared.close()
             self._shared_writer = None
         self._write_stats()
+        self.store.close()
