@@ -352,7 +352,7 @@ def timed_restore(dev, layers, blocks):
             "table set fitted on 512 other tokens of the same law"
         )
     want = [c.clone() for c in caches]
-    store = BlockStore(64 << 30, tables=tables, fit_tokens=0)
+    store = BlockStore(1 << 30, tables=tables, fit_tokens=0)  # the arena: 1 GiB
     pipe = CudaTierPipeline(store, caches, n)
     try:
         # warm-up: builds the CUDA coder and compiles the kernels

@@ -47,7 +47,13 @@ def _cfg():
 
 
 def _settings(url, **kw):
-    extra = {"fit_tokens": 0, "shared_url": url, "shared_budget_bytes": 32 << 20, **kw}
+    extra = {
+        "fit_tokens": 0,
+        "chunk_tokens": BS,
+        "shared_url": url,
+        "shared_budget_bytes": 32 << 20,
+    }
+    extra.update(kw)
     return connector_settings(extra, environ={})
 
 

@@ -36,7 +36,9 @@ def _workers(monkeypatch):
     workers = []
     for rank in range(WORLD):
         monkeypatch.setattr(worker_mod, "_tp_rank", lambda cfg, r=rank: (WORLD, r))
-        w = worker_mod.KvzipWorker(_cfg(), connector_settings({"fit_tokens": 0}, environ={}))
+        w = worker_mod.KvzipWorker(
+            _cfg(), connector_settings({"fit_tokens": 0, "chunk_tokens": BS}, environ={})
+        )
         start, stop = support.kv_head_range(HEADS, rank, WORLD)
         w.register_kv_caches(
             {
