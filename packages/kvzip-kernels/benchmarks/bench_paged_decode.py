@@ -5,9 +5,11 @@ Times, per shape (Llama-3.1-8B: 32 q / 8 kv heads; 70B per GPU under TP8: 8 q / 
 batch (8/16/32/64) and context (32k/128k), page size 16:
   ours-<fmt>  kvzip_kernels.paged_decode for each kvzip format (int4, fp8, compact formats),
               Triton kernels (backend="triton")
-  cuda-<fmt>  the same call with backend="cuda" (csrc/paged_decode.cu: int4, int4-rot, 4bit),
-              built first (build time and ptxas resources in the JSON), its output checked
-              against ours-<fmt> of the same data (rel L2 in "checks")
+  cuda-<variant>-<fmt>
+              the same call with backend="cuda" (csrc/paged_decode.cu: int4, int4-rot, 4bit,
+              3.5bit, 3bit) for each design in --cuda-variants (v4a, v5: DecodeConfig's
+              cuda_variant), built first (build time and ptxas resources in the JSON), its
+              output checked against ours-<fmt> of the same data (rel L2 in "checks")
   xqa         FlashInfer's XQA (TensorRT-LLM's fp8 decode kernel), fp8 e4m3 cache
   fi_tc       FlashInfer's fp8 tensor-core decode (BatchDecodeWithPagedKVCacheWrapper)
 The fp8 cache of xqa/fi_tc holds the same values as our fp8 kernel's cache (copied into their
@@ -24,6 +26,7 @@ bench_xqa.py is imported at run time for its set-up and timing helpers:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -52,6 +55,9 @@ def parse():
     p.add_argument(
         "--backends", default="triton,cuda", help="our backends: triton (ours-*), cuda (cuda-*)"
     )
+    p.add_argument(
+        "--cuda-variants", default="v4a,v5", help="designs of the CUDA kernel timed (cuda-<v>-*)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
@@ -71,7 +77,18 @@ def parse():
     a.formats = [x for x in a.formats.split(",") if x]
     a.baselines = [x for x in a.baselines.split(",") if x]
     a.backends = [x for x in a.backends.split(",") if x]
+    a.cuda_variants = [x for x in a.cuda_variants.split(",") if x]
     return a
+
+
+def fmt_of(key: str) -> str:
+    """The kvzip format of a result key: ours-<fmt>[@cfg], cuda-<variant>-<fmt>[@cfg]."""
+    key = key.split("@")[0]
+    if key.startswith("ours-"):
+        return key.removeprefix("ours-")
+    if key.startswith("cuda-"):
+        return key.split("-", 2)[2]
+    return key
 
 
 def build_cuda(torch):
@@ -241,6 +258,8 @@ def main():
     if cuda_info is not None:
         say(f"[cuda] {cuda_info}")
     configs = parse_configs(a.sweep, DecodeConfig)
+    from kvzip_kernels._cuda import FORMATS as cuda_formats
+
     gen = torch.Generator(device=dev)
     gen.manual_seed(1234)
     ps = a.block_size
@@ -357,9 +376,16 @@ def main():
                     fn = functools.partial(w.run, q, kv5, out=o)
                     res["fi_tc"] = bench(torch, fn, a.iters, a.warmup)[0]
                     outs["fi_tc"] = o
+                runs = [
+                    (b_, v_, c_)
+                    for b_ in a.backends
+                    for v_ in (a.cuda_variants if b_ == "cuda" else [None])
+                    for c_ in configs
+                ]
                 for name, (fmt, _, (kp, vp)) in pools.items():
-                    for backend, label_cfg in ((b_, c_) for b_ in a.backends for c_ in configs):
-                        label, cfg = label_cfg
+                    for backend, variant, (label, cfg) in runs:
+                        if variant is not None:
+                            cfg = dataclasses.replace(cfg, cuda_variant=variant)
                         o = torch.empty_like(q)
                         fn = functools.partial(
                             paged_decode,
@@ -375,12 +401,12 @@ def main():
                             config=cfg,
                             backend=backend,
                         )
-                        prefix = "ours" if backend == "triton" else backend
+                        prefix = "ours" if backend == "triton" else f"cuda-{variant}"
                         key = f"{prefix}-{name}" + ("" if len(configs) == 1 else f"@{label}")
                         try:
                             res[key] = bench(torch, fn, a.iters, a.warmup)[0]
                         except FormatError as ex:  # a format without a (CUDA) decode kernel
-                            if backend == "triton" or name in ("4bit", "int4", "int4-rot"):
+                            if backend == "triton" or name in cuda_formats:
                                 say(f"!! {key}: {ex}")
                             continue
                         outs[key] = o
@@ -395,7 +421,7 @@ def main():
                             say(f"[check] rel L2 {key} vs {twin}: {e:.5f}")
                 best = min([res[k] for k in ("xqa", "fi_tc") if k in res], default=float("nan"))
                 for key, us in res.items():
-                    name = key.split("@")[0].removeprefix("ours-").removeprefix("cuda-")
+                    name = fmt_of(key)
                     kv_bytes = pools[name][1] if name in pools else 2 * d
                     nbytes = B * ctx * hkv * kv_bytes
                     gbps = nbytes / (us * 1e-6) / 1e9
@@ -474,6 +500,23 @@ def main():
             f"| {r['shape']} | {r['batch']} | {r['context']} | {r['format']} | {r['us']} | "
             f"{r['gbps']} | {r['pct_hbm']} | {r['speedup_vs_best_fp8']} |"
         )
+    keys = list(dict.fromkeys(r["format"] for r in rows if r["format"] not in ("xqa", "fi_tc")))
+    md += [
+        "",
+        "Speedup against the best fp8 (the faster of xqa and fi_tc) per configuration:",
+        "",
+        "| shape | batch | context | best fp8 us | " + " | ".join(keys) + " |",
+        "|---|---|---|---|" + "---|" * len(keys),
+    ]
+    by = {}
+    for r in rows:
+        by.setdefault((r["shape"], r["batch"], r["context"]), {})[r["format"]] = r
+    for (shape_, b_, c_), rs in by.items():
+        best_ = min((rs[k]["us"] for k in ("xqa", "fi_tc") if k in rs), default=float("nan"))
+        cells = [
+            f"{rs[k]['speedup_vs_best_fp8']:.2f}x" if k in rs else "-" for k in keys
+        ]  # fmt: skip
+        md.append(f"| {shape_} | {b_} | {c_} | {best_} | " + " | ".join(cells) + " |")
     (out / f"bench_paged_decode{tag}.md").write_text("\n".join(md) + "\n")
     say(f"wrote {out}/bench_paged_decode{tag}.json/.md in {time.time() - t_start:.0f}s")
 

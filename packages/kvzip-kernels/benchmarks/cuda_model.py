@@ -6,7 +6,10 @@ lane holds which token, head and channel in the mma and movmatrix fragments of t
 not the compiled code; a change of the kernel's mappings needs the same change here.
 
     TRITON_INTERPRET=1 PYTHONPATH=packages/kvzip-kernels/tests python3 \
-        packages/kvzip-kernels/benchmarks/cuda_model.py [int4 4bit]
+        packages/kvzip-kernels/benchmarks/cuda_model.py [int4 4bit 3.5bit 3bit] [-- v4a v5]
+
+Both designs: v5 runs the same fragment logic on the bytes its cp.async ring stages hold
+(``stage_tile``: K rows, V byte rows of 16 tokens, metadata), v4a on the pages.
 """
 
 import math
@@ -19,6 +22,7 @@ from test_paged_decode import _rel, make_case
 import kvzip_kernels._cuda as C
 from kvzip_formats.ops import paged_decode as ref_paged_decode
 from kvzip_kernels import DecodeConfig, paged_decode
+from kvzip_kernels._formats import kernel_spec
 
 lanes = np.arange(32)
 G_ = lanes >> 2
@@ -71,14 +75,147 @@ def xor_red(v, op, offs):
     return v
 
 
+def fmt_consts(FMT, D):
+    """Fmt<FMT, D> of the kernel: K/V code bytes per row, metadata bytes, 3bit's K split."""
+    K3 = FMT == 3
+    KCB = 7 * D // 16 if K3 else D // 2
+    VCB = D // 2 if FMT <= 1 else (3 * D // 8 if FMT == 2 else 5 * D // 16)
+    MB = 4 if FMT == 0 else 2
+    KS4 = D // 32 if K3 else D // 16
+    NW4 = D // 64 if K3 else D // 32
+    MT3 = D // 16 if FMT == 2 else (D // 32 if FMT == 3 else 0)
+    return K3, KCB, VCB, MB, KS4, NW4, MT3
+
+
+def tables(FMT, lv):
+    """fill_tables: the level-pair tables (each entry a pair of level values)."""
+    T = {}
+    for i in range(256):
+        T[("K4", i)] = (lv[0][i & 15], lv[0][i >> 4])
+        T[("V4", i)] = (lv[2][i & 15], lv[2][i >> 4])
+    for x in range(64):
+        c0 = (x & 3) | (((x >> 4) & 1) << 2)
+        c1 = ((x >> 2) & 3) | (((x >> 5) & 1) << 2)
+        T[("K3", x)] = (lv[1][c0], lv[1][c1])
+        T[("V3", x)] = (lv[2][c0], lv[2][c1])
+    for x in range(16):
+        T[("V2", x)] = (lv[3][x & 3], lv[3][x >> 2])
+    return T
+
+
+def u(mem, off, n):  # little-endian unsigned of n bytes
+    return int.from_bytes(bytes(mem[off : off + n].astype(np.uint8)), "little")
+
+
+def krow_chan(FMT, D, ks, q):
+    K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
+    if K3:
+        return q * (D // 8) + 4 * ks if ks < KS4 else D // 2 + q * (D // 8) + 4 * (ks - KS4)
+    return q * (D // 4) + 4 * ks
+
+
+def krow_load(FMT, D, mem, row, q):
+    K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
+    p = row + q * NW4 * 4
+    w = [u(mem, p + 4 * i, 4) for i in range(NW4)]
+    lo = hi = 0
+    if K3:
+        pl = row + D // 4 + q * (D // 32)
+        ph = row + D // 4 + D // 8 + q * (D // 64)
+        lo, hi = (u(mem, pl, 4), u(mem, ph, 2)) if D == 128 else (u(mem, pl, 2), u(mem, ph, 1))
+    return w, lo, hi
+
+
+def krow_pairs(FMT, D, kr, ks, T):
+    """KRow::pairs (compact) or KRow::int4: the values of (a_lo pair, a_hi pair)."""
+    K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
+    w, lo, hi = kr
+    if FMT == 0:
+        x = (w[ks >> 1] >> (16 * (ks & 1))) & 0xFFFF
+        b0, b1 = x & 0xFF, x >> 8
+        return [128 + (b0 & 15), 128 + (b1 & 15)], [128 + (b0 >> 4), 128 + (b1 >> 4)]
+    if ks < KS4:
+        x = (w[ks >> 1] >> 16) if ks & 1 else w[ks >> 1] & 0xFFFF
+        return list(T[("K4", x & 0xFF)]), list(T[("K4", x >> 8)])
+    kk = ks - KS4
+    L, H = lo >> (8 * kk), hi >> (4 * kk)
+    return (
+        list(T[("K3", (L & 0xF) | ((H & 3) << 4))]),
+        list(T[("K3", ((L >> 4) & 0xF) | ((H & 0xC) << 2))]),
+    )
+
+
+def v_pairs(mem, p, paired):
+    """v_pairs: the two 16-bit token pairs of a byte row (k-rows 2q, 2q+1 and 2q+8, 2q+9)."""
+    if paired:
+        x = u(mem, p, 4)
+        return x & 0xFFFF, x >> 16
+    return u(mem, p, 2), u(mem, p + 8, 2)
+
+
+def v_frag(FMT, D, mem, vrow, ST, mt, g, T, paired=False):
+    """v_frag: a[0..3] as pairs of values (k-rows 2q, 2q+1 / 2q+8, 2q+9)."""
+    K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
+
+    def split(tl, th):  # prmt 0x5410 / 0x7632 of two level pairs
+        return [tl[0], th[0]], [tl[1], th[1]]
+
+    if FMT <= 1:
+        j = 8 * mt + g
+        w0, w1 = v_pairs(mem, vrow + j * ST, paired)
+        if FMT == 0:
+
+            def i4(w):
+                b0, b1 = w & 0xFF, w >> 8
+                return [128 + (b0 & 15), 128 + (b1 & 15)], [128 + (b0 >> 4), 128 + (b1 >> 4)]
+
+            a0, a1 = i4(w0)
+            a2, a3 = i4(w1)
+            return [a0, a1, a2, a3]
+        a0, a1 = split(T[("V4", w0 & 0xFF)], T[("V4", w0 >> 8)])
+        a2, a3 = split(T[("V4", w1 & 0xFF)], T[("V4", w1 >> 8)])
+        return [a0, a1, a2, a3]
+    if mt < MT3:
+        j, j1 = 4 * mt + (g >> 1), D // 4 + 2 * mt + (g >> 2)
+        sl, sh = 4 * (g & 1), 2 * (g & 3)
+        w0, w1 = v_pairs(mem, vrow + j * ST, paired)
+        h0, h1 = v_pairs(mem, vrow + j1 * ST, paired)
+        x0 = ((w0 >> sl) & 0x0F0F) | (((h0 >> sh) & 0x0303) << 4)
+        x1 = ((w1 >> sl) & 0x0F0F) | (((h1 >> sh) & 0x0303) << 4)
+        tab = "V3"
+    else:
+        j = D // 8 + 4 * (mt - MT3) + (g >> 1)
+        sl = 4 * (g & 1)
+        w0, w1 = v_pairs(mem, vrow + j * ST, paired)
+        x0 = (w0 >> sl) & 0x0F0F
+        x1 = (w1 >> sl) & 0x0F0F
+        tab = "V2"
+    a0, a1 = split(T[(tab, x0 & 0xFF)], T[(tab, x0 >> 8)])
+    a2, a3 = split(T[(tab, x1 & 0xFF)], T[(tab, x1 >> 8)])
+    return [a0, a1, a2, a3]
+
+
+def stage_tile(FMT, D, kc, vc, kpage, vpage, toff, PS):
+    """v5's issue(): the bytes one shared-memory stage holds for the tile at page offset toff."""
+    K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
+    parts = [kc[kpage + toff * KCB : kpage + toff * KCB + 16 * KCB]]
+    parts += [vc[vpage + j * PS + toff : vpage + j * PS + toff + 16] for j in range(VCB)]
+    parts.append(kc[kpage + PS * KCB + toff * MB : kpage + PS * KCB + (toff + 16) * MB])
+    parts.append(vc[vpage + PS * VCB + toff * MB : vpage + PS * VCB + (toff + 16) * MB])
+    return np.concatenate(parts)
+
+
 def split_cta(
-    INT4, D, q, qs, lut16, kc, vc, bt_row, PS, tok_lo, tok_hi, kho, vho, kbs, vbs, G, qk_scale, NW=4
-):
-    """One CTA. q: [G, D] float (bf16 or fp16 values); kc/vc: flat uint8 arrays.
-    Returns the partial output o [G, D] and log-sum-exp lse [G] (base 2)."""
+    FMT, D, q, qs, lv, kc, vc, bt_row, PS, tok_lo, tok_hi, kho, vho, kbs, vbs, G, qk_scale,
+    NW=4, variant="v4a",
+):  # fmt: skip
+    """One CTA. q: [G, D] float (bf16 or fp16 values); kc/vc: flat uint8 arrays; lv: [4, 16]
+    levels. Returns the partial output o [G, D] and log-sum-exp lse [G] (base 2)."""
+    INT4 = FMT == 0
+    K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
     KS = D // 16
-    CB = D // 2
     BF = INT4
+    T = None if INT4 else tables(FMT, lv)
     # per-lane B fragments of q
     qpad = np.zeros((8, D))
     qpad[:G] = q
@@ -86,7 +223,7 @@ def split_cta(
     for l in range(32):
         g, qq = G_[l], Q_[l]
         for ks in range(KS):
-            base = qq * (D // 4) + 4 * ks
+            base = krow_chan(FMT, D, ks, qq)
             if INT4:  # the K fragments' order: (c, c+2), (c+1, c+3)
                 bq[l, ks, 0] = qpad[g, [base, base + 2]]
                 bq[l, ks, 1] = qpad[g, [base + 1, base + 3]]
@@ -104,13 +241,6 @@ def split_cta(
             for i in range(2):
                 hd = 2 * Q_[l] + i
                 colc[l, i] = qs[hd] * qk_scale if hd < G else 0
-    levels = lut16
-
-    def lutpair(byte):  # -> (level lo nibble, level hi nibble)
-        return np.array([levels[byte & 15], levels[byte >> 4]])
-
-    def i4pair(byte):
-        return np.array([128 + (byte & 15), 128 + (byte >> 4)], float)
 
     sm = []
     tile_lo = tok_lo // 16
@@ -126,31 +256,33 @@ def split_cta(
             toff = t0 % PS
             kpage = blk * kbs + kho
             vpage = blk * vbs + vho
+            if variant == "v5":  # the stage's bytes; rows, V rows and metadata inside it
+                st = stage_tile(FMT, D, kc, vc, kpage, vpage, toff, PS)
+                kmem, krow0, kmeta = st, 0, 16 * KCB + 16 * VCB
+                vmem, vrow0, vst, vmeta = st, 16 * KCB, 16, 16 * KCB + 16 * VCB + 16 * MB
+                rowoff = 0
+            else:
+                kmem, krow0, kmeta = kc, kpage, kpage + PS * KCB
+                vmem, vrow0, vst, vmeta = vc, vpage + toff, PS, vpage + PS * VCB
+                rowoff = toff
             ks_r = np.zeros((32, 2))
             kz_r = np.zeros((32, 2))
             vs_r = np.zeros((32, 2))
             vz_r = np.zeros((32, 2))
             valid = np.zeros((32, 2), bool)
-            chunks = np.zeros((32, 2, CB // 4), np.int64)
+            krows = {}
+            v5 = variant == "v5"
             for l in range(32):
                 for r in range(2):
-                    t = toff + G_[l] + 8 * r
-                    tok = t0 + G_[l] + 8 * r
+                    # v5: score row g + 8r is token 4(g/2) + 2r + g%2 of the tile (v_pairs)
+                    tr = 4 * (G_[l] >> 1) + 2 * r + (G_[l] & 1) if v5 else G_[l] + 8 * r
+                    t = rowoff + tr
+                    tok = t0 + tr
                     valid[l, r] = tok_lo <= tok < tok_hi
-                    off = kpage + t * CB + Q_[l] * (CB // 4)
-                    chunks[l, r] = kc[off : off + CB // 4]
+                    krows[l, r] = krow_load(FMT, D, kmem, krow0 + t * KCB, Q_[l])
                     if valid[l, r]:
-                        mo = PS * CB + t * (4 if INT4 else 2)
-                        km = (
-                            kc[kpage + mo : kpage + mo + 4].copy().view(np.float16)
-                            if INT4
-                            else kc[kpage + mo : kpage + mo + 2].copy().view(np.float16)
-                        )
-                        vm = (
-                            vc[vpage + mo : vpage + mo + 4].copy().view(np.float16)
-                            if INT4
-                            else vc[vpage + mo : vpage + mo + 2].copy().view(np.float16)
-                        )
+                        km = kmem[kmeta + t * MB : kmeta + (t + 1) * MB].copy().view(np.float16)
+                        vm = vmem[vmeta + t * MB : vmeta + (t + 1) * MB].copy().view(np.float16)
                         ks_r[l, r] = km[0]
                         vs_r[l, r] = vm[0] * (1 if INT4 else 64)
                         if INT4:
@@ -160,18 +292,8 @@ def split_cta(
             for ks in range(KS):
                 a = np.zeros((32, 4, 2))
                 for l in range(32):
-                    b0, b1 = chunks[l, 0, 2 * ks], chunks[l, 0, 2 * ks + 1]
-                    c0, c1 = chunks[l, 1, 2 * ks], chunks[l, 1, 2 * ks + 1]
-                    if INT4:  # low nibbles of the two bytes, then the high nibbles
-                        a[l, 0] = [128 + (b0 & 15), 128 + (b1 & 15)]
-                        a[l, 1] = [128 + (c0 & 15), 128 + (c1 & 15)]
-                        a[l, 2] = [128 + (b0 >> 4), 128 + (b1 >> 4)]
-                        a[l, 3] = [128 + (c0 >> 4), 128 + (c1 >> 4)]
-                    else:
-                        a[l, 0] = lutpair(b0)
-                        a[l, 1] = lutpair(c0)
-                        a[l, 2] = lutpair(b1)
-                        a[l, 3] = lutpair(c1)
+                    a[l, 0], a[l, 2] = krow_pairs(FMT, D, krows[l, 0], ks, T)
+                    a[l, 1], a[l, 3] = krow_pairs(FMT, D, krows[l, 1], ks, T)
                 s = mma(s, a, bq[:, ks, 0], bq[:, ks, 1])
             for i in range(4):
                 r, c = i >> 1, i & 1
@@ -214,20 +336,8 @@ def split_cta(
             for mt in range(KS):
                 a = np.zeros((32, 4, 2))
                 for l in range(32):
-                    j = 8 * mt + G_[l]
-                    base = vpage + toff + 2 * Q_[l] + j * PS
-                    w0 = (int(vc[base]), int(vc[base + 1]))
-                    w1 = (int(vc[base + 8]), int(vc[base + 9]))
-                    if INT4:
-                        a[l, 0] = [128 + (w0[0] & 15), 128 + (w0[1] & 15)]
-                        a[l, 1] = [128 + (w0[0] >> 4), 128 + (w0[1] >> 4)]
-                        a[l, 2] = [128 + (w1[0] & 15), 128 + (w1[1] & 15)]
-                        a[l, 3] = [128 + (w1[0] >> 4), 128 + (w1[1] >> 4)]
-                    else:
-                        a[l, 0] = [levels[w0[0] & 15], levels[w0[1] & 15]]
-                        a[l, 1] = [levels[w0[0] >> 4], levels[w0[1] >> 4]]
-                        a[l, 2] = [levels[w1[0] & 15], levels[w1[1] & 15]]
-                        a[l, 3] = [levels[w1[0] >> 4], levels[w1[1] >> 4]]
+                    vr = vrow0 + (4 if v5 else 2) * Q_[l]
+                    a[l] = v_frag(FMT, D, vmem, vr, vst, mt, G_[l], T, paired=v5)
                 acc[mt] *= np.stack([alpha[:, 0], alpha[:, 1], alpha[:, 0], alpha[:, 1]], 1)
                 acc[mt] = mma(acc[mt], a, bp0, bp1)
         for c in range(2):
@@ -286,8 +396,9 @@ def fake_split(
     tokens_per_split,
     num_splits,
     skip=0,
+    variant=None,
 ):
-    INT4 = C.FORMATS[fmt_name] == 0
+    FMT = C.FORMATS[fmt_name]
     b, hq, d = q.shape
     G = hq // num_kv_heads
     qf = q.float().numpy()
@@ -309,7 +420,7 @@ def fake_split(
                 hi = min(int(sl[bi]), s * tokens_per_split + tokens_per_split)
                 rows = slice((bi * num_kv_heads + h) * G, (bi * num_kv_heads + h + 1) * G)
                 o, l = split_cta(
-                    INT4,
+                    FMT,
                     d,
                     qf[bi, h * G : (h + 1) * G],
                     None if qsn is None else qsn[rows],
@@ -326,6 +437,7 @@ def fake_split(
                     v_blk_stride,
                     G,
                     qk_scale,
+                    variant=C.pick_variant(variant),
                 )
                 op[rows, s] = torch.tensor(o, dtype=torch.float32)
                 lp[rows, s] = torch.tensor(l, dtype=torch.float32)
@@ -334,9 +446,8 @@ def fake_split(
 def _supported(name, spec, g):
     if name not in C.FORMATS or g > C.MAX_GROUP:
         return False
-    return name != "4bit" or (
-        spec.k_groups[0][0] == 4 and not spec.k_groups[1][0] and spec.v_groups == spec.k_groups
-    )
+    want = C.expected_groups(name, spec.layout.head_dim)
+    return want is None or (spec.k_groups, spec.v_groups) == want
 
 
 C.split = fake_split  # the model stands in for the CUDA kernel; the rest of paged_decode runs
@@ -344,6 +455,8 @@ C.choose = lambda backend, name, spec, g, dev: "cuda" if _supported(name, spec, 
 
 
 def run(name, hq, hkv, d, ps, lens, cfg, sinks=False):
+    if not _supported(name, kernel_spec(resolve_fmt(name, hkv, d), d, ps), hq // hkv):
+        raise SystemExit(f"{name} at d {d}: not a CUDA-kernel case")
     (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, ps, lens, 1, "cpu")
     sk = None
     if sinks:
@@ -370,13 +483,35 @@ def run(name, hq, hkv, d, ps, lens, cfg, sinks=False):
     )
 
 
+def resolve_fmt(name, hkv, d):
+    from kvzip_formats import get_format
+    from kvzip_kernels.testing import synthetic_calibration
+
+    return get_format(
+        name, calibration=synthetic_calibration(hkv, d) if name[0].isdigit() else None
+    )
+
+
 def main():
-    for name in sys.argv[1:] or ["int4", "4bit"]:
-        run(name, 4, 1, 64, 16, [37, 5], DecodeConfig(block_n=16, num_splits=2))
-        run(name, 8, 1, 128, 64, [130], DecodeConfig(block_n=64, num_splits=2))
-        run(name, 3, 3, 64, 16, [20], DecodeConfig(block_n=16, num_splits=1))
-        if name == "4bit":
-            run(name, 8, 2, 128, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True)
+    """argv: formats (default all four) and, after ``--``, variants (default v4a v5)."""
+    args = sys.argv[1:]
+    variants = args[args.index("--") + 1 :] if "--" in args else ["v4a", "v5"]
+    names = (args[: args.index("--")] if "--" in args else args) or [
+        "int4", "4bit", "3.5bit", "3bit"
+    ]  # fmt: skip
+    for v in variants:
+        for name in names:
+            print("--", v, end=" ")
+            cfg = dict(cuda_variant=v)
+            run(name, 4, 1, 64, 16, [37, 5], DecodeConfig(block_n=16, num_splits=2, **cfg))
+            print("--", v, end=" ")
+            run(name, 8, 1, 128, 64, [130], DecodeConfig(block_n=64, num_splits=2, **cfg))
+            print("--", v, end=" ")
+            run(name, 3, 3, 64, 16, [20], DecodeConfig(block_n=16, num_splits=1, **cfg))
+            if name[0].isdigit():
+                print("--", v, end=" ")
+                cfg2 = DecodeConfig(block_n=16, num_splits=2, **cfg)
+                run(name, 8, 2, 128, 16, [37, 1], cfg2, sinks=True)
 
 
 if __name__ == "__main__":

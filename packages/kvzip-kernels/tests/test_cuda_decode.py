@@ -1,10 +1,12 @@
-"""The CUDA C++ split kernel (csrc/paged_decode.cu) against the float32 reference and the Triton
-kernels, and the backend choice of ``paged_decode``.
+"""The CUDA C++ split kernels (csrc/paged_decode.cu: designs v4a and v5, formats int4, int4-rot,
+4bit, 3.5bit, 3bit) against the float32 reference and the Triton kernels, and the backend
+choice of ``paged_decode``.
 
 GPU tests (``gpu`` marker) need a GPU of compute capability >= 8.0 and an nvcc; the earned
-tolerance is test_paged_decode's (2x plain torch in bf16 + 1e-3), and the CUDA output must
-also agree with the Triton kernels' within that tolerance. CPU tests cover the dispatch rules
-and, where an nvcc is found, that the kernel compiles for sm_90a.
+tolerance is test_paged_decode's (2x plain torch in bf16 + 1e-3), and each design's output
+must also agree with the Triton kernels' within that tolerance. CPU tests cover the dispatch
+rules, that the layouts compiled into the kernel are the formats' own, and, where an nvcc is
+found, that the kernel compiles for sm_90a.
 """
 
 import ctypes
@@ -37,6 +39,10 @@ CASES = [
 ]
 
 
+VARIANTS = tuple(_cuda.VARIANTS)  # every design is checked on the same case
+COMPACT = ["4bit", "3.5bit", "3bit"]
+
+
 def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0):
     (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, block_size, lens, seed, "cuda")
     sk = None
@@ -50,21 +56,26 @@ def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0):
         fmt, q, kc, vc, bt, sl, block_size=block_size, sinks=sk, compute_dtype=torch.bfloat16
     )
     tol = 2 * _rel(plain, ref) + 1e-3
-    kw = dict(block_size=block_size, config=config)
+    kw = dict(block_size=block_size)
     if sk is not None:
         kw["sinks"] = tuple(t.cuda() for t in sk)
-    out = paged_decode(fmt, *dev, backend="cuda", **kw)
-    tri = paged_decode(fmt, *dev, backend="triton", **kw)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out).all()
-    err = _rel(out, ref)
-    assert err <= tol, f"{name} CUDA: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
-    diff = _rel(out, tri.float().cpu())
-    assert diff <= tol, f"{name}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
+    cfg = config or DecodeConfig()
+    tri = paged_decode(fmt, *dev, backend="triton", config=cfg, **kw)
+    for v in VARIANTS:
+        c = DecodeConfig(**{**cfg.__dict__, "cuda_variant": v})
+        out = paged_decode(fmt, *dev, backend="cuda", config=c, **kw)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out).all()
+        err = _rel(out, ref)
+        assert err <= tol, (
+            f"{name} CUDA {v}: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
+        )
+        diff = _rel(out, tri.float().cpu())
+        assert diff <= tol, f"{name} {v}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
 
 
 @pytest.mark.gpu
 @needs_sm80
-@pytest.mark.parametrize("name", ["int4", "4bit", "int4-rot"])
+@pytest.mark.parametrize("name", ["int4", *COMPACT, "int4-rot"])
 @pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), CASES)
 def test_cuda_matches_reference(name, hq, hkv, d, block_size, lens, config):
     if name == "int4-rot" and d != 128:
@@ -74,27 +85,45 @@ def test_cuda_matches_reference(name, hq, hkv, d, block_size, lens, config):
 
 @pytest.mark.gpu
 @needs_sm80
+@pytest.mark.parametrize("name", COMPACT)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (9, 3, 64), (8, 8, 64)])
-def test_cuda_4bit_sinks(hq, hkv, d):
+def test_cuda_compact_sinks(name, hq, hkv, d):
     """The sink token read from its bf16 copy: the kernel skips position 0, a one-token
     sequence is all sink."""
-    _check("4bit", hq, hkv, d, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True)
-    _check("4bit", hq, hkv, d, 16, [2000], None, sinks=True)
+    _check(name, hq, hkv, d, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True)
+    _check(name, hq, hkv, d, 16, [2000], None, sinks=True)
+
+
+def _one_allocation(kc, vc):
+    """K and V caches as views into one [blocks, K heads' pages + V heads' pages (+ pad)]
+    allocation, as vLLM lays a block out: (k view, v view, block_stride)."""
+    nb, hkv, kp = kc.shape
+    vp = vc.shape[2]
+    stride = hkv * (kp + vp) + 16  # padded: the block stride is not the pages' sum
+    buf = torch.zeros(nb, stride, dtype=torch.uint8, device=kc.device)
+    buf[:, : hkv * kp] = kc.reshape(nb, -1)
+    buf[:, hkv * kp : hkv * (kp + vp)] = vc.reshape(nb, -1)
+    k = buf.as_strided((nb, hkv, kp), (stride, kp, 1))
+    v = buf.as_strided((nb, hkv, vp), (stride, vp, 1), storage_offset=hkv * kp)
+    return k, v, stride
 
 
 @pytest.mark.gpu
 @needs_sm80
-@pytest.mark.parametrize("name", ["int4", "4bit"])
-def test_cuda_block_strided_caches(name):
-    """vLLM's kv[:, 0] / kv[:, 1] with block_stride: the same answer as contiguous caches."""
-    (fmt, *_), (q, kc, vc, bt, sl) = make_case(name, 8, 2, 128, 16, [300], 0, "cuda")
-    kv = torch.stack((kc, vc), 1)  # [blocks, 2, heads, page_bytes]: K and V rows equal in size
-    want = paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, backend="cuda")
-    got = paged_decode(
-        fmt, q, kv[:, 0], kv[:, 1], bt, sl, block_size=16, block_stride=kv.stride(0),
-        backend="cuda",
-    )  # fmt: skip
-    assert torch.equal(got, want)
+@pytest.mark.parametrize("name", ["int4", *COMPACT])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_block_strided_caches(name, d):
+    """vLLM's kv[:, 0] / kv[:, 1] with block_stride: the same answer as contiguous caches,
+    bit for bit, in every design."""
+    (fmt, *_), (q, kc, vc, bt, sl) = make_case(name, 8, 2, d, 16, [300], 0, "cuda")
+    k, v, stride = _one_allocation(kc, vc)
+    for var in VARIANTS:
+        cfg = DecodeConfig(cuda_variant=var)
+        want = paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, backend="cuda", config=cfg)
+        got = paged_decode(
+            fmt, q, k, v, bt, sl, block_size=16, block_stride=stride, backend="cuda", config=cfg
+        )
+        assert torch.equal(got, want), var
 
 
 def _fmt(name, hkv, d):
@@ -111,13 +140,18 @@ def test_cuda_auto_dispatch_on_hopper():
     """auto takes CUDA on sm_90 for the formats it has, Triton for the others; the
     environment variable overrides."""
     spec4 = kernel_spec(_fmt("4bit", 2, 128), 128, 16)
-    spec3 = kernel_spec(_fmt("3bit", 2, 128), 128, 16)
+    spec3 = kernel_spec(_fmt("3bit", 2, 64), 64, 16)
+    spec8 = kernel_spec(_fmt("fp8", 2, 128), 128, 16)
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    assert _cuda.choose(None, "4bit", spec4, 4, "cuda") == ("cuda" if hopper else "triton")
-    assert _cuda.choose(None, "3bit", spec3, 4, "cuda") == "triton"
+    want = "cuda" if hopper else "triton"
+    assert _cuda.choose(None, "4bit", spec4, 4, "cuda") == want
+    assert _cuda.choose(None, "3bit", spec3, 3, "cuda") == want
     assert _cuda.choose(None, "4bit", spec4, 16, "cuda") == "triton"  # GQA 16 > N = 8
+    assert _cuda.choose(None, "fp8", spec8, 4, "cuda") == "triton"
     with pytest.raises(FormatError, match="no CUDA decode kernel"):
-        _cuda.choose("cuda", "3bit", spec3, 4, "cuda")
+        _cuda.choose("cuda", "fp8", spec8, 4, "cuda")
+    with pytest.raises(FormatError, match="at most 8"):
+        _cuda.choose("cuda", "4bit", spec4, 16, "cuda")
     old = os.environ.get("KVZIP_KERNELS_BACKEND")
     os.environ["KVZIP_KERNELS_BACKEND"] = "triton"
     try:
@@ -147,6 +181,38 @@ def test_backend_argument_on_cpu():
     _, dev = make_case("int4", 4, 1, 64, 16, [20], 0, "cpu")
     with pytest.raises(FormatError, match="backend='cuda' cannot run this call"):
         paged_decode("int4", *dev, block_size=16, backend="cuda")
+
+
+def test_compiled_layouts_are_the_formats():
+    """The row layouts compiled into the kernel (plane offsets per group) are the ones the
+    formats' own layout gives, at both head dims: a change of a format's bytes makes the CUDA
+    path refuse it (Triton runs) instead of reading wrong bytes."""
+    for name in ("4bit", "3.5bit", "3bit"):
+        for d in (64, 128):
+            spec = kernel_spec(_fmt(name, 2, d), d, 16)
+            assert (spec.k_groups, spec.v_groups) == _cuda.expected_groups(name, d), (name, d)
+            assert _cuda.refusal(name, spec, 4, "cpu") == (
+                "the CUDA decode kernel needs a CUDA device, got cpu"
+            )
+    spec = kernel_spec(_fmt("3bit", 2, 128), 128, 16)
+    moved = type(spec)(**{**spec.__dict__, "v_groups": spec.k_groups})
+    assert "not the layout the CUDA kernel reads" in _cuda.refusal("3bit", moved, 4, "cpu")
+    lv = _cuda.level_table(spec, "cpu")
+    assert lv.shape == (4, 16) and lv.dtype == torch.float16
+    assert torch.all(lv[0, 1:] > lv[0, :-1]) and torch.all(lv[3, 1:4] > lv[3, :3])
+    assert torch.equal(lv[1, :8], lv[2, :8]) and not lv[3, 4:].any()  # 3-bit K1 and V0
+
+
+def test_cuda_variant_choice(monkeypatch):
+    """DecodeConfig(cuda_variant=) over KVZIP_KERNELS_CUDA_VARIANT over the default; an
+    unknown design is an error naming the known ones."""
+    monkeypatch.delenv("KVZIP_KERNELS_CUDA_VARIANT", raising=False)
+    assert _cuda.pick_variant() == _cuda.DEFAULT_VARIANT
+    monkeypatch.setenv("KVZIP_KERNELS_CUDA_VARIANT", "v5")
+    assert _cuda.pick_variant() == "v5"
+    assert _cuda.pick_variant("v4a") == "v4a"
+    with pytest.raises(FormatError, match=r"cuda_variant must be one of \('v4a', 'v5'\)"):
+        _cuda.pick_variant("v9")
 
 
 def test_arch_flags():

@@ -7,16 +7,22 @@ It replaces only the split stage of ``paged_decode``: it writes the same partial
 base-2 log-sum-exps as the Triton split kernels, and the Triton merge (plus, for the compact
 formats, the output transform and the sink merge) runs after it.
 
-Formats: ``int4``, ``int4-rot`` (the wrapper rotates q and the output) and ``4bit``; head_dim
-64 and 128; at most 8 query heads per KV head; page sizes that are multiples of 16.
-``paged_decode(..., backend=)`` or ``KVZIP_KERNELS_BACKEND`` (``auto``, ``cuda``,
-``triton``) choose; ``auto`` takes CUDA on sm_90 where it builds, else Triton.
+Formats: ``int4``, ``int4-rot`` (the wrapper rotates q and the output), ``4bit``, ``3.5bit`` and
+``3bit`` (rows as spec/4bit.md section 5 lays them out, checked against the format's layout
+before a call is sent here); head_dim 64 and 128; at most 8 query heads per KV head; page
+sizes that are multiples of 16. ``paged_decode(..., backend=)`` or ``KVZIP_KERNELS_BACKEND``
+(``auto``, ``cuda``, ``triton``) choose; ``auto`` takes CUDA on sm_90 where it builds, else
+Triton. Two designs of the kernel (NOTES.md): ``v4a`` (tiles from global memory into
+registers) and ``v5`` (a per-warp cp.async ring of shared-memory stages); ``DecodeConfig(
+cuda_variant=)`` or ``KVZIP_KERNELS_CUDA_VARIANT`` picks one (:func:`pick_variant`; default
+:data:`DEFAULT_VARIANT`).
 ``KVZIP_KERNELS_CUDA_SO`` names a prebuilt library (skips the build); ``KVZIP_NVCC`` an nvcc.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,8 +44,52 @@ MIN_CAPABILITY = (8, 0)
 #: The GPUs ``backend="auto"`` sends to CUDA (the kernel is tuned for Hopper).
 AUTO_CAPABILITIES = ((9, 0),)
 MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
-FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1}
+FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1, "3.5bit": 2, "3bit": 3}
 BACKENDS = ("auto", "cuda", "triton")
+VARIANTS = {"v4a": 4, "v5": 5}
+DEFAULT_VARIANT = "v4a"
+
+
+def pick_variant(name: str | None = None) -> str:
+    """The kernel design to run: ``name``, else ``KVZIP_KERNELS_CUDA_VARIANT``, else
+    :data:`DEFAULT_VARIANT`; FormatError for an unknown name."""
+    want = name or os.environ.get("KVZIP_KERNELS_CUDA_VARIANT") or DEFAULT_VARIANT
+    if want not in VARIANTS:
+        raise FormatError(f"cuda_variant must be one of {tuple(VARIANTS)}, got {want!r}")
+    return want
+
+
+def expected_groups(fmt_name: str, d: int) -> tuple[tuple, tuple] | None:
+    """The (K, V) row groups the kernel has compiled in for a compact format at head_dim ``d``,
+    in ``_formats.KernelSpec``'s form (bits, channels, widest-plane offset, 1-bit-plane offset;
+    spec/4bit.md section 5); None for the others."""
+    none = (0, 0, 0, 0)
+    four = ((4, d, 0, 0), none)
+    return {
+        "4bit": (four, four),
+        "3.5bit": (four, ((3, d, 0, d // 4), none)),
+        "3bit": (
+            ((4, d // 2, 0, 0), (3, d // 2, d // 4, d // 4 + d // 8)),
+            ((3, d // 2, 0, d // 4), (2, d // 2, d // 8, 0)),
+        ),
+    }.get(fmt_name)
+
+
+def level_table(spec, device) -> torch.Tensor:
+    """fp16 ``[4, 16]`` on ``device``: the ascending codebook levels of K's groups 0 and 1 and
+    V's groups 0 and 1 (code c -> row[c]), the kernel's input for its level-pair tables."""
+    return _level_table(spec.k_groups, spec.v_groups, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _level_table(k_groups, v_groups, device) -> torch.Tensor:
+    from kvzip_formats.compact import codebook
+
+    t = torch.zeros(4, 16, dtype=torch.float16)
+    for i, (bits, *_rest) in enumerate((*k_groups, *v_groups)):
+        if bits:
+            t[i, : 1 << bits] = codebook.levels(bits).to(torch.float16)
+    return t.to(device)
 
 
 def arch_flags(capability: tuple[int, int]) -> list[str]:
@@ -108,7 +158,7 @@ def lib(device):
             L = ctypes.CDLL(str(build(cap)))
             P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
             L.kvzd_split_launch.argtypes = [
-                I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
+                I, I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
             ]  # fmt: skip
             L.kvzd_split_launch.restype = I
             _libs[cap] = L
@@ -129,13 +179,12 @@ def refusal(fmt_name: str, spec, group: int, device) -> str | None:
     """Why this call cannot take the CUDA kernel (None if it can): format, shape, GPU."""
     if fmt_name not in FORMATS:
         return f"format {fmt_name!r} has no CUDA decode kernel (CUDA: {', '.join(FORMATS)})"
-    if fmt_name == "4bit" and (
-        spec.k_groups is None
-        or spec.k_groups[0][0] != 4
-        or spec.k_groups[1][0]
-        or spec.v_groups != spec.k_groups
-    ):
-        return "4bit rows of one 4-bit group are what the CUDA kernel reads"
+    want = expected_groups(fmt_name, spec.layout.head_dim)
+    if want is not None and (spec.k_groups, spec.v_groups) != want:
+        return (
+            f"{fmt_name} rows of groups K {spec.k_groups}, V {spec.v_groups} are not the "
+            f"layout the CUDA kernel reads (K {want[0]}, V {want[1]})"
+        )
     if group > MAX_GROUP:
         return f"{group} query heads per KV head; the CUDA kernel takes at most {MAX_GROUP}"
     if spec.layout.block_size % 16:
@@ -188,11 +237,14 @@ def split(
     tokens_per_split: int,
     num_splits: int,
     skip: int = 0,
+    variant: str | None = None,
 ) -> None:
     """Launch the split stage on the current stream (inputs validated by ``paged_decode``;
-    ``q`` contiguous: bf16 for int4, the fp16 q' for 4bit with ``qs`` and ``lut16``)."""
+    ``q`` contiguous: bf16 for int4, the fp16 q' of the compact formats with ``qs`` and the
+    level table ``lut16`` (:func:`level_table`)); ``variant``: see :func:`pick_variant`."""
     b, hq, d = q.shape
     rc = lib(q.device).kvzd_split_launch(
+        VARIANTS[pick_variant(variant)],
         FORMATS[fmt_name],
         d,
         _ptr(q),

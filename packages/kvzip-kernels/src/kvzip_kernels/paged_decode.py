@@ -37,6 +37,9 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int | None = None  # split-KV factor; None: see _num_splits
     split_tokens: int = 2048  # target tokens per split (halved down to 512 to fill the GPU)
+    # the CUDA kernel's design where the CUDA backend runs: "v4a" or "v5" (_cuda.py); None:
+    # KVZIP_KERNELS_CUDA_VARIANT, else _cuda.DEFAULT_VARIANT
+    cuda_variant: str | None = None
 
 
 def _num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: DecodeConfig, device) -> int:
@@ -87,8 +90,9 @@ def paged_decode(
     formats, the bf16 copies ``(k, v)`` ``[batch, n_sink, num_kv_heads, head_dim]`` of each
     sequence's first tokens, attended instead of their rows (spec/4bit.md sections 6 and 8).
     ``backend``: ``"auto"`` (default; or the ``KVZIP_KERNELS_BACKEND`` environment variable)
-    runs the CUDA C++ split kernel (``_cuda.py``: int4, int4-rot, 4bit; at most 8 query heads
-    per KV head) on sm_90 where it builds, and Triton elsewhere; ``"cuda"`` forces it (a
+    runs the CUDA C++ split kernel (``_cuda.py``: int4, int4-rot, 4bit, 3.5bit, 3bit; at most 8
+    query heads per KV head; ``config.cuda_variant`` picks its design) on sm_90 where it builds,
+    and Triton elsewhere; ``"cuda"`` forces it (a
     ``FormatError`` saying why where it cannot run), ``"triton"`` forces the Triton kernels.
 
     Example::
@@ -184,7 +188,10 @@ def paged_decode(
         block_size=block_size,
         tokens_per_split=per_split,
         num_splits=splits,
+        variant=cfg.cuda_variant,
     )
+    if use_cuda:
+        _cuda.pick_variant(cfg.cuda_variant)  # an unknown name fails before any launch
     if spec.family == "codebook":
         if spec.k_groups is None or spec.v_groups is None:
             raise FormatError(
@@ -330,9 +337,10 @@ def _codebook_launch(
     if cuda_geometry is not None:
         from kvzip_kernels import _cuda
 
+        lut = _cuda.level_table(spec, dev)
         _cuda.split(
-            f.name, q16, qs, _levels16(dev), k_cache, v_cache, block_table, seq_lens, o_part,
-            lse, scale * LOG2E, skip=0 if sinks is None else sinks[0].shape[1], **cuda_geometry,
+            f.name, q16, qs, lut, k_cache, v_cache, block_table, seq_lens, o_part, lse,
+            scale * LOG2E, skip=0 if sinks is None else sinks[0].shape[1], **cuda_geometry,
         )  # fmt: skip
     else:
         _codebook_triton(
@@ -351,13 +359,6 @@ def _codebook_launch(
         out.copy_(o.reshape(b, hq, d))
 
     return q16, post
-
-
-def _levels16(device) -> torch.Tensor:
-    """The 16 ascending fp16 levels of the 4-bit codebook on ``device`` (the CUDA kernel's)."""
-    from kvzip_formats.compact import codebook
-
-    return on_device(codebook, device, lambda c: c.levels(4).to(torch.float16).contiguous())
 
 
 def _codebook_triton(

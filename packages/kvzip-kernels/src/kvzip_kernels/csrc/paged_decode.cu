@@ -1,7 +1,14 @@
-// Split-KV paged decode attention for kvzip's paged layout (kvzip_formats/spec/paged_layout.md),
-// `int4` and the compact `4bit`, with mma.sync m16n8k16 (sm_80 and newer; tuned for sm_90).
+// Split-KV paged decode attention for kvzip's paged layout (kvzip_formats/spec/paged_layout.md):
+// `int4` and the compact `4bit`, `3.5bit`, `3bit` (spec/4bit.md section 5), head_dim 64 and
+// 128, with mma.sync m16n8k16 (sm_80 and newer; tuned for sm_90). Two designs:
 //
-// One CTA = one (sequence, KV head, split); NW warps take 16-token tiles in turn and keep
+//   v4a  each warp reads its 16-token tiles straight from global memory into registers, the
+//        next tile's K codes and metadata one tile ahead (V read in the tile's own step).
+//   v5   each warp streams its tiles through its own ring of S stages in shared memory by
+//        cp.async (16-byte, L2-only): S - 1 tiles (K codes, V codes, metadata) in flight
+//        while it computes one; fragments are read from shared memory.
+//
+// Both: one CTA = one (sequence, KV head, split); NW warps take 16-token tiles in turn and keep
 // their own online-softmax state, merged through shared memory at the end. The CTA writes
 // the same partial output and base-2 log-sum-exp per (query head, split) as the Triton split
 // kernels (_decode_kernels.py, _decode_codebook.py), so the Triton merge, the compact formats'
@@ -16,22 +23,25 @@
 // head g), exactly the transpose. Every thread holds the softmax state of heads 2q, 2q+1,
 // the same columns as its output accumulator, so rescaling needs no shuffle.
 //
-// The depth (head_dim) order of the first product is free (a dot product): thread q (= lane
-// % 4) takes the bytes [q*D/8, (q+1)*D/8) of a K row, one 16- or 8-byte load, and k-step ks
-// uses its bytes 2ks and 2ks+1 (channels c = q*D/4 + 4ks + 0..3: for 4bit a table lookup per
-// byte gives the pairs (c, c+1), (c+2, c+3); for int4 one PRMT per byte pair gives the low
-// nibbles (c, c+2) and the high nibbles (c+1, c+3)); the query fragment is loaded in the
-// same channel order. The V rows are channel-major (byte j of token t at j*PS + t):
-// a 16-bit load gives one byte row for two consecutive tokens, its low nibbles are output
-// channel 2j and its high nibbles channel 2j+1 (rows g and g+8 of the m-tile).
+// K: the depth (channel) order of the score product is free (a dot product). Each row group
+// of n channels is split into 4 runs of n/4 channels, thread q (= lane % 4) takes run q, and
+// k-step kk of the group takes its channels c = q*n/4 + 4kk + 0..3 as the pairs (c, c+1) and
+// (c+2, c+3) (int4: (c, c+2) and (c+1, c+3), the order its PRMT expansion gives); the query
+// fragment is loaded in the same order. A thread's bytes of a row are then one contiguous run
+// per bit plane: 4-bit nibbles n/8 bytes, 3-bit groups n/16 bytes of the 2-bit plane and n/32
+// of the 1-bit plane.
+// V (channel-major: byte j of token t at j*PS + t): m-tile mt holds channels 16mt + 2g (row g)
+// and 16mt + 2g + 1 (row g+8); a 16-bit load gives one byte row for two consecutive tokens.
 //
-// Dequantisation is folded into the products as in the Triton kernels:
+// Dequantisation:
 //   int4:  a code c becomes the bf16 128 + c (0x4300 | c); q.k = s (q.(c+128)) +
 //          (z - 128 s) sum(q); the V side adds sum_t (p_t z_t - 128 (p s)_t) per head, with
 //          the bf16-rounded p s in both terms.
-//   4bit:  a byte of two codes becomes two fp16 levels by one shared-memory table lookup
-//          (256 entries); q' = B_k^T q comes scaled per row into fp16 (qs undoes it) and
-//          p s is multiplied by 64 before its fp16 rounding (out of the subnormals).
+//   compact: codes become fp16 levels through tables of level pairs in shared memory: a byte
+//          of two 4-bit codes (256 entries), two 3-bit codes from 4 bits of the 2-bit plane and
+//          2 of the 1-bit plane (64 entries), two 2-bit codes (16 entries); q' = B_k^T q comes
+//          scaled per row into fp16 (qs undoes it) and p s is multiplied by 64 before its fp16
+//          rounding (out of the subnormals).
 // No CUDA headers beyond the runtime: conversions are PTX, so the file builds with the
 // nvcc of the nvidia-cuda-nvcc wheel alone.
 
@@ -113,6 +123,21 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return r;
 }
 
+__device__ __forceinline__ uint32_t ld16(const uint8_t* p) {
+  return *reinterpret_cast<const uint16_t*>(p);
+}
+
+// cp.async of 16 bytes, global -> shared, cached in L2 only (the codes are read once)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // int4: two code bytes (x0, x1 in bits 0-15 of x; or 16-31 with HI) -> the bf16 pairs
 // (128 + low nibble of x0, 128 + low nibble of x1) and (128 + high nibble of x0, of x1):
 // one PRMT interleaves the bytes with 0x43 (bf16 128's high byte), one LOP3 keeps the low
@@ -124,27 +149,206 @@ __device__ __forceinline__ void int4_pairs(uint32_t x, uint32_t& lo, uint32_t& h
   hi = ((t >> 4) & 0x000F000Fu) | 0x43004300u;
 }
 
-template <int D>
-struct KChunk;  // a thread's D/8 bytes of one K row
-template <>
-struct KChunk<128> {
-  uint4 v;
-  __device__ __forceinline__ void load(const uint8_t* p) { v = *reinterpret_cast<const uint4*>(p); }
-  __device__ __forceinline__ uint32_t word(int ks) const {  // holds bytes 2ks, 2ks+1
-    return ks < 2 ? v.x : ks < 4 ? v.y : ks < 6 ? v.z : v.w;
-  }
-};
-template <>
-struct KChunk<64> {
-  uint2 v;
-  __device__ __forceinline__ void load(const uint8_t* p) { v = *reinterpret_cast<const uint2*>(p); }
-  __device__ __forceinline__ uint32_t word(int ks) const { return ks < 2 ? v.x : v.y; }
+// ---- formats -------------------------------------------------------------------------------
+// FMT 0 int4; 1 4bit (K, V: one 4-bit group); 2 3.5bit (K 4-bit, V one 3-bit group);
+// 3 3bit (K: 4-bit D/2 + 3-bit D/2; V: 3-bit D/2 + 2-bit D/2). Byte offsets of the planes
+// follow spec/4bit.md section 5 (widest planes first, in group order); _cuda.py checks them
+// against the format's own layout before it sends a call here.
+enum : int { FMT_INT4 = 0, FMT_4BIT = 1, FMT_35BIT = 2, FMT_3BIT = 3 };
+
+// shared-memory level-pair tables (32-bit words), by region
+constexpr int T_K4 = 0;     // K 4-bit group: 256 entries (byte of two codes)
+constexpr int T_K3 = 256;   // K 3-bit group (3bit): 64 entries
+constexpr int T_V0 = 320;   // V group 0: 256 (4-bit) or 64 (3-bit) entries
+constexpr int T_V2 = 576;   // V 2-bit group (3bit): 16 entries
+constexpr int T_SIZE = 592;
+// one copy per CTA, addressed as a symbol (a pointer to it made ptxas add the shared window's
+// base to every lookup's address: one more instruction per lookup)
+__shared__ uint32_t s_lut[T_SIZE];
+
+template <int FMT, int D>
+struct Fmt {
+  static constexpr bool INT4 = FMT == FMT_INT4;
+  static constexpr bool K3 = FMT == FMT_3BIT;  // K has a second, 3-bit group of D/2 channels
+  static constexpr int KCB = K3 ? 7 * D / 16 : D / 2;  // code bytes of a K row
+  static constexpr int VCB = FMT <= FMT_4BIT ? D / 2 : FMT == FMT_35BIT ? 3 * D / 8 : 5 * D / 16;
+  static constexpr int MB = INT4 ? 4 : 2;  // metadata bytes per token: (scale, zero) or scale
+  static constexpr int KS = D / 16;        // k-steps of the score product = m-tiles of PV
+  static constexpr int KS4 = K3 ? D / 32 : D / 16;  // k-steps in K's 4-bit group
+  static constexpr int NW4 = K3 ? D / 64 : D / 32;  // 32-bit words of a thread's nibbles
+  static constexpr int MT3 = FMT == FMT_35BIT ? D / 16 : FMT == FMT_3BIT ? D / 32 : 0;  // V 3-bit m-tiles
 };
 
+// Fill the level-pair tables from lv = fp16 levels [4][16] (K group 0, K group 1, V group 0,
+// V group 1; each ascending, code c -> lv[c]).
+template <int FMT>
+__device__ void fill_tables(const uint16_t* lv, int tid, int nthreads) {
+  uint32_t* T = s_lut;
+  for (int i = tid; i < T_SIZE; i += nthreads) {
+    uint32_t lo = 0, hi = 0;
+    if (i < T_K3) {  // 4-bit: byte -> (low nibble, high nibble)
+      lo = lv[i & 15];
+      hi = lv[i >> 4];
+    } else if (i < T_V0) {  // K 3-bit (3bit only)
+      if (FMT != FMT_3BIT) continue;
+      const int x = i - T_K3;
+      lo = lv[16 + ((x & 3) | (((x >> 4) & 1) << 2))];
+      hi = lv[16 + (((x >> 2) & 3) | (((x >> 5) & 1) << 2))];
+    } else if (i < T_V2) {
+      const int x = i - T_V0;
+      if (FMT == FMT_4BIT) {
+        lo = lv[32 + (x & 15)];
+        hi = lv[32 + (x >> 4)];
+      } else {
+        if (x >= 64) continue;
+        lo = lv[32 + ((x & 3) | (((x >> 4) & 1) << 2))];
+        hi = lv[32 + (((x >> 2) & 3) | (((x >> 5) & 1) << 2))];
+      }
+    } else {  // V 2-bit (3bit only): 4 bits = two codes
+      if (FMT != FMT_3BIT) continue;
+      const int x = i - T_V2;
+      lo = lv[48 + (x & 3)];
+      hi = lv[48 + (x >> 2)];
+    }
+    T[i] = lo | (hi << 16);
+  }
+}
+
+// A thread's bytes of one K row (thread q of its group of 4): see the file comment.
+template <int FMT, int D>
+struct KRow {
+  using F = Fmt<FMT, D>;
+  uint32_t w[F::NW4];  // nibbles of the 4-bit group (int4: all codes)
+  uint32_t lo, hi;     // 3bit: the 3-bit group's 2-bit-plane and 1-bit-plane bytes
+
+  __device__ __forceinline__ void load(const uint8_t* row, int q) {
+    const uint8_t* p = row + q * (F::NW4 * 4);
+    if constexpr (F::NW4 == 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (F::NW4 == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      w[0] = v.x, w[1] = v.y;
+    } else {
+      w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+    if constexpr (F::K3) {
+      const uint8_t* pl = row + D / 4 + q * (D / 32);
+      const uint8_t* ph = row + D / 4 + D / 8 + q * (D / 64);
+      if constexpr (D == 128) {
+        lo = *reinterpret_cast<const uint32_t*>(pl);
+        hi = ld16(ph);
+      } else {
+        lo = ld16(pl);
+        hi = *ph;
+      }
+    } else {
+      lo = hi = 0u;
+    }
+  }
+  // first channel of k-step ks for thread q (the query fragment's order)
+  static __device__ __forceinline__ int chan(int ks, int q) {
+    if constexpr (F::K3)
+      return ks < F::KS4 ? q * (D / 8) + 4 * ks : D / 2 + q * (D / 8) + 4 * (ks - F::KS4);
+    return q * (D / 4) + 4 * ks;
+  }
+  // compact formats: level pairs (c, c+1) -> p0 and (c+2, c+3) -> p1 of k-step ks
+  __device__ __forceinline__ void pairs(int ks, uint32_t& p0, uint32_t& p1) const {
+    const uint32_t* T = s_lut;
+    if (ks < F::KS4) {
+      const uint32_t x = (ks & 1) ? w[ks >> 1] >> 16 : w[ks >> 1] & 0xFFFFu;
+      p0 = T[T_K4 + (x & 0xFFu)];
+      p1 = T[T_K4 + (x >> 8)];
+    } else {
+      const int kk = ks - F::KS4;
+      const uint32_t L = lo >> (8 * kk), H = hi >> (4 * kk);
+      p0 = T[T_K3 + ((L & 0xFu) | ((H & 3u) << 4))];
+      p1 = T[T_K3 + (((L >> 4) & 0xFu) | ((H & 0xCu) << 2))];
+    }
+  }
+  // int4: (c, c+2) low nibbles -> lo, (c+1, c+3) high nibbles -> hi
+  __device__ __forceinline__ void int4(int ks, uint32_t& a_lo, uint32_t& a_hi) const {
+    const uint32_t x = w[ks >> 1];
+    if (ks & 1)
+      int4_pairs<true>(x, a_lo, a_hi);
+    else
+      int4_pairs<false>(x, a_lo, a_hi);
+  }
+};
+
+// The two token pairs of byte row j a thread reads for its V fragment: k-rows (2q, 2q+1) in
+// bits 0-15 of w0 and (2q+8, 2q+9) in w1. Plain order (v4a): those tokens, two 16-bit loads
+// at vrow = row 0 + token 2q. PAIRED (v5): the tile's tokens are permuted so that the k-rows
+// 2q, 2q+1, 2q+8, 2q+9 are tokens 4q .. 4q+3, one 32-bit load at vrow = row 0 + token 4q.
+template <bool PAIRED>
+__device__ __forceinline__ void v_pairs(const uint8_t* p, uint32_t& w0, uint32_t& w1) {
+  if constexpr (PAIRED) {
+    const uint32_t x = *reinterpret_cast<const uint32_t*>(p);
+    w0 = x & 0xFFFFu;
+    w1 = x >> 16;
+  } else {
+    w0 = ld16(p);
+    w1 = ld16(p + 8);
+  }
+}
+
+// A fragment of V^T for m-tile mt: rows g (channel 16mt + 2g) and g+8 (channel 16mt + 2g + 1),
+// k-rows 2q, 2q+1 (a[0], a[1]) and 2q+8, 2q+9 (a[2], a[3]); vrow and the token order: v_pairs.
+// ST: the distance of byte rows (PS in a page, 16 in a v5 shared-memory tile).
+template <int FMT, int D, bool PAIRED = false>
+__device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int g,
+                                       uint32_t a[4]) {
+  using F = Fmt<FMT, D>;
+  const uint32_t* T = s_lut;
+  if constexpr (FMT <= FMT_4BIT) {
+    const int j = 8 * mt + g;  // byte row: channels 2j (low nibbles), 2j+1 (high)
+    uint32_t w0, w1;
+    v_pairs<PAIRED>(vrow + j * ST, w0, w1);
+    if constexpr (F::INT4) {
+      int4_pairs<false>(w0, a[0], a[1]);
+      int4_pairs<false>(w1, a[2], a[3]);
+    } else {
+      const uint32_t t0l = T[T_V0 + (w0 & 0xFFu)], t0h = T[T_V0 + (w0 >> 8)];
+      const uint32_t t1l = T[T_V0 + (w1 & 0xFFu)], t1h = T[T_V0 + (w1 >> 8)];
+      a[0] = prmt(t0l, t0h, 0x5410);
+      a[1] = prmt(t0l, t0h, 0x7632);
+      a[2] = prmt(t1l, t1h, 0x5410);
+      a[3] = prmt(t1l, t1h, 0x7632);
+    }
+  } else {
+    uint32_t x0, x1;
+    int tab;
+    if (mt < F::MT3) {  // 3-bit group 0 (channels 0 .. 16 MT3): 2-bit plane at 0, 1-bit at D/4
+      const int j = 4 * mt + (g >> 1), j1 = D / 4 + 2 * mt + (g >> 2);
+      const int sl = 4 * (g & 1), sh = 2 * (g & 3);
+      uint32_t w0, w1, h0, h1;
+      v_pairs<PAIRED>(vrow + j * ST, w0, w1);
+      v_pairs<PAIRED>(vrow + j1 * ST, h0, h1);
+      x0 = ((w0 >> sl) & 0x0F0Fu) | (((h0 >> sh) & 0x0303u) << 4);
+      x1 = ((w1 >> sl) & 0x0F0Fu) | (((h1 >> sh) & 0x0303u) << 4);
+      tab = T_V0;
+    } else {  // 3bit's 2-bit group (channels D/2 ..): its plane at D/8
+      const int j = D / 8 + 4 * (mt - F::MT3) + (g >> 1);
+      const int sl = 4 * (g & 1);
+      uint32_t w0, w1;
+      v_pairs<PAIRED>(vrow + j * ST, w0, w1);
+      x0 = (w0 >> sl) & 0x0F0Fu;
+      x1 = (w1 >> sl) & 0x0F0Fu;
+      tab = T_V2;
+    }
+    const uint32_t t0l = T[tab + (x0 & 0xFFu)], t0h = T[tab + (x0 >> 8)];
+    const uint32_t t1l = T[tab + (x1 & 0xFFu)], t1h = T[tab + (x1 >> 8)];
+    a[0] = prmt(t0l, t0h, 0x5410);
+    a[1] = prmt(t0l, t0h, 0x7632);
+    a[2] = prmt(t1l, t1h, 0x5410);
+    a[3] = prmt(t1l, t1h, 0x7632);
+  }
+}
+
 struct Params {
-  const void* q;          // int4: bf16 q [b, hq, D]; 4bit: fp16 q' [b, hq, D] (contiguous)
-  const float* qs;        // 4bit: per-row scale of q' [b * hq]; int4: unused
-  const uint16_t* lut16;  // 4bit: the 16 fp16 levels, ascending; int4: unused
+  const void* q;          // int4: bf16 q [b, hq, D]; compact: fp16 q' [b, hq, D] (contiguous)
+  const float* qs;        // compact: per-row scale of q' [b * hq]; int4: unused
+  const uint16_t* lut16;  // compact: fp16 levels [4][16] (K0, K1, V0, V1); int4: unused
   const uint8_t* kc;
   const uint8_t* vc;
   const int32_t* bt;
@@ -157,184 +361,111 @@ struct Params {
   int G;
   int64_t k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride;
   int PS;
+  int ps_log2;  // PS = 1 << ps_log2 (16 .. 128)
   int tokens_per_split;
   int num_splits;
   int skip;  // sink tokens (attended elsewhere): positions below are not read
 };
 
-template <int D, bool INT4, int NW>
-__global__ void __launch_bounds__(NW * 32)
-    split_kernel(const Params P) {
-  constexpr int KS = D / 16;   // k-steps of the score product = m-tiles of the output
-  constexpr int CB = D / 2;    // code bytes per row (4-bit codes)
-  constexpr bool BF16 = INT4;
+// One warp's running state and the per-tile step both designs share.
+template <int FMT, int D>
+struct Warp {
+  using F = Fmt<FMT, D>;
+  static constexpr bool BF16 = F::INT4;
+  uint32_t bq[F::KS][2];
+  float colc[2];
+  float m_i[2], l_i[2], acc_c[2];
+  float acc[F::KS][4];
 
-  __shared__ uint32_t lut[INT4 ? 1 : 256];
-  __shared__ float sm_m[NW][8], sm_l[NW][8];
-  __shared__ float sm_o[NW][8][D];
-
-  const int bh = blockIdx.x;
-  const int split = blockIdx.y;
-  const int b = bh / P.num_kv_heads;
-  const int h = bh % P.num_kv_heads;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane >> 2;  // groupID: token row g (and g+8), head g of the B operands
-  const int q = lane & 3;   // thread in group: heads 2q, 2q+1 of the accumulators
-
-  if (!INT4) {
-    for (int i = threadIdx.x; i < 256; i += NW * 32) {
-      uint32_t lo = P.lut16[i & 15], hi = P.lut16[i >> 4];
-      lut[i] = lo | (hi << 16);
-    }
-  }
-
-  const int seq_len = P.sl[b];
-  const int tok_lo = max(split * P.tokens_per_split, P.skip);
-  const int tok_hi = min(seq_len, split * P.tokens_per_split + P.tokens_per_split);
-
-  // query fragments (B of the score product): head g, channels q*D/4 + 4ks + 0..3
-  const int64_t row0 = (int64_t)bh * P.G;  // = b * hq + h * G: first query row of this KV head
-  uint32_t bq[KS][2];
-  {
-    const uint16_t* qp =
-        reinterpret_cast<const uint16_t*>(P.q) + (row0 + g) * D + q * (D / 4);
+  __device__ __forceinline__ void init(const Params& P, int64_t row0, int g, int q) {
+    const uint16_t* qp = reinterpret_cast<const uint16_t*>(P.q) + (row0 + g) * D;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    for (int ks = 0; ks < F::KS; ++ks) {
       if (g < P.G) {
-        const uint2 v = *reinterpret_cast<const uint2*>(qp + 4 * ks);  // channels c..c+3
-        // in the order of the K fragments: int4 (c, c+2), (c+1, c+3); 4bit (c, c+1), (c+2, c+3)
-        bq[ks][0] = INT4 ? prmt(v.x, v.y, 0x5410) : v.x;
-        bq[ks][1] = INT4 ? prmt(v.x, v.y, 0x7632) : v.y;
+        const uint2 v = *reinterpret_cast<const uint2*>(qp + KRow<FMT, D>::chan(ks, q));
+        // int4: (c, c+2), (c+1, c+3); compact: (c, c+1), (c+2, c+3)
+        bq[ks][0] = F::INT4 ? prmt(v.x, v.y, 0x5410) : v.x;
+        bq[ks][1] = F::INT4 ? prmt(v.x, v.y, 0x7632) : v.y;
       } else {
         bq[ks][0] = bq[ks][1] = 0u;
       }
     }
-  }
-  // per accumulator column (heads 2q, 2q+1): int4 sum(q); 4bit the row scale of q'
-  float colc[2];
-  if (INT4) {
-    float s = 0.f;
+    if constexpr (F::INT4) {  // per accumulator column (heads 2q, 2q+1): sum(q)
+      float s = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      s += lo_f32<true>(bq[ks][0]) + hi_f32<true>(bq[ks][0]) + lo_f32<true>(bq[ks][1]) +
-           hi_f32<true>(bq[ks][1]);
-    s += __shfl_xor_sync(FULL_MASK, s, 1);
-    s += __shfl_xor_sync(FULL_MASK, s, 2);  // lanes 4g..4g+3: sum(q) of head g
-    colc[0] = __shfl_sync(FULL_MASK, s, 4 * (2 * q));
-    colc[1] = __shfl_sync(FULL_MASK, s, 4 * (2 * q + 1));
-  } else {
+      for (int ks = 0; ks < F::KS; ++ks)
+        s += lo_f32<true>(bq[ks][0]) + hi_f32<true>(bq[ks][0]) + lo_f32<true>(bq[ks][1]) +
+             hi_f32<true>(bq[ks][1]);
+      s += __shfl_xor_sync(FULL_MASK, s, 1);
+      s += __shfl_xor_sync(FULL_MASK, s, 2);  // lanes 4g..4g+3: sum(q) of head g
+      colc[0] = __shfl_sync(FULL_MASK, s, 4 * (2 * q));
+      colc[1] = __shfl_sync(FULL_MASK, s, 4 * (2 * q + 1));
+    } else {  // the row scale of q'
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      int hd = 2 * q + i;
-      colc[i] = hd < P.G ? P.qs[row0 + hd] * P.qk_scale : 0.f;
-    }
-  }
-  if (!INT4) __syncthreads();  // the level table
-
-  float m_i[2] = {neg_inf(), neg_inf()};
-  float l_i[2] = {0.f, 0.f};
-  float acc_c[2] = {0.f, 0.f};
-  float acc[KS][4];
-#pragma unroll
-  for (int mt = 0; mt < KS; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
-
-  const int tile_lo = tok_lo / 16;
-  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 15) / 16 : tile_lo;
-  const int64_t kho = (int64_t)h * P.k_page_bytes;
-  const int64_t vho = (int64_t)h * P.v_page_bytes;
-  const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
-
-  // One tile ahead: the next tile's block id, K codes and metadata are loaded while this
-  // tile's softmax and PV run (and its block id one tile earlier still), so the loop waits
-  // on one memory latency per tile at most.
-  const int first = tile_lo + warp;
-  auto block_of = [&](int tile) -> int64_t { return tile < tile_hi ? btrow[tile * 16 / P.PS] : 0; };
-  auto load_raw = [&](int tile, int64_t blk, KChunk<D> kr[2], uint32_t km[2], uint32_t vm[2]) {
-    const int t0 = tile * 16, toff = t0 % P.PS;
-    const uint8_t* kpage = P.kc + blk * P.k_blk_stride + kho;
-    const uint8_t* vpage = P.vc + blk * P.v_blk_stride + vho;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int t = toff + g + 8 * r, tok = t0 + g + 8 * r;
-      const bool ok = tok >= tok_lo && tok < tok_hi;
-      kr[r].load(kpage + (int64_t)t * CB + q * (CB / 4));
-      if (INT4) {
-        km[r] = ok ? *reinterpret_cast<const uint32_t*>(kpage + P.PS * CB + t * 4) : 0u;
-        vm[r] = ok ? *reinterpret_cast<const uint32_t*>(vpage + P.PS * CB + t * 4) : 0u;
-      } else {
-        km[r] = ok ? *reinterpret_cast<const uint16_t*>(kpage + P.PS * CB + t * 2) : 0u;
-        vm[r] = ok ? *reinterpret_cast<const uint16_t*>(vpage + P.PS * CB + t * 2) : 0u;
+      for (int i = 0; i < 2; ++i) {
+        const int hd = 2 * q + i;
+        colc[i] = hd < P.G ? P.qs[row0 + hd] * P.qk_scale : 0.f;
       }
     }
-  };
-  int64_t blk_cur = block_of(first);
-  int64_t blk_nxt = block_of(first + NW);
-  KChunk<D> kr[2];
-  uint32_t km[2] = {0u, 0u}, vm[2] = {0u, 0u};
-  if (first < tile_hi) load_raw(first, blk_cur, kr, km, vm);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) m_i[c] = neg_inf(), l_i[c] = 0.f, acc_c[c] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < F::KS; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  }
 
-  for (int tile = first; tile < tile_hi; tile += NW) {
-    const int t0 = tile * 16;
-    const int toff = t0 % P.PS;
-    const uint8_t* vpage = P.vc + blk_cur * P.v_blk_stride + vho;
-
-    // ---- scores S^T = K Q^T: rows g and g+8 of the tile ----
-    float ks_r[2], kz_r[2], vs_r[2], vz_r[2];
-    bool valid[2];
+  // One 16-token tile, in two halves (v4a issues its prefetch between them).
+  // score: kr = this thread's K bytes of rows g, g+8, km their metadata words (0 where
+  // invalid) -> s (base-2 scaled scores of tokens g, g+8 for heads 2q, 2q+1; -inf if invalid)
+  __device__ __forceinline__ void score(const KRow<FMT, D> kr[2], const uint32_t km[2],
+                                        const bool valid[2], float qk_scale, float s[4]) const {
+    float ks_r[2], kz_r[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int tok = t0 + g + 8 * r;
-      valid[r] = tok >= tok_lo && tok < tok_hi;
-      if (INT4) {
-        ks_r[r] = f16_to_f32(km[r] & 0xFFFFu);
-        kz_r[r] = f16_to_f32(km[r] >> 16);
-        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu);
-        vz_r[r] = f16_to_f32(vm[r] >> 16);
-      } else {
-        ks_r[r] = f16_to_f32(km[r] & 0xFFFFu);
-        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu) * 64.f;
-        kz_r[r] = vz_r[r] = 0.f;
-      }
+      ks_r[r] = f16_to_f32(km[r] & 0xFFFFu);
+      kz_r[r] = F::INT4 ? f16_to_f32(km[r] >> 16) : 0.f;
     }
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const uint32_t w0 = kr[0].word(ks), w1 = kr[1].word(ks);
+    for (int i = 0; i < 4; ++i) s[i] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < F::KS; ++ks) {
       uint32_t a[4];
-      if (INT4) {  // a[0]: channels c, c+2 (low nibbles); a[2]: c+1, c+3 (high nibbles)
-        if (ks & 1) {
-          int4_pairs<true>(w0, a[0], a[2]);
-          int4_pairs<true>(w1, a[1], a[3]);
-        } else {
-          int4_pairs<false>(w0, a[0], a[2]);
-          int4_pairs<false>(w1, a[1], a[3]);
-        }
-      } else {  // a[0]: channels c, c+1 (byte 2ks); a[2]: c+2, c+3 (byte 2ks+1)
-        const uint32_t h0 = (ks & 1) ? w0 >> 16 : w0 & 0xFFFFu;
-        const uint32_t h1 = (ks & 1) ? w1 >> 16 : w1 & 0xFFFFu;
-        a[0] = lut[h0 & 0xFFu];
-        a[1] = lut[h1 & 0xFFu];
-        a[2] = lut[h0 >> 8];
-        a[3] = lut[h1 >> 8];
+      if constexpr (F::INT4) {  // a[0]: channels c, c+2 (low nibbles); a[2]: c+1, c+3 (high)
+        kr[0].int4(ks, a[0], a[2]);
+        kr[1].int4(ks, a[1], a[3]);
+      } else {  // a[0]: channels c, c+1; a[2]: c+2, c+3
+        kr[0].pairs(ks, a[0], a[2]);
+        kr[1].pairs(ks, a[1], a[3]);
       }
       mma16816<BF16>(s, a, bq[ks][0], bq[ks][1]);
-    }
-    // ---- prefetch the next tile (its K codes and metadata replace this tile's) ----
-    if (tile + NW < tile_hi) {
-      load_raw(tile + NW, blk_nxt, kr, km, vm);
-      blk_cur = blk_nxt;
-      blk_nxt = block_of(tile + 2 * NW);
     }
     // s[0], s[1]: token g, heads 2q, 2q+1; s[2], s[3]: token g+8
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = i >> 1, c = i & 1;
-      float v = INT4 ? (s[i] * ks_r[r] + (kz_r[r] - 128.f * ks_r[r]) * colc[c]) * P.qk_scale
-                     : s[i] * ks_r[r] * colc[c];
+      float v = F::INT4 ? (s[i] * ks_r[r] + (kz_r[r] - 128.f * ks_r[r]) * colc[c]) * qk_scale
+                        : s[i] * ks_r[r] * colc[c];
       s[i] = valid[r] ? v : neg_inf();
     }
-    // ---- online softmax per head column ----
+  }
+
+  // pv: online softmax of s, then O^T += V^T P'^T; vm the V metadata words of rows g, g+8
+  // (0 where invalid), vrow/ST the V tile (v_frag)
+  // PAIRED: the v5 token order (v_pairs); LAZY: the accumulators are rescaled only when some
+  // lane's running maximum moved (alpha != 1; exact: skipping a multiply by 1)
+  template <bool PAIRED = false, bool LAZY = false>
+  __device__ __forceinline__ void pv(float s[4], const uint32_t vm[2], const uint8_t* vrow,
+                                     int ST, int g) {
+    float vs_r[2], vz_r[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (F::INT4) {
+        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu);
+        vz_r[r] = f16_to_f32(vm[r] >> 16);
+      } else {
+        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu) * 64.f;
+        vz_r[r] = 0.f;
+      }
+    }
     float alpha[2], p[4];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -352,68 +483,64 @@ __global__ void __launch_bounds__(NW * 32)
       m_i[c] = m_new;
     }
     // P' = p * (scale of the token's V row), 16-bit; int4 keeps the zero-point term aside
-    uint32_t plo = pack2<BF16>(p[0] * vs_r[0], p[1] * vs_r[0]);
-    uint32_t phi = pack2<BF16>(p[2] * vs_r[1], p[3] * vs_r[1]);
-    if (INT4) {
+    const uint32_t plo = pack2<BF16>(p[0] * vs_r[0], p[1] * vs_r[0]);
+    const uint32_t phi = pack2<BF16>(p[2] * vs_r[1], p[3] * vs_r[1]);
+    if constexpr (F::INT4) {
       acc_c[0] = acc_c[0] * alpha[0] + p[0] * vz_r[0] + p[2] * vz_r[1] -
                  128.f * (lo_f32<true>(plo) + lo_f32<true>(phi));
       acc_c[1] = acc_c[1] * alpha[1] + p[1] * vz_r[0] + p[3] * vz_r[1] -
                  128.f * (hi_f32<true>(plo) + hi_f32<true>(phi));
     }
-    const uint32_t bp0 = movmatrix_trans(plo);  // tokens 2q, 2q+1 of head g
-    const uint32_t bp1 = movmatrix_trans(phi);  // tokens 8+2q, 9+2q
-    // ---- O^T += V^T P'^T ----
-    const uint8_t* vrow = vpage + toff + 2 * q;
+    const uint32_t bp0 = movmatrix_trans(plo);  // k-rows 2q, 2q+1 of head g
+    const uint32_t bp1 = movmatrix_trans(phi);  // k-rows 8+2q, 9+2q
+    if (!LAZY || __any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int mt = 0; mt < KS; ++mt) {
-      const int j = 8 * mt + g;  // byte row: channels 2j (low nibbles), 2j+1 (high)
-      const uint32_t w0 = *reinterpret_cast<const uint16_t*>(vrow + (int64_t)j * P.PS);
-      const uint32_t w1 = *reinterpret_cast<const uint16_t*>(vrow + (int64_t)j * P.PS + 8);
-      uint32_t a[4];
-      if (INT4) {
-        int4_pairs<false>(w0, a[0], a[1]);  // channel 2j (low nibbles), 2j+1; tokens 2q, 2q+1
-        int4_pairs<false>(w1, a[2], a[3]);
-      } else {
-        const uint32_t t0l = lut[w0 & 0xFFu], t0h = lut[w0 >> 8];
-        const uint32_t t1l = lut[w1 & 0xFFu], t1h = lut[w1 >> 8];
-        a[0] = prmt(t0l, t0h, 0x5410);
-        a[1] = prmt(t0l, t0h, 0x7632);
-        a[2] = prmt(t1l, t1h, 0x5410);
-        a[3] = prmt(t1l, t1h, 0x7632);
+      for (int mt = 0; mt < F::KS; ++mt) {
+        acc[mt][0] *= alpha[0];
+        acc[mt][1] *= alpha[1];
+        acc[mt][2] *= alpha[0];
+        acc[mt][3] *= alpha[1];
       }
-      acc[mt][0] *= alpha[0];
-      acc[mt][1] *= alpha[1];
-      acc[mt][2] *= alpha[0];
-      acc[mt][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int mt = 0; mt < F::KS; ++mt) {
+      uint32_t a[4];
+      v_frag<FMT, D, PAIRED>(vrow, ST, mt, g, a);
       mma16816<BF16>(acc[mt], a, bp0, bp1);
     }
   }
+};
 
-  // ---- merge the warps ----
+// Merge the NW warps' states (sm_o may alias memory the loop used: the caller syncs first).
+template <int FMT, int D, int NW>
+__device__ __forceinline__ void merge_store(Warp<FMT, D>& W, const Params& P, float (*sm_m)[8],
+                                            float (*sm_l)[8], float (*sm_o)[8][D], int64_t row0,
+                                            int split, int warp, int g, int q) {
+  using F = Fmt<FMT, D>;
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
-      l_i[c] += __shfl_xor_sync(FULL_MASK, l_i[c], o);
-      acc_c[c] += __shfl_xor_sync(FULL_MASK, acc_c[c], o);
+      W.l_i[c] += __shfl_xor_sync(FULL_MASK, W.l_i[c], o);
+      W.acc_c[c] += __shfl_xor_sync(FULL_MASK, W.acc_c[c], o);
     }
   }
   if (g == 0) {
-    sm_m[warp][2 * q] = m_i[0];
-    sm_m[warp][2 * q + 1] = m_i[1];
-    sm_l[warp][2 * q] = l_i[0];
-    sm_l[warp][2 * q + 1] = l_i[1];
+    sm_m[warp][2 * q] = W.m_i[0];
+    sm_m[warp][2 * q + 1] = W.m_i[1];
+    sm_l[warp][2 * q] = W.l_i[0];
+    sm_l[warp][2 * q + 1] = W.l_i[1];
   }
 #pragma unroll
-  for (int mt = 0; mt < KS; ++mt) {
+  for (int mt = 0; mt < F::KS; ++mt) {
     const int ch = 16 * mt + 2 * g;
-    sm_o[warp][2 * q][ch] = acc[mt][0] + acc_c[0];
-    sm_o[warp][2 * q + 1][ch] = acc[mt][1] + acc_c[1];
-    sm_o[warp][2 * q][ch + 1] = acc[mt][2] + acc_c[0];
-    sm_o[warp][2 * q + 1][ch + 1] = acc[mt][3] + acc_c[1];
+    sm_o[warp][2 * q][ch] = W.acc[mt][0] + W.acc_c[0];
+    sm_o[warp][2 * q + 1][ch] = W.acc[mt][1] + W.acc_c[1];
+    sm_o[warp][2 * q][ch + 1] = W.acc[mt][2] + W.acc_c[0];
+    sm_o[warp][2 * q + 1][ch + 1] = W.acc[mt][3] + W.acc_c[1];
   }
   __syncthreads();
-  const float out_scale = INT4 ? 1.f : 1.f / 64.f;
+  const float out_scale = F::INT4 ? 1.f : 1.f / 64.f;
   for (int idx = threadIdx.x; idx < P.G * D; idx += NW * 32) {
     const int hd = idx / D, d = idx % D;
     float mx = neg_inf();
@@ -434,21 +561,225 @@ __global__ void __launch_bounds__(NW * 32)
   }
 }
 
-template <int D, bool INT4>
-int launch(const Params& p, int grid_x, cudaStream_t stream) {
-  constexpr int NW = 4;
+__device__ __forceinline__ uint32_t ld_meta(const uint8_t* p, bool int4) {
+  return int4 ? *reinterpret_cast<const uint32_t*>(p) : ld16(p);
+}
+
+// ---- v4a: tiles from global memory into registers, one tile ahead ---------------------------
+template <int FMT, int D, int NW>
+__global__ void __launch_bounds__(NW * 32) split_v4a(const Params P) {
+  using F = Fmt<FMT, D>;
+  __shared__ float sm_m[NW][8], sm_l[NW][8];
+  __shared__ float sm_o[NW][8][D];
+
+  const int bh = blockIdx.x, split = blockIdx.y;
+  const int b = bh / P.num_kv_heads, h = bh % P.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2;  // groupID: token row g (and g+8), head g of the B operands
+  const int q = lane & 3;   // thread in group: heads 2q, 2q+1 of the accumulators
+
+  if constexpr (!F::INT4) fill_tables<FMT>(P.lut16, threadIdx.x, NW * 32);
+
+  const int seq_len = P.sl[b];
+  const int tok_lo = max(split * P.tokens_per_split, P.skip);
+  const int tok_hi = min(seq_len, split * P.tokens_per_split + P.tokens_per_split);
+  const int64_t row0 = (int64_t)bh * P.G;  // = b * hq + h * G: first query row of this KV head
+  Warp<FMT, D> W;
+  W.init(P, row0, g, q);
+  if constexpr (!F::INT4) __syncthreads();  // the level tables
+
+  const int tile_lo = tok_lo / 16;
+  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 15) / 16 : tile_lo;
+  const int64_t kho = (int64_t)h * P.k_page_bytes;
+  const int64_t vho = (int64_t)h * P.v_page_bytes;
+  const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
+
+  // One tile ahead: the next tile's block id, K codes and metadata are loaded while this
+  // tile's softmax and PV run (and its block id one tile earlier still).
+  const int first = tile_lo + warp;
+  auto block_of = [&](int tile) -> int64_t { return tile < tile_hi ? btrow[tile * 16 / P.PS] : 0; };
+  auto load_raw = [&](int tile, int64_t blk, KRow<FMT, D> kr[2], uint32_t km[2], uint32_t vm[2]) {
+    const int t0 = tile * 16, toff = t0 % P.PS;
+    const uint8_t* kpage = P.kc + blk * P.k_blk_stride + kho;
+    const uint8_t* vpage = P.vc + blk * P.v_blk_stride + vho;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int t = toff + g + 8 * r, tok = t0 + g + 8 * r;
+      const bool ok = tok >= tok_lo && tok < tok_hi;
+      kr[r].load(kpage + (int64_t)t * F::KCB, q);
+      km[r] = ok ? ld_meta(kpage + P.PS * F::KCB + t * F::MB, F::INT4) : 0u;
+      vm[r] = ok ? ld_meta(vpage + P.PS * F::VCB + t * F::MB, F::INT4) : 0u;
+    }
+  };
+  int64_t blk_cur = block_of(first);
+  int64_t blk_nxt = block_of(first + NW);
+  KRow<FMT, D> kr[2];
+  uint32_t km[2] = {0u, 0u}, vm[2] = {0u, 0u};
+  if (first < tile_hi) load_raw(first, blk_cur, kr, km, vm);
+
+  for (int tile = first; tile < tile_hi; tile += NW) {
+    const int t0 = tile * 16;
+    const uint8_t* vrow = P.vc + blk_cur * P.v_blk_stride + vho + t0 % P.PS + 2 * q;
+    bool valid[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int tok = t0 + g + 8 * r;
+      valid[r] = tok >= tok_lo && tok < tok_hi;
+    }
+    float s[4];
+    W.score(kr, km, valid, P.qk_scale, s);
+    const uint32_t vmc[2] = {vm[0], vm[1]};
+    if (tile + NW < tile_hi) {  // prefetch the next tile (its K codes and metadata replace these)
+      load_raw(tile + NW, blk_nxt, kr, km, vm);
+      blk_cur = blk_nxt;
+      blk_nxt = block_of(tile + 2 * NW);
+    }
+    W.pv(s, vmc, vrow, P.PS, g);
+  }
+  merge_store<FMT, D, NW>(W, P, sm_m, sm_l, sm_o, row0, split, warp, g, q);
+}
+
+// ---- v5: tiles through a per-warp ring of S shared-memory stages (cp.async) ----------------
+template <int FMT, int D>
+struct Stage {  // one 16-token tile: K codes (token-major), V codes (channel-major, 16 per row),
+                // K and V metadata (token-major), each a multiple of 16 bytes
+  using F = Fmt<FMT, D>;
+  static constexpr int K = 16 * F::KCB, V = 16 * F::VCB, M = 16 * F::MB;
+  static constexpr int BYTES = K + V + 2 * M;
+  static_assert(K % 16 == 0 && V % 16 == 0 && M % 16 == 0, "16-byte cp.async chunks");
+};
+
+template <int FMT, int D, int NW, int S>
+__global__ void __launch_bounds__(NW * 32) split_v5(const Params P) {
+  using F = Fmt<FMT, D>;
+  using ST = Stage<FMT, D>;
+  static_assert(NW * S * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
+  __shared__ __align__(16) uint8_t ring[NW][S][ST::BYTES];  // after the loop: the merge's sm_o
+  __shared__ float sm_m[NW][8], sm_l[NW][8];
+
+  const int bh = blockIdx.x, split = blockIdx.y;
+  const int b = bh / P.num_kv_heads, h = bh % P.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, q = lane & 3;
+
+  const int seq_len = P.sl[b];
+  const int tok_lo = max(split * P.tokens_per_split, P.skip);
+  const int tok_hi = min(seq_len, split * P.tokens_per_split + P.tokens_per_split);
+  const int tile_lo = tok_lo / 16;
+  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 15) / 16 : tile_lo;
+  const int64_t kho = (int64_t)h * P.k_page_bytes;
+  const int64_t vho = (int64_t)h * P.v_page_bytes;
+  const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
+  const int first = tile_lo + warp;
+  const int ntiles = first < tile_hi ? (tile_hi - first + NW - 1) / NW : 0;
+
+  // block ids of this warp's tiles, 32 at a time: lane l holds that of tile first + (base+l)*NW
+  int bids = 0;
+  auto load_bids = [&](int base) {
+    const int t = first + (base + lane) * NW;
+    bids = t < tile_hi ? btrow[(t * 16) >> P.ps_log2] : 0;
+  };
+  // per-lane sources, fixed but for the block and the page offset: K chunk lane (+32 i) of
+  // the tile's rows, V byte row lane (+32 i), and for lanes < 2 MC one metadata chunk
+  constexpr int MC = ST::M / 16;  // 16-byte chunks of metadata per kind and tile
+  const uint8_t* ksrc = P.kc + kho + 16 * lane;
+  const uint8_t* vsrc = P.vc + vho + (int64_t)lane * P.PS;
+  const bool kmeta = lane < MC;
+  const uint8_t* msrc = kmeta ? P.kc + kho + P.PS * F::KCB + 16 * lane
+                              : P.vc + vho + P.PS * F::VCB + 16 * (lane - MC);
+  const int64_t mstride = kmeta ? P.k_blk_stride : P.v_blk_stride;
+  const int mdst = ST::K + ST::V + 16 * lane;
+  auto issue = [&](int n) {  // tile n of this warp into stage n % S
+    const int tile = first + n * NW;
+    const int64_t blk = __shfl_sync(FULL_MASK, bids, n & 31);
+    const int toff = (tile * 16) & (P.PS - 1);
+    uint8_t* dst = ring[warp][n % S];
+    const uint8_t* kp = ksrc + blk * P.k_blk_stride + toff * F::KCB;
+#pragma unroll
+    for (int i = 0; i < ST::K / 16; i += 32)
+      if (ST::K / 16 % 32 == 0 || i + lane < ST::K / 16)
+        cp_async16(dst + 16 * (i + lane), kp + 16 * i);
+    const uint8_t* vp = vsrc + blk * P.v_blk_stride + toff;
+#pragma unroll
+    for (int j = 0; j < F::VCB; j += 32)
+      if (F::VCB % 32 == 0 || j + lane < F::VCB)
+        cp_async16(dst + ST::K + 16 * (j + lane), vp + (int64_t)j * P.PS);
+    if (lane < 2 * MC) cp_async16(dst + mdst, msrc + blk * mstride + toff * F::MB);
+  };
+
+  load_bids(0);
+#pragma unroll
+  for (int n = 0; n < S - 1; ++n) {  // prologue: S - 1 tiles in flight
+    if (n < ntiles) issue(n);
+    cp_async_commit();
+  }
+  if constexpr (!F::INT4) fill_tables<FMT>(P.lut16, threadIdx.x, NW * 32);
+  const int64_t row0 = (int64_t)bh * P.G;
+  Warp<FMT, D> W;
+  W.init(P, row0, g, q);
+  if constexpr (!F::INT4) __syncthreads();  // the level tables
+
+  for (int n = 0; n < ntiles; ++n) {
+    cp_async_wait<S - 2>();  // this lane's copies of tile n have landed
+    __syncwarp();            // ... and every lane's; stage (n - 1) % S is free again
+    const int nn = n + S - 1;
+    if ((nn & 31) == 0) load_bids(nn);
+    if (nn < ntiles) issue(nn);
+    cp_async_commit();
+
+    const uint8_t* st = ring[warp][n % S];
+    const int t0 = (first + n * NW) * 16;
+    KRow<FMT, D> kr[2];
+    uint32_t km[2], vm[2];
+    bool valid[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // score row g + 8r holds token 4(g/2) + 2r + g%2 of the tile (v_pairs: PAIRED)
+      const int t = 4 * (g >> 1) + 2 * r + (g & 1), tok = t0 + t;
+      valid[r] = tok >= tok_lo && tok < tok_hi;
+      kr[r].load(st + t * F::KCB, q);
+      // unwritten slots may hold any bytes: their metadata must not reach p * s (NaN * 0)
+      km[r] = valid[r] ? ld_meta(st + ST::K + ST::V + t * F::MB, F::INT4) : 0u;
+      vm[r] = valid[r] ? ld_meta(st + ST::K + ST::V + ST::M + t * F::MB, F::INT4) : 0u;
+    }
+    float s[4];
+    W.score(kr, km, valid, P.qk_scale, s);
+    W.template pv<true, true>(s, vm, st + ST::K + 4 * q, 16, g);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: it becomes the merge buffer
+  merge_store<FMT, D, NW>(W, P, sm_m, sm_l, reinterpret_cast<float(*)[8][D]>(&ring[0][0][0]),
+                          row0, split, warp, g, q);
+}
+
+constexpr int NWARPS = 4;
+constexpr int STAGES = 4;
+
+template <int FMT, int D>
+int launch(int variant, const Params& p, int grid_x, cudaStream_t stream) {
   dim3 grid(grid_x, p.num_splits);
-  split_kernel<D, INT4, NW><<<grid, NW * 32, 0, stream>>>(p);
+  if (variant == 5)
+    split_v5<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, 0, stream>>>(p);
+  else
+    split_v4a<FMT, D, NWARPS><<<grid, NWARPS * 32, 0, stream>>>(p);
   return (int)cudaGetLastError();
+}
+
+template <int FMT>
+int launch_d(int variant, int head_dim, const Params& p, int gx, cudaStream_t s) {
+  if (head_dim == 128) return launch<FMT, 128>(variant, p, gx, s);
+  if (head_dim == 64) return launch<FMT, 64>(variant, p, gx, s);
+  return 1000;
 }
 
 }  // namespace
 
 extern "C" {
 
-// fmt: 0 = int4 (bf16 q), 1 = 4bit (fp16 q' with per-row scale qs, fp16 level table).
-// Returns a cudaError_t (0 = launched); 1000 + x for an unsupported argument.
-int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs,
+// variant: 4 = v4a, 5 = v5. fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q'
+// with per-row scale qs, fp16 level table [4][16]). Returns a cudaError_t (0 = launched);
+// 1000 + x for an unsupported argument.
+int kvzd_split_launch(int variant, int fmt, int head_dim, const void* q, const float* qs,
                       const uint16_t* lut16, const uint8_t* kc, const uint8_t* vc,
                       const int32_t* bt, const int32_t* sl, float* o_part, float* lse,
                       float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
@@ -456,7 +787,10 @@ int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs,
                       long long v_blk_stride, int PS, int tokens_per_split, int num_splits,
                       int skip, void* stream) {
   if (G < 1 || G > 8) return 1001;
-  if (PS % 16 || tokens_per_split % 16) return 1002;
+  if (PS < 16 || (PS & (PS - 1)) || tokens_per_split % 16) return 1002;
+  if (variant != 4 && variant != 5) return 1003;
+  if (k_blk_stride % 16 || v_blk_stride % 16 || k_page_bytes % 16 || v_page_bytes % 16)
+    return 1004;  // cp.async and vector loads need 16-byte aligned pages
   Params p{q,
            qs,
            lut16,
@@ -475,15 +809,18 @@ int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs,
            k_blk_stride,
            v_blk_stride,
            PS,
+           31 - __builtin_clz((unsigned)PS),
            tokens_per_split,
            num_splits,
            skip};
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int gx = batch * num_kv_heads;
-  if (fmt == 0 && head_dim == 128) return launch<128, true>(p, gx, s);
-  if (fmt == 0 && head_dim == 64) return launch<64, true>(p, gx, s);
-  if (fmt == 1 && head_dim == 128) return launch<128, false>(p, gx, s);
-  if (fmt == 1 && head_dim == 64) return launch<64, false>(p, gx, s);
+  switch (fmt) {
+    case FMT_INT4: return launch_d<FMT_INT4>(variant, head_dim, p, gx, s);
+    case FMT_4BIT: return launch_d<FMT_4BIT>(variant, head_dim, p, gx, s);
+    case FMT_35BIT: return launch_d<FMT_35BIT>(variant, head_dim, p, gx, s);
+    case FMT_3BIT: return launch_d<FMT_3BIT>(variant, head_dim, p, gx, s);
+  }
   return 1000;
 }
 

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""sm_90a SASS of the CUDA decode kernels (csrc/paged_decode.cu), compiled on the CPU machine
+with nvcc (no GPU): per kernel (design, format, head_dim) the ptxas registers, spills and shared
+memory, and the instructions of the token loop (the shortest backward branch around the mma
+instructions: one warp's 16-token tile) by opcode class. Per token and KV head: loop
+instructions / 16.
+
+    KVZIP_NVCC=.../nvcc uv run python packages/kvzip-kernels/benchmarks/cuda_sass.py \\
+        --out results/kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+
+from kvzip_kernels import _cuda
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+FMT = {0: "int4", 1: "4bit", 2: "3.5bit", 3: "3bit"}
+CLASSES = {
+    "HMMA": "mma",
+    "LDS": "lds",
+    "LDG": "ldg",
+    "LDGSTS": "cp.async",
+    "LDGDEPBAR": "cp.async",
+    "DEPBAR": "cp.async",
+    "PRMT": "prmt",
+    "LOP3": "int",
+    "SHF": "int",
+    "IADD3": "int",
+    "IMAD": "int",
+    "LEA": "int",
+    "SHFL": "shfl",
+    "MUFU": "mufu",
+    "MOVM": "movmatrix",
+}
+
+
+def kernel_name(mangled: str) -> tuple[str, str, int] | None:
+    m = re.search(r"split_(v4a|v5)ILi(\d)ELi(\d+)E", mangled)
+    return (m[1], FMT[int(m[2])], int(m[3])) if m else None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    flags = _cuda.arch_flags((9, 0))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        r = subprocess.run(
+            [_cuda.nvcc(), "-O3", *flags[:1], "-Xptxas", "-v", "-cubin", "-o", str(cubin)]
+            + [str(_cuda._SRC)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        sass = subprocess.run(
+            [BIN / "cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    res = {}
+    cur = None
+    for ln in r.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", ln)
+        if m:
+            cur = kernel_name(m[1])
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ln)
+        if m and cur:
+            res.setdefault(cur, {})["spill_bytes"] = int(m[1]) + int(m[2])
+        m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", ln)
+        if m and cur:
+            res.setdefault(cur, {}).update(regs=int(m[1]), smem_bytes=int(m[2]))
+    rows = []
+    for fn in re.split(r"\n\s*Function : ", sass)[1:]:
+        key = kernel_name(fn.split("\n", 1)[0])
+        if key is None:
+            continue
+        ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", fn)
+        addr = {int(x, 16): op for x, op in ins}
+        loops = [
+            (int(t, 16), int(s, 16))
+            for s, t in re.findall(r"/\*([0-9a-f]+)\*/[^\n]*BRA `?\(?\.?L?[^\n]*?0x([0-9a-f]+)", fn)
+            if int(t, 16) < int(s, 16)
+        ]
+        # the token loop: the shortest backward branch around tensor-core work (longer ones are
+        # the compiler's re-convergence paths of divergent shuffles, inner ones copy loops)
+        with_mma = [
+            (lo, hi)
+            for lo, hi in loops
+            if any(op.startswith("HMMA") for x, op in addr.items() if lo <= x <= hi)
+        ]
+        lo, hi = min(with_mma, key=lambda x: x[1] - x[0])
+        body = [op for x, op in addr.items() if lo <= x <= hi]
+        by = collections.Counter(CLASSES.get(op.split(".")[0], "other") for op in body)
+        rows.append(
+            dict(
+                variant=key[0],
+                format=key[1],
+                head_dim=key[2],
+                **res.get(key, {}),
+                loop_instr=len(body),
+                per_token_head=round(len(body) / 16, 1),
+                by_class=dict(sorted(by.items())),
+            )
+        )
+    rows.sort(key=lambda x: (x["format"], x["head_dim"], x["variant"]))
+    for x in rows:
+        print(
+            f"{x['variant']:4s} {x['format']:7s} d{x['head_dim']:<4d} regs {x.get('regs')} "
+            f"spill {x.get('spill_bytes')} smem {x.get('smem_bytes')} loop {x['loop_instr']} "
+            f"= {x['per_token_head']} /token-head  {x['by_class']}"
+        )
+    if a.out:
+        out = Path(a.out) / "cuda_sass.json"
+        meta = dict(
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            nvcc=subprocess.run([_cuda.nvcc(), "--version"], capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()[-1],
+            flags=flags[:1],
+            source=str(_cuda._SRC.name),
+        )
+        out.write_text(json.dumps(dict(meta, rows=rows), indent=1))
+        print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
