@@ -65,6 +65,7 @@ class GpuTier:
             gpu_memory_utilization=args.gpu_mem,
             enable_prefix_caching=True,
             enforce_eager=True,
+            async_scheduling=False,  # the tier refuses it: see connector.require_sync_scheduling
             seed=0,
             kv_transfer_config={
                 "kv_connector": "KvzipConnector",
@@ -72,6 +73,7 @@ class GpuTier:
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {
                     "budget_bytes": int(args.budget_gb * 1e9),
+                    "chunk_tokens": self.bs,  # one block per chunk: the faults count blocks
                     "stats_path": str(root / "tier-stats.json"),
                 },
             },
