@@ -649,8 +649,13 @@ struct Stage {  // one 16-token tile: K codes (token-major), V codes (channel-ma
   static_assert(K % 16 == 0 && V % 16 == 0 && M % 16 == 0, "16-byte cp.async chunks");
 };
 
+// 5 CTAs (20 warps) per SM: <= 102 registers, which every instance meets without spills but
+// 3.5bit at d128 (28 bytes of spills there: it keeps 4 CTAs)
+template <int FMT, int D>
+constexpr int v5_min_ctas() { return FMT == FMT_35BIT && D == 128 ? 4 : 5; }
+
 template <int FMT, int D, int NW, int S>
-__global__ void __launch_bounds__(NW * 32) split_v5(const Params P) {
+__global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const Params P) {
   using F = Fmt<FMT, D>;
   using ST = Stage<FMT, D>;
   static_assert(NW * S * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
