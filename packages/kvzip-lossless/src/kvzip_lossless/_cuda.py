@@ -95,6 +95,11 @@ def lib(device=None):
             L.kvzl_encode_launch.argtypes = [P, P, I, P, P, P, I, I, I, P, P, P, P]
             L.kvzl_pack_launch.argtypes = [P, LL, LL, P, I, P, P, P, P]
             L.kvzl_compact_launch.argtypes = [P, P, P, I, I, P, P]
+            L.kvzl_benc_launch.argtypes = [P, P, I, P, P, P, P, P, P, P, P, P, LL, P]
+            L.kvzl_basm_launch.argtypes = [P, P, P, P, P, I, P]
+            L.kvzl_bmant_launch.argtypes = [P, P, P, I, LL, P]
+            L.kvzl_bhead_launch.argtypes = [P, P, I, P, P]
+            L.kvzl_bdec_launch.argtypes = [P, P, P, P, P, P, I, P, P, P, P, P, P, P]
             _libs[cap] = L
         except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
             _failed[cap] = f"{type(e).__name__}: {e}"
@@ -234,3 +239,37 @@ def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
         nch=nch,
         rows=rows,
     )
+
+
+# Batched kernels (gpu_batch.py builds their descriptors; spec/blob.md section 9).
+def batch_encode(flat, desc, n_items, tab, bmap, base, scratch, counts, states, sums, ecnt,
+                 ebuf, ecap) -> None:  # fmt: skip
+    L = lib(flat.device)
+    ptrs = [_ptr(t) for t in (flat, desc)]
+    rest = [_ptr(t) for t in (tab, bmap, base, scratch, counts, states, sums, ecnt, ebuf)]
+    _check(L.kvzl_benc_launch(*ptrs, n_items, *rest, int(ecap), _stream()), "batch encode")
+
+
+def batch_assemble(flat, data, scratch, states, asm, n_items) -> None:
+    L = lib(flat.device)
+    args = [_ptr(t) for t in (flat, data, scratch, states, asm)]
+    _check(L.kvzl_basm_launch(*args, n_items, _stream()), "batch assemble")
+
+
+def batch_mant(flat, data, tdesc, n_tiles, max_nv) -> None:
+    L = lib(flat.device)
+    args = [_ptr(t) for t in (flat, data, tdesc)]
+    _check(L.kvzl_bmant_launch(*args, n_tiles, int(max_nv), _stream()), "batch mantissa")
+
+
+def batch_check(data, bdesc, n, bad) -> None:
+    L = lib(data.device)
+    _check(L.kvzl_bhead_launch(_ptr(data), _ptr(bdesc), n, _ptr(bad), _stream()), "batch check")
+
+
+def batch_decode(data, cum16, bmap, base, bdesc, items, n_items, out16, sums, expect, ecount,
+                 nexp, bad) -> None:  # fmt: skip
+    L = lib(data.device)
+    a = [_ptr(t) for t in (data, cum16, bmap, base, bdesc, items)]
+    b = [_ptr(t) for t in (out16, sums, expect, ecount, nexp, bad)]
+    _check(L.kvzl_bdec_launch(*a, n_items, *b, _stream()), "batch decode")

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvzip_lossless.blob import HEAD, MAX_COLUMNS, CorruptBlobError, parse_header
+from kvzip_lossless.codec import _check_input, compress, decode_u16
 from kvzip_lossless.tables import TableSet
-from kvzip_lossless.tiles import ROWS_PER_TILE
+from kvzip_lossless.tiles import ROWS_PER_TILE, resolve_table, table_for
 
 #: Columns of a plan row (int64 each), spec/blob.md section 9.
 PLAN_FIELDS = (
@@ -101,14 +103,68 @@ def encode_batch(
     bad input (not bf16, mixed devices, a slot outside the set, a shape the slot's table does
     not fit).
     """
-    raise NotImplementedError("encode_batch: the signature is fixed; the body lands next")
+    tensors = list(tensors)
+    if not isinstance(tables, TableSet):
+        raise TypeError(
+            f"tables must be a kvzip_lossless.TableSet, got {type(tables).__name__} (the batched "
+            "API codes with a table set: fit one with build_kv_tables, on the GPU for CUDA KV)"
+        )
+    slots = [int(s) for s in slots]
+    if len(slots) != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors but {len(slots)} slots: give one slot per tensor")
+    if not 1 <= rows_per_tile < 1 << 31:
+        raise ValueError(f"rows_per_tile must be a positive int32, got {rows_per_tile}")
+    if not tensors:
+        return EncodedBatch(
+            torch.zeros(0, dtype=torch.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64),
+            np.zeros((0, PLAN_WIDTH), np.int64),
+        )  # fmt: skip
+    dev = tensors[0].device
+    for i, (x, s) in enumerate(zip(tensors, slots, strict=True)):
+        _check_input(x)
+        if x.device != dev:
+            raise ValueError(f"tensor {i} is on {x.device}, tensor 0 on {dev}: one device a batch")
+        resolve_table(tables, s, tuple(x.shape), x.numel())  # slot and shape checks
+    if dev.type == "cuda":
+        from kvzip_lossless import gpu
+
+        if gpu.available():
+            from kvzip_lossless import gpu_batch
+
+            data, offsets, lengths, plans = gpu_batch.encode_batch(
+                tensors, tables, slots, rows_per_tile
+            )
+            return EncodedBatch(data, offsets, lengths, plans)
+    blobs = [
+        compress(x, tables=tables, slot=s, rows_per_tile=rows_per_tile)
+        for x, s in zip(tensors, slots, strict=True)
+    ]
+    lengths = np.array([len(b) for b in blobs], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+    return EncodedBatch(data.to(dev), offsets, lengths, plan_blobs(blobs))
 
 
 def plan_blobs(blobs: Sequence) -> np.ndarray:
     """Plans (int64 ``[n, PLAN_WIDTH]``) of blobs held on the host (bytes-like), from their
     headers (numpy over all of them). CorruptBlobError for a damaged header; ValueError for a
     blob that embeds its table (not batched: use :func:`kvzip_lossless.decompress`)."""
-    raise NotImplementedError("plan_blobs: the signature is fixed; the body lands next")
+    rows = []
+    for i, b in enumerate(blobs):
+        buf = memoryview(b).cast("B")
+        h = parse_header(buf)
+        if h.embedded is not None:
+            raise ValueError(
+                f"blob {i} embeds its own table: not batched (decode it with "
+                "kvzip_lossless.decompress, or code with a table set)"
+            )
+        slot = -1 if h.table_id == 0 else h.table_slot
+        dir_off = HEAD.size + 8 * len(h.shape)
+        rows.append(
+            (len(buf), h.numel, h.columns, h.rows_per_tile, h.n_tiles, dir_off, h.tiles_start,
+             slot, _signed(h.table_id))
+        )  # fmt: skip
+    return np.array(rows, np.int64).reshape(-1, PLAN_WIDTH)
 
 
 def decode_batch(
@@ -136,14 +192,133 @@ def decode_batch(
     decoded at all (plans malformed, a table set missing for a ``table_id``, offsets not
     aligned or outside ``data``, ``out`` too small or not bf16).
     """
-    raise NotImplementedError("decode_batch: the signature is fixed; the body lands next")
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError("data must be a 1-D uint8 tensor holding the blobs")
+    if not data.is_contiguous() or data.data_ptr() % ALIGN:
+        raise ValueError(f"data must be contiguous and start at an address multiple of {ALIGN}")
+    plans = np.asarray(plans)
+    if plans.ndim != 2 or plans.shape[1] != PLAN_WIDTH:
+        raise ValueError(f"plans must be int64 [n, {PLAN_WIDTH}] (PLAN_FIELDS), got {plans.shape}")
+    plans = plans.astype(np.int64)
+    n = len(plans)
+    offsets = np.asarray(offsets, np.int64).reshape(-1)
+    if offsets.shape != (n,):
+        raise ValueError(f"{n} plans but {offsets.size} offsets: give one offset per blob")
+    check_plans(plans)
+    length, numel = plans[:, 0], plans[:, 1]
+    if n and ((offsets % ALIGN).any() or (offsets < 0).any()):
+        raise ValueError(f"blob offsets must be non-negative multiples of {ALIGN}")
+    if n and (offsets + length > data.numel()).any():
+        i = int(np.flatnonzero(offsets + length > data.numel())[0])
+        raise ValueError(
+            f"blob {i} ([{offsets[i]}, {offsets[i] + length[i]})) lies outside data "
+            f"({data.numel()} bytes)"
+        )
+    sets = [] if tables is None else [tables] if isinstance(tables, TableSet) else list(tables)
+    for ts in sets:
+        if not isinstance(ts, TableSet):
+            raise TypeError(f"tables must be TableSet(s), got {type(ts).__name__}")
+    set_idx = _set_index(plans, sets)
+    if out_offsets is None:
+        out_offsets = np.concatenate([[0], np.cumsum(numel)[:-1]]).astype(np.int64)
+    out_offsets = np.asarray(out_offsets, np.int64).reshape(-1)
+    if out_offsets.shape != (n,):
+        raise ValueError(f"{n} plans but {out_offsets.size} out_offsets")
+    need = int((out_offsets + numel).max()) if n else 0
+    if out is None:
+        out = torch.empty(need, dtype=torch.bfloat16, device=data.device)
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != torch.bfloat16
+        or not out.is_contiguous()
+        or out.device != data.device
+    ):
+        raise ValueError(f"out must be a contiguous bfloat16 tensor on {data.device}")
+    if (out_offsets < 0).any() or need > out.numel():
+        raise ValueError(f"out holds {out.numel()} values; the blobs need {need} at out_offsets")
+    if data.device.type == "cuda":
+        from kvzip_lossless import gpu
+
+        if gpu.available():
+            from kvzip_lossless import gpu_batch
+
+            return gpu_batch.decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets)
+    return _decode_cpu(data, offsets, plans, sets, set_idx, out, out_offsets)
 
 
 def check_batch(bad: torch.Tensor) -> None:
     """Raise :class:`~kvzip_lossless.CorruptBlobError` naming the damaged blobs if any flag
     of ``bad`` (from :func:`decode_batch`) is set (one device-to-host read)."""
-    from kvzip_lossless.blob import CorruptBlobError
-
     idx = torch.nonzero(bad.cpu()).view(-1).tolist()
     if idx:
         raise CorruptBlobError(f"batched decode: blob(s) {idx[:8]} damaged ({len(idx)} in all)")
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def check_plans(plans: np.ndarray) -> None:
+    """ValueError unless every plan row is self-consistent (numpy over all rows)."""
+    length, numel, C, rpt, nt, dir_off, ts, slot, tid = plans.T
+    ndim = (dir_off - 40) // 8
+    c1 = np.maximum(C, 1)
+    rows = numel // c1
+    ok = (
+        (length % 4 == 0) & (numel >= 0) & (numel < 1 << 40) & (C >= 1) & (C <= MAX_COLUMNS)
+        & (rpt >= 1) & (rpt < 1 << 31) & (numel % c1 == 0) & (nt == -(-rows // np.maximum(rpt, 1)))
+        & ((dir_off - 40) % 8 == 0) & (ndim >= 0) & (ndim <= 8) & (ts == dir_off + 16 * nt + 4)
+        & (length >= ts) & (slot >= -1) & ((slot >= 0) | (tid == 0))
+    )  # fmt: skip
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise ValueError(
+            f"plan {i} is malformed ({dict(zip(PLAN_FIELDS, plans[i].tolist(), strict=True))}); "
+            "plans come from encode_batch or plan_blobs"
+        )
+
+
+def _set_index(plans: np.ndarray, sets: list[TableSet]) -> np.ndarray:
+    """Index in ``sets`` of each blob's table set (-1: no table); ValueError when one is
+    missing or lacks the slot / its columns."""
+    slot, tid, cols = plans[:, 7], plans[:, 8], plans[:, 2]
+    idx = np.full(len(plans), -1, np.int64)
+    ids = {_signed(ts.table_id): k for k, ts in enumerate(sets)}
+    for t in np.unique(tid[slot >= 0]).tolist():
+        if t not in ids:
+            raise ValueError(
+                f"blobs name table set {t & ((1 << 64) - 1):016x}, which was not given "
+                f"(given: {[f'{ts.table_id:016x}' for ts in sets]})"
+            )
+        m = (tid == t) & (slot >= 0)
+        idx[m] = k = ids[t]
+        ts = sets[k]
+        for s, c in set(zip(slot[m].tolist(), cols[m].tolist(), strict=True)):
+            if s >= len(ts) or ts.tables[s].columns != c:
+                raise ValueError(
+                    f"table set {ts.table_id:016x} has no slot {s} of {c} columns ({len(ts)} slots)"
+                )
+    return idx
+
+
+def _decode_cpu(data, offsets, plans, sets, set_idx, out, out_offsets):
+    """The CPU path: each blob by the CPU coder, its header compared with its plan."""
+    host = data.cpu().numpy() if data.device.type != "cpu" else data.numpy()
+    bad = np.zeros(len(plans), np.int32)
+    o16 = out.view(-1).view(torch.int16)
+    for i, p in enumerate(plans):
+        a, ln = int(offsets[i]), int(p[0])
+        buf = memoryview(host[a : a + ln])
+        try:
+            if (plan_blobs([buf])[0] != p).any():
+                raise CorruptBlobError("header does not match its plan")
+            h = parse_header(buf)
+            table = table_for(h, sets[set_idx[i]] if set_idx[i] >= 0 else None)
+            vals = decode_u16(buf, h, table)
+        except CorruptBlobError:
+            bad[i] = 1
+            continue
+        o16[int(out_offsets[i]) : int(out_offsets[i]) + vals.size] = torch.from_numpy(
+            vals.view(np.int16)
+        ).to(out.device)
+    return out, torch.from_numpy(bad).to(data.device)

@@ -1,0 +1,192 @@
+"""The batched API (kvzip_lossless.batch, spec/blob.md section 9): the same bytes as
+``compress``, exact decode, per-blob damage flags, refusals of bad input.
+
+The CPU path runs the CPU coder; the GPU path's Triton kernels run on CPU tensors under
+TRITON_INTERPRET=1 (small shapes: the interpreter is slow); ``-m gpu`` runs the CUDA C
+kernels on an 8B-shaped chunk.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import kvzip_lossless as kl
+from kvzip_lossless import batch, gpu, gpu_batch
+from kvzip_lossless import blob as B
+from kvzip_lossless import tables as T
+
+
+def kv_like(t, h, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, d, generator=g) * (torch.rand(1, h, d, generator=g) * 3 + 0.05)
+    return (x + torch.randn(1, h, d, generator=g) * 2).bfloat16()
+
+
+def table_set(seed=3, layers=2, h=2, d=16):
+    w = [(kv_like(400, h, d, seed + k), kv_like(400, h, d, seed + 7 + k)) for k in range(layers)]
+    return kl.build_kv_tables([w])
+
+
+def batch_inputs():
+    """Four tensors: coded tiles with escapes, a partial last tile, an all-raw tensor."""
+    xs = [
+        kv_like(40, 2, 16, 3),
+        kv_like(40, 2, 16, 10),
+        kv_like(23, 2, 16, 4),
+        kv_like(40, 2, 16, 11),
+    ]
+    xs[0][2, 0, 1], xs[0][9, 1, 2], xs[2][3, 0, 0] = 3e38, float("nan"), -1e-38
+    xs[3] = (torch.randn(40, 2, 16, generator=torch.Generator().manual_seed(5)) * 1e10).bfloat16()
+    return xs, [0, 1, 2, 3]
+
+
+def reference(xs, ts, slots, rpt):
+    return [
+        kl.compress(x, tables=ts, slot=s, rows_per_tile=rpt) for x, s in zip(xs, slots, strict=True)
+    ]
+
+
+def blob_bytes(data, offs, lens, i):
+    return bytes(data[int(offs[i]) : int(offs[i]) + int(lens[i])].cpu().numpy().tobytes())
+
+
+def test_cpu_batch_equals_compress_and_decodes_exactly():
+    ts = table_set()
+    xs, slots = batch_inputs()
+    ref = reference(xs, ts, slots, 16)
+    h = [B.parse_header(memoryview(r)) for r in ref]
+    assert (h[0].modes == B.MODE_RANS).any() and h[0].n_exc.sum() >= 2
+    assert (h[3].modes == B.MODE_RAW).all(), "the test must exercise raw tiles"
+    eb = kl.encode_batch(xs, tables=ts, slots=slots, rows_per_tile=16)
+    assert len(eb) == 4 and eb.nbytes == sum(len(r) for r in ref)
+    assert [eb.blob(i) for i in range(4)] == ref
+    assert (eb.offsets % batch.ALIGN == 0).all()
+    assert (eb.plans == kl.plan_blobs(ref)).all()
+    # into one buffer at chosen offsets (a gap between blobs)
+    oo = np.array([0, 2000, 4000, 6000])
+    out = torch.zeros(8000, dtype=torch.bfloat16)
+    _, bad = kl.decode_batch(eb.data, eb.offsets, eb.plans, tables=ts, out=out, out_offsets=oo)
+    assert bad.tolist() == [0, 0, 0, 0]
+    for i, x in enumerate(xs):
+        got = out[oo[i] : oo[i] + x.numel()].view(torch.int16)
+        assert torch.equal(got, x.view(-1).view(torch.int16))
+    assert torch.equal(out[1280:2000].view(torch.int16), torch.zeros(720, dtype=torch.int16))
+
+
+def test_cpu_batch_flags_only_the_damaged_blob():
+    ts = table_set()
+    xs, slots = batch_inputs()
+    eb = kl.encode_batch(xs, tables=ts, slots=slots, rows_per_tile=16)
+    for i, pos in ((0, 30), (1, int(eb.lengths[1]) - 5), (3, 200)):
+        d = eb.data.clone()
+        d[int(eb.offsets[i]) + pos] ^= 0x10
+        _, bad = kl.decode_batch(d, eb.offsets, eb.plans, tables=ts)
+        assert bad.tolist() == [int(k == i) for k in range(4)], (i, pos)
+        with pytest.raises(kl.CorruptBlobError, match=f"blob\\(s\\) \\[{i}\\]"):
+            kl.check_batch(bad)
+
+
+def test_batch_refuses_bad_input():
+    ts = table_set()
+    xs, slots = batch_inputs()
+    eb = kl.encode_batch(xs, tables=ts, slots=slots, rows_per_tile=16)
+    with pytest.raises(ValueError, match="plans must be"):
+        kl.decode_batch(eb.data, eb.offsets, eb.plans[:, :5], tables=ts)
+    bad_plan = eb.plans.copy()
+    bad_plan[1, 4] += 1  # n_tiles
+    with pytest.raises(ValueError, match="plan 1 is malformed"):
+        kl.decode_batch(eb.data, eb.offsets, bad_plan, tables=ts)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        kl.decode_batch(eb.data, eb.offsets + 2, eb.plans, tables=ts)
+    with pytest.raises(ValueError, match="outside data"):
+        kl.decode_batch(eb.data[:-8], eb.offsets, eb.plans, tables=ts)
+    with pytest.raises(ValueError, match="was not given"):
+        kl.decode_batch(eb.data, eb.offsets, eb.plans, tables=table_set(seed=20))
+    with pytest.raises(ValueError, match="out holds"):
+        kl.decode_batch(eb.data, eb.offsets, eb.plans, tables=ts,
+                        out=torch.empty(100, dtype=torch.bfloat16))  # fmt: skip
+    with pytest.raises(ValueError, match="one slot per tensor"):
+        kl.encode_batch(xs, tables=ts, slots=slots[:2])
+    with pytest.raises(TypeError, match="TableSet"):
+        kl.encode_batch(xs, tables=None, slots=slots)
+    with pytest.raises(ValueError, match="slot must be"):
+        kl.encode_batch(xs, tables=ts, slots=[0, 1, 2, 9])
+    with pytest.raises(ValueError, match="bfloat16"):
+        kl.encode_batch([xs[0].float()], tables=ts, slots=[0])
+    with pytest.raises(ValueError, match="embeds its own table"):
+        kl.plan_blobs([kl.compress(xs[0])])
+
+
+def test_fit_table_torch_equals_numpy():
+    x = kv_like(300, 4, 16, 8)
+    a = x.view(torch.int16).reshape(300, -1)
+    for b in (T.BUCKETS_K, T.BUCKETS_V):
+        ref = T.fit_table([a.numpy().view(np.uint16), a[:100].numpy().view(np.uint16)], b)
+        assert T.fit_table_torch([a, a[:100]], b).to_bytes() == ref.to_bytes()
+
+
+needs_triton = pytest.mark.skipif(not gpu.available(), reason="needs Triton (interpreter or CUDA)")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@needs_triton
+def test_triton_batch_same_bytes_exact_and_damage_flags():
+    ts, ts2 = table_set(), table_set(seed=30)
+    xs, slots = batch_inputs()
+    xs = [x.to(DEV) for x in xs]
+    ref = reference([x.cpu() for x in xs], ts, slots, 16)
+    data, offs, lens, plans = gpu_batch.encode_batch(xs, ts, slots, 16, backend="triton")
+    assert [blob_bytes(data, offs, lens, i) for i in range(4)] == ref
+    assert (plans == kl.plan_blobs(ref)).all()
+    # a second batch with another table set, both copied into one buffer at other offsets
+    y = kv_like(24, 2, 16, 12).to(DEV)
+    d2, o2, l2, p2 = gpu_batch.encode_batch([y], ts2, [1], 16, backend="triton")
+    assert blob_bytes(d2, o2, l2, 0) == kl.compress(y.cpu(), tables=ts2, slot=1, rows_per_tile=16)
+    buf = torch.zeros(int(lens.sum()) + int(l2[0]) + 64, dtype=torch.uint8, device=DEV)
+    at = np.array([64, 64 + int(l2[0])])
+    buf[at[0] : at[0] + int(l2[0])] = d2
+    buf[at[1] : at[1] + data.numel()] = data
+    offsets = np.concatenate([[at[0]], at[1] + offs])
+    plans_all = np.concatenate([p2, plans])
+    sets = [ts, ts2]
+    si = batch._set_index(plans_all, sets)
+    tensors = [y, *xs]
+    n_out = sum(t.numel() for t in tensors)
+    oo = np.concatenate([[0], np.cumsum([t.numel() for t in tensors])[:-1]])
+    out = torch.empty(n_out, dtype=torch.bfloat16, device=DEV)
+    _, bad = gpu_batch.decode_batch(buf, offsets, plans_all, sets, si, out, oo, backend="triton")
+    assert bad.tolist() == [0] * 5
+    for i, t in enumerate(tensors):
+        got = out[oo[i] : oo[i] + t.numel()].view(torch.int16)
+        assert torch.equal(got, t.reshape(-1).view(torch.int16))
+    # damage: header field (CRC), a coded tile's words, the end of a coded blob, a raw tile
+    for i, pos in ((1, 44), (1, 120), (2, int(plans_all[2, 0]) - 3), (4, 150)):
+        b = buf.clone()
+        b[int(offsets[i]) + pos] ^= 0x21
+        _, bad = gpu_batch.decode_batch(b, offsets, plans_all, sets, si, out, oo,
+                                        backend="triton")  # fmt: skip
+        assert [int(v != 0) for v in bad.tolist()] == [int(k == i) for k in range(5)], (i, pos)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batch_8b_chunk_matches_cpu():
+    """A 256-token chunk of an 8B-shaped model (4 layers here) through the CUDA kernels."""
+    layers = [(kv_like(256, 8, 128, 2 * k), kv_like(256, 8, 128, 2 * k + 1)) for k in range(4)]
+    ts = kl.build_kv_tables([[(k.cuda(), v.cuda()) for k, v in layers]])
+    assert ts.to_bytes() == kl.build_kv_tables([layers]).to_bytes()
+    xs = [t for kv in layers for t in kv]
+    xs[0][3, 1, 5] = 3e38
+    slots = list(range(len(xs)))
+    eb = kl.encode_batch([x.cuda() for x in xs], tables=ts, slots=slots)
+    assert eb.data.is_cuda
+    assert [eb.blob(i) for i in range(len(xs))] == reference(xs, ts, slots, 1024)
+    out, bad = kl.decode_batch(eb.data, eb.offsets, eb.plans, tables=ts)
+    assert bad.cpu().tolist() == [0] * len(xs)
+    assert torch.equal(
+        out.cpu().view(torch.int16), torch.cat([x.view(-1) for x in xs]).view(torch.int16)
+    )
+    d = eb.data.clone()
+    d[int(eb.offsets[5]) + 500] ^= 1
+    _, bad = kl.decode_batch(d, eb.offsets, eb.plans, tables=ts)
+    assert [int(v != 0) for v in bad.cpu().tolist()] == [int(k == 5) for k in range(len(xs))]
