@@ -1,0 +1,32 @@
+"""csrc/kvzl.cu as C++ for the CPU emulation in emu.h: each ``k<<<grid, block, 0, s>>>(...)``
+becomes ``emu_launch(k, dim3(grid), dim3(block), ...)``. Usage: to_cpp.py kvzl.cu > out.cpp"""
+
+import re
+import sys
+
+
+def convert(src: str) -> str:
+    out, i = [], 0
+    while (j := src.find("<<<", i)) >= 0:
+        name = re.search(r"(\w+)\s*$", src[:j])
+        out.append(src[i : name.start()])
+        e = src.find(">>>", j)
+        parts, depth, cur = [], 0, ""
+        for ch in src[j + 3 : e]:
+            if ch == "," and depth == 0:
+                parts.append(cur)
+                cur = ""
+                continue
+            depth += (ch == "(") - (ch == ")")
+            cur += ch
+        parts.append(cur)
+        if src[e + 3] != "(":
+            raise ValueError("unexpected launch syntax")
+        out.append(f"emu_launch({name.group(1)}, dim3({parts[0]}), dim3({parts[1]}), ")
+        i = e + 4
+    out.append(src[i:])
+    return '#include "emu.h"\n' + "".join(out).replace("#include <cuda_runtime.h>", "")
+
+
+if __name__ == "__main__":
+    print(convert(open(sys.argv[1]).read()))
