@@ -75,6 +75,7 @@ def run(tp: int, model: str) -> dict:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "budget_bytes": 64 << 20,
+                "chunk_tokens": BLOCK_SIZE,
                 "fit_tokens": 0,
                 "stats_path": str(stats),
             },

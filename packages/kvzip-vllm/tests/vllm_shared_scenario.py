@@ -56,6 +56,7 @@ def _llm(url: str, stats_path: Path):
             kv_role="kv_both",
             kv_connector_extra_config={
                 "budget_bytes": 256 << 20,
+                "chunk_tokens": BS,
                 "stats_path": str(stats_path),
                 "fit_tokens": 0,  # every blob embeds its table: any instance decodes it
                 "shared_url": url,

@@ -41,7 +41,7 @@ import torch
 import kvzip_lossless
 from kvzip_vllm.batch_decode import BlockPlan, DecodeStep, plan_block
 from kvzip_vllm.blocks import as_ids, gather_token_major, scatter_token_major
-from kvzip_vllm.store import BlockStore, pack_record
+from kvzip_vllm.store import RECORD_ALIGN, BlockStore, pack_record
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
@@ -107,7 +107,9 @@ class CudaTierPipeline:
         if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
             store.pin()
         # every entry holds its decode plan (also those the shared tier's fetches put)
-        store.planner = lambda blobs: plan_blobs(blobs, store.tables)
+        store.planner = self._plan_entry
+        self._batch_ok: bool | None = None  # kvzip-lossless's batched coder runs here
+        self._batch_tables = None
         self._tables, self._slot_tables = store.tables, {}  # device copies of the set's tables
         self._load: _Load | None = None
         self.last_host_s: dict[str, float] = {}  # host time of the last load step, by part
@@ -131,7 +133,7 @@ class CudaTierPipeline:
         load = self._load = _Load(time.perf_counter())
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
-        good, plans, blobs, records, offs = [], [], [], [], []
+        good, plans, blobs, records, offs, batched = [], [], [], [], [], []
         cuda = self.device.type == "cuda"
         for item in loads:
             req_id, key, ids, skip = _load_item(item)
@@ -144,8 +146,18 @@ class CudaTierPipeline:
             if entry is not None:
                 load.leased.append(entry)
                 entry_blobs, plan, data, off = entry.blobs, entry.aux, None, entry.off
+                if isinstance(plan, np.ndarray):  # batch plans (kvzip_lossless.PLAN_FIELDS)
+                    if self._plans_match(plan, entry, n_tensors, numel):
+                        batched.append(entry)
+                        good.append((req_id, key, ids, skip))
+                        plans.append(plan)
+                        blobs.append(entry_blobs)
+                        records.append(self.store.record(entry))
+                        offs.append(off)
+                        continue
+                    plan = None  # decoded by the step below, planned now
                 try:
-                    if plan is None:  # stored without a plan (by the CPU path)
+                    if not isinstance(plan, BlockPlan):  # stored without one (the CPU path)
                         plan = plan_block(entry_blobs, self.store.tables)
                         data, _ = pack_record(entry_blobs, plan.tail, pin_memory=cuda)
                         plan, off = plan.without_tail(), -1
@@ -175,6 +187,14 @@ class CudaTierPipeline:
         n = len(good)
         if n == 0:
             return
+        if len(batched) == n and self._batched():
+            return self._start_batched(load, good, plans, records, offs)
+        if batched:  # a step of mixed entries: the batch-planned ones planned here too
+            for j, plan in enumerate(plans):
+                if isinstance(plan, np.ndarray):
+                    full = plan_block(blobs[j], self.store.tables)
+                    records[j], _ = pack_record(blobs[j], full.tail, pin_memory=cuda)
+                    plans[j], offs[j] = full.without_tail(), -1
         # in arena order: records of consecutive extents go to the device in one copy
         order = sorted(range(n), key=lambda j: (offs[j] < 0, offs[j]))
         good, plans, blobs, records, offs = (
@@ -235,7 +255,7 @@ class CudaTierPipeline:
                 step.prepare(j0, j1, blob_dev)
                 step.decode(j0, j1, blob_dev, out)
         with self._on(self.decode_stream):
-            load.flags = step.finish(blob_dev, out)
+            load.flags = step.finish(blob_dev, out).view(-1, n).amax(0)  # per chunk
         load.out = out
         # the records stay leased until the step is done (an entry evicted meanwhile keeps
         # its arena extent until then; an unplanned one's own pinned copy stays referenced)
@@ -260,7 +280,7 @@ class CudaTierPipeline:
                 n, b = len(load.blocks), self.bpc
                 if self.decode_stream is not None:
                     torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
-                bad = load.flags.view(-1, n).amax(0).cpu().numpy()  # the step's one sync
+                bad = load.flags.cpu().numpy()  # the step's one sync
                 for j in np.flatnonzero(bad):
                     _, key, ids, skip = load.blocks[j]
                     logger.warning(
@@ -332,6 +352,9 @@ class CudaTierPipeline:
                 with self._on(self.store_stream):
                     if event is not None:
                         self.store_stream.wait_event(event)
+                    if self._batched():
+                        self._store_batched(keys, staged)
+                        keys = []
                     for j, key in enumerate(keys):
                         layers = [(k[j], v[j]) for k, v in staged]
                         try:
@@ -347,6 +370,150 @@ class CudaTierPipeline:
                         self.store_stream.synchronize()  # staged is read there until now
             finally:
                 self._jobs.task_done()
+
+    # -- kvzip-lossless's public batched coder ------------------------------------------
+    def _batched(self) -> bool:
+        """Whether kvzip-lossless's batched coder (``encode_batch`` / ``decode_batch``) codes
+        this step: a table set is there and a probe round trip on this device works (an
+        older kvzip-lossless without it: the per-blob coder and this module's batched
+        decode run instead)."""
+        tables = self.store.tables
+        if tables is None:
+            return False
+        if self._batch_ok is None or self._batch_tables is not tables:
+            self._batch_tables = tables
+            self._batch_ok = _probe_batched(self.device, tables, self.block_shape)
+            logger.info("kvzip tier: kvzip-lossless batched coder %s",
+                        "on" if self._batch_ok else "not available")  # fmt: skip
+        return self._batch_ok
+
+    def _plan_entry(self, blobs):
+        """The store's planner for entries put without a plan (e.g. fetched from the shared
+        tier): batch plans when the batched coder runs, else this module's decode plan."""
+        if self._batched():
+            try:
+                plans = np.ascontiguousarray(kvzip_lossless.plan_blobs(blobs), np.int64)
+                return plans, plans.nbytes, None
+            except (ValueError, NotImplementedError):  # e.g. a blob embedding its table
+                pass
+        return plan_blobs(blobs, self.store.tables)
+
+    def _plans_match(self, plans: np.ndarray, entry, n_tensors: int, numel: int) -> bool:
+        """An entry's batch plans agree with its blobs and this cache's shape."""
+        return (
+            plans.shape == (n_tensors, len(kvzip_lossless.PLAN_FIELDS))
+            and (plans[:, 1] == numel).all()
+            and tuple(plans[:, 0].tolist()) == tuple(map(len, entry.blobs))
+            and int(plans[:, 0].sum()) == entry.size
+        )
+
+    def _start_batched(self, load: _Load, good, plans, records, offs) -> None:
+        """A load step through ``kvzip_lossless.decode_batch``: the records (blobs back to
+        back) copied to one device buffer (one copy per run of records lying back to back in
+        the arena), one decode call per chunk group as its copies land."""
+        n, S = len(good), 2 * len(self.caches)
+        numel = int(np.prod(self.block_shape))
+        order = sorted(range(n), key=lambda j: offs[j])
+        good, plans, records, offs = ([x[j] for j in order] for x in (good, plans, records, offs))
+        load.blocks = good
+        t_host = time.perf_counter()
+        sizes = np.array([r.numel() for r in records], np.int64)
+        ext = -(-sizes // RECORD_ALIGN) * RECORD_ALIGN
+        rec_base = np.concatenate([[0], np.cumsum(ext)[:-1]]).astype(np.int64)
+        all_plans = np.concatenate(plans)  # [n * S, PLAN_WIDTH], chunk-major
+        lengths = all_plans[:, 0].reshape(n, S)
+        in_rec = np.cumsum(lengths, 1) - lengths
+        offsets = (rec_base[:, None] + in_rec).ravel()
+        j_idx, s_idx = np.divmod(np.arange(n * S), S)
+        out_offsets = (s_idx * n + j_idx) * numel  # out is [S, n, *chunk shape]: slot-major
+        load.host_plan_s = time.perf_counter() - t_host
+        blob_dev = torch.empty(int(ext.sum()), dtype=torch.uint8, device=self.device)
+        out = torch.empty((S, n, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
+        for stream in (self.copy_stream, self.decode_stream):
+            if stream is not None:
+                stream.wait_stream(cur)
+        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
+        bounds = np.linspace(0, n, groups + 1).astype(int)
+        events = []
+        arena = self.store.arena.buf
+        with self._on(self.copy_stream):
+            for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True):
+                j = j0
+                while j < j1:
+                    k = j + 1
+                    while k < j1 and offs[k] - offs[j] == int(rec_base[k] - rec_base[j]):
+                        k += 1
+                    a, end = int(rec_base[j]), offs[k - 1] + int(sizes[k - 1])
+                    blob_dev[a : a + end - offs[j]].copy_(arena[offs[j] : end], non_blocking=True)
+                    load.copies += 1
+                    j = k
+                if self.copy_stream is not None:
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self.copy_stream)
+        flat, bads = out.view(-1), []
+        with self._on(self.decode_stream):
+            for g, (j0, j1) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+                if events:
+                    self.decode_stream.wait_event(events[g])
+                i0, i1 = j0 * S, j1 * S
+                _, bad = kvzip_lossless.decode_batch(
+                    blob_dev, offsets[i0:i1], all_plans[i0:i1], tables=self.store.tables,
+                    out=flat, out_offsets=out_offsets[i0:i1],
+                )  # fmt: skip
+                bads.append(bad)
+            load.flags = torch.cat(bads).view(n, S).amax(1)  # per chunk, on the device
+        load.out = out
+        load.keep += [blob_dev, records]
+        load.host_s = time.perf_counter() - load.t0
+
+    def _store_batched(self, keys: list[bytes], staged) -> None:
+        """Code a store job's chunks with one ``kvzip_lossless.encode_batch`` call (every
+        layer's K and V of every chunk), copy each chunk's blobs from the device into its
+        arena extent (page-locked: asynchronous), one synchronisation for the job."""
+        t0 = time.perf_counter()
+        S = 2 * len(staged)
+        todo = []
+        for j, key in enumerate(keys):
+            if key in self.store:  # held already (another request stored it)
+                nbytes, _ = self.store.put_blobs(key, (), 0)
+                self._done.put((key, nbytes, []))
+            else:
+                todo.append(j)
+        if not todo:
+            return
+        tensors, slots = [], []
+        for j in todo:
+            for layer, (k, v) in enumerate(staged):
+                tensors += [k[j], v[j]]
+                slots += [kvzip_lossless.kv_slot(layer, "k"), kvzip_lossless.kv_slot(layer, "v")]
+        try:
+            enc = kvzip_lossless.encode_batch(tensors, tables=self.store.tables, slots=slots)
+        except Exception:  # noqa: BLE001 (every chunk of the job reported not stored)
+            logger.exception("kvzip tier: storing %d chunks failed", len(todo))
+            self.store.stats.store_errors += len(todo)
+            for j in todo:
+                self._done.put((keys[j], 0, []))
+            return
+        raw = sum(t.numel() * t.element_size() for t in tensors[:S])
+        arena, pending = self.store.arena.buf, []
+        for c, j in enumerate(todo):
+            i0, i1 = c * S, (c + 1) * S
+            a = int(enc.offsets[i0])
+            size = int(enc.offsets[i1 - 1] + enc.lengths[i1 - 1]) - a
+            plans = np.ascontiguousarray(enc.plans[i0:i1], np.int64)
+            off, evicted = self.store.reserve(size, plans.nbytes)
+            if off is None:  # larger than the budget, or no room now
+                self._done.put((keys[j], 0, evicted))
+                continue
+            arena[off : off + size].copy_(enc.data[a : a + size], non_blocking=True)
+            pending.append((keys[j], off, size, enc.lengths[i0:i1], plans, evicted))
+        if self.store_stream is not None:
+            self.store_stream.synchronize()  # the job's copies are in the arena
+        for key, off, size, lengths, plans, evicted in pending:
+            nbytes = self.store.commit(key, off, size, lengths, raw, plans, plans.nbytes)
+            self._done.put((key, nbytes, evicted))
+        self.store.stats.store_seconds += time.perf_counter() - t0
 
     def drain(self) -> None:
         """Wait until every queued store is in the store (tests, shutdown)."""
@@ -367,3 +534,22 @@ class CudaTierPipeline:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=30)
+
+
+def _probe_batched(device, tables, shape) -> bool:
+    """A round trip of two small tensors through ``encode_batch`` / ``decode_batch`` on
+    ``device`` with ``tables``: False when kvzip-lossless has no batched coder yet (or it
+    fails here; logged)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(*shape, generator=g).to(torch.bfloat16).to(device) for _ in range(2)]
+        slots = [kvzip_lossless.kv_slot(0, "k"), kvzip_lossless.kv_slot(0, "v")]
+        enc = kvzip_lossless.encode_batch(xs, tables=tables, slots=slots)
+        out, bad = kvzip_lossless.decode_batch(enc.data, enc.offsets, enc.plans, tables=tables)
+        want = torch.cat([x.reshape(-1) for x in xs]).view(torch.int16)
+        return not bool(bad.any()) and torch.equal(out.reshape(-1).view(torch.int16), want)
+    except (NotImplementedError, AttributeError):
+        return False
+    except Exception:  # noqa: BLE001
+        logger.exception("kvzip tier: kvzip-lossless's batched coder failed its probe")
+        return False

@@ -295,6 +295,7 @@ class BlockStore:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
+        self._reserved = 0  # bytes of extents reserved, not yet committed
         self.arena = Arena(budget_bytes)
         self.stats = TierStats(budget_bytes=budget_bytes, arena_bytes=self.arena.capacity)
         self.tables = tables
@@ -402,52 +403,93 @@ class BlockStore:
         plan: Callable | None = None,
     ) -> tuple[int, list[bytes]]:
         """Hold already coded ``blobs`` under ``key`` (see :meth:`put`)."""
-        evicted: list[bytes] = []
         with self._lock:
             self.stats.store_seconds += seconds
             if key in self._entries:
                 self._entries.move_to_end(key)
-                return self._entries[key].nbytes, evicted
+                return self._entries[key].nbytes, []
         plan = plan or (self.planner if tail is None and aux is None else None)
         if plan is not None and blobs:
             aux, aux_bytes, tail = plan(blobs)
         blob_bytes = sum(memoryview(b).nbytes for b in blobs)
         size = record_bytes(blobs, tail)
+        off, evicted = self.reserve(size, aux_bytes)
+        if off is None:
+            return 0, evicted
+        views = write_record(self.arena.np[off : off + size], blobs, tail)  # outside the lock
+        return self._commit(key, off, size, views, raw_bytes, aux, aux_bytes, blob_bytes), evicted
+
+    def reserve(self, size: int, aux_bytes: int = 0) -> tuple[int | None, list[bytes]]:
+        """Room in the arena for a record of ``size`` bytes (and ``aux_bytes`` beside it):
+        the least recently used entries evicted until it fits. Returns (its offset, or None
+        when it cannot fit: counted as skipped; the keys evicted). The caller writes the
+        record there, then :meth:`commit` (or :meth:`abort`)."""
+        evicted: list[bytes] = []
         nbytes = _extent(size) + aux_bytes
-        with self._lock:  # room: evict least recently used entries until the record fits
+        with self._lock:
             s = self.stats
             if nbytes > self.budget_bytes or _extent(size) > self.arena.capacity:
                 s.blocks_skipped += 1
-                return 0, evicted
-            off = None
+                return None, evicted
             while True:
                 if s.bytes_held + nbytes <= self.budget_bytes:
                     off = self.arena.alloc(size)
                     if off is not None:
-                        break
+                        self._reserved += nbytes
+                        s.bytes_held += nbytes  # counted from now: the budget holds meanwhile
+                        s.peak_bytes_held = max(s.peak_bytes_held, s.bytes_held)
+                        return off, evicted
                 if not self._entries:
-                    break
+                    s.blocks_skipped += 1  # the room is held by loads in flight: not now
+                    return None, evicted
                 old_key, old = self._entries.popitem(last=False)
                 self._release(old)
                 s.evictions += 1
                 evicted.append(old_key)
-            if off is None:  # the room is held by loads in flight: not stored now
-                s.blocks_skipped += 1
-                return 0, evicted
-        views = write_record(self.arena.np[off : off + size], blobs, tail)  # outside the lock
+
+    def abort(self, off: int, size: int, aux_bytes: int = 0) -> None:
+        """Give back an extent from :meth:`reserve` that was not committed."""
         with self._lock:
+            self.arena.free(off, size)
+            self._reserved -= _extent(size) + aux_bytes
+            self.stats.bytes_held -= _extent(size) + aux_bytes
+
+    def commit(
+        self,
+        key: bytes,
+        off: int,
+        size: int,
+        blob_sizes,
+        raw_bytes: int,
+        aux: object = None,
+        aux_bytes: int = 0,
+    ) -> int:
+        """Hold the record written at ``off`` (from :meth:`reserve`): blobs of ``blob_sizes``
+        back to back from its start. Returns the bytes held for it (0: the key was held
+        already; the extent is given back)."""
+        views, a = [], 0
+        arr = self.arena.np
+        for n in blob_sizes:
+            views.append(memoryview(arr[off + a : off + a + int(n)]))
+            a += int(n)
+        return self._commit(key, off, size, tuple(views), raw_bytes, aux, aux_bytes, a)
+
+    def _commit(self, key, off, size, views, raw_bytes, aux, aux_bytes, blob_bytes) -> int:
+        nbytes = _extent(size) + aux_bytes
+        with self._lock:
+            s = self.stats
+            self._reserved -= nbytes
             if key in self._entries:  # stored meanwhile by another thread
                 self.arena.free(off, size)
-                return self._entries[key].nbytes, evicted
+                s.bytes_held -= nbytes
+                return self._entries[key].nbytes
             self._entries[key] = _Entry(views, nbytes, raw_bytes, aux, off, size)
-            s.bytes_held += nbytes
-            s.peak_bytes_held = max(s.peak_bytes_held, s.bytes_held)
             s.raw_bytes_held += raw_bytes
             s.blocks_held += 1
             s.blocks_stored += 1
             s.bytes_stored += blob_bytes
             s.raw_bytes_stored += raw_bytes
-        return nbytes, evicted
+        return nbytes
 
     def _release(self, entry: _Entry) -> None:
         """An entry no longer held (under the lock): its budget now, its extent once no load
