@@ -44,6 +44,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", default="2048,8192,32768")
     p.add_argument("--formats", default="fp8,int4,4bit,3.5bit,3bit")
+    p.add_argument(
+        "--write-paths",
+        default="split,fused",
+        help="compact formats' write paths (KVZIP_KERNELS_CACHE_WRITE): split = sub + bmm + "
+        "quantize/pack kernel, fused = one kernel (rows <fmt>-fused)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     a = p.parse_args()
@@ -94,25 +100,35 @@ def main():
         for name in a.formats.split(","):
             cal = synthetic_calibration(hkv, d) if name[0].isdigit() else None
             fmt = get_format(name, calibration=cal)
-            kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="k")
-            vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="v")
+            paths = a.write_paths.split(",") if name[0].isdigit() else ["split"]
+            first = None
+            for path in paths:
+                os.environ["KVZIP_KERNELS_CACHE_WRITE"] = path
+                kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="k")
+                vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="v")
 
-            def write(fmt=fmt, kc=kc, vc=vc, k=k, v=v, slots=slots):
-                cache_write(fmt, k, kc, slots, kind="k", block_size=ps, check_slots=False)
-                cache_write(fmt, v, vc, slots, kind="v", block_size=ps, check_slots=False)
+                def write(fmt=fmt, kc=kc, vc=vc, k=k, v=v, slots=slots):
+                    cache_write(fmt, k, kc, slots, kind="k", block_size=ps, check_slots=False)
+                    cache_write(fmt, v, vc, slots, kind="v", block_size=ps, check_slots=False)
 
-            us = timeit(torch, write)
-            moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
-            row = dict(
-                tokens=T,
-                format=name,
-                write_us=round(us, 2),
-                prefill_layer_us=round(prefill_us, 1),
-                pct_of_prefill=round(100 * us / prefill_us, 3),
-                write_gbps=round(moved / us / 1e3, 1),
-            )
-            rows.append(row)
-            print(row, flush=True)
+                us = timeit(torch, write)
+                moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
+                row = dict(
+                    tokens=T,
+                    format=name if path == "split" else f"{name}-{path}",
+                    write_us=round(us, 2),
+                    prefill_layer_us=round(prefill_us, 1),
+                    pct_of_prefill=round(100 * us / prefill_us, 3),
+                    write_gbps=round(moved / us / 1e3, 1),
+                )
+                if first is None:
+                    first = (kc, vc)
+                else:  # bytes equal to the first path's (codes flip only where y's rounding does)
+                    same = sum(int((x == y).sum()) for x, y in zip(first, (kc, vc), strict=True))
+                    row["same_bytes_as_split"] = round(same / (kc.numel() + vc.numel()), 6)
+                rows.append(row)
+                print(row, flush=True)
+            os.environ.pop("KVZIP_KERNELS_CACHE_WRITE", None)
     prop = torch.cuda.get_device_properties(dev)
     meta = dict(
         device=prop.name,

@@ -243,6 +243,12 @@ def split(
     ``q`` contiguous: bf16 for int4, the fp16 q' of the compact formats with ``qs`` and the
     level table ``lut16`` (:func:`level_table`)); ``variant``: see :func:`pick_variant`."""
     b, hq, d = q.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.data_ptr() % 16:  # cp.async and the vector loads read 16-byte aligned pages
+            raise FormatError(
+                f"{name} must start 16-byte aligned for the CUDA kernel (data_ptr % 16 = "
+                f"{t.data_ptr() % 16}); use backend='triton' for this cache"
+            )
     rc = lib(q.device).kvzd_split_launch(
         VARIANTS[pick_variant(variant)],
         FORMATS[fmt_name],
