@@ -354,11 +354,7 @@ def main(argv=None) -> int:
     tables = kvzip_lossless.build_kv_tables(
         [[(x[..., :D].contiguous(), x[..., D:].contiguous()) for x in fit]]
     )
-    backend = "cpu"
-    if dev.type == "cuda":
-        from kvzip_lossless import gpu
-
-        backend = gpu.default_backend(dev)
+    backend = kvzip_lossless.coder(dev)
     result = {
         "device": torch.cuda.get_device_name(dev)
         if dev.type == "cuda"

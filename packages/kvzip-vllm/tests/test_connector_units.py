@@ -470,6 +470,13 @@ def test_the_cuda_pipeline_restores_chunks_in_one_copy_per_run_of_records():
     w = _worker(chunk_tokens=2 * BS)
     caches = _caches(4)
     w.register_kv_caches(caches)
+    import kvzip_lossless
+
+    window = []  # a table set fitted on the cache's last blocks (as one given by tables_path)
+    for _, c in w.layers:
+        x = c[8:].permute(0, 2, 1, 3).reshape(-1, HEADS, 2 * HEAD)
+        window.append((x[..., :HEAD].contiguous(), x[..., HEAD:].contiguous()))
+    w.store.set_tables(kvzip_lossless.build_kv_tables([window]))
     pipe = CudaTierPipeline(w.store, [c for _, c in w.layers], BS, 2)
     try:
         keys = [bytes([i]) * 32 for i in range(3)]

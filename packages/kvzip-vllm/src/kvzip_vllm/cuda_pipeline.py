@@ -1,29 +1,33 @@
 """The tier's loads and stores on the GPU (connector.py uses it when the paged cache is on CUDA).
 
 No vLLM here: the pipeline sees the per-layer paged-cache views (:mod:`kvzip_vllm.blocks`) and
-the :class:`~kvzip_vllm.store.BlockStore`. On a CPU device it runs the same steps with no
-streams (the Triton decode kernel under ``TRITON_INTERPRET=1``), which is how it is tested
-without a GPU.
+the :class:`~kvzip_vllm.store.BlockStore`; the coding is kvzip-lossless's public batched API
+(``encode_batch`` / ``decode_batch``, spec/blob.md section 9). On a CPU device it runs the
+same steps with no streams (kvzip-lossless's CPU path, or its Triton kernels under
+``TRITON_INTERPRET=1``), which is how it is tested without a GPU.
+
+Stores (``start_stores`` after the forward): a step's chunks are gathered token-major on the
+compute stream (so vLLM may reuse the blocks at once) and queued; a worker thread codes every
+layer's K and V of every chunk of the job in one ``encode_batch`` call on its own stream,
+reserves each chunk's extent in the store's page-locked arena and copies the chunk's blobs
+there from the device (asynchronously), then synchronises once for the job and commits the
+entries, each with its blobs' plans (``kvzip_lossless.PLAN_FIELDS``, 72 bytes a blob) beside it.
+Without a table set yet (``fit_tokens``), the first chunks wait on the thread until there are
+``fit_tokens`` tokens, the set is fitted from them on the device, and they are coded with it:
+nothing is coded with per-blob tables on the way. ``collect`` reports the keys stored and
+dropped (evicted, skipped, damaged or missing).
 
 Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
-cache): on CUDA the store keeps each entry as one page-locked record (its blobs, then its
-decode plan's bulk: :func:`kvzip_vllm.store.pack_record`), so each block is one host-to-device
-copy from where it lies, with no staging memcpy, and the plans are shifted on the device (host
-staging and plan shift took 54.9 of the 56.3 ms of a 64-block restore on the H200 before,
-results/vllm/cuda_tier_restore.md; on this project's 2-core CPU host they were 18 ms of memcpy
-and 8-15 ms of numpy, now 0.7 ms of numpy and ~270 small device ops). Every copy is
-issued first on a copy stream, in a few block groups; on a decode stream each group's plan is
-shifted on the device (:meth:`DecodeStep.prepare`) and decoded, one kernel launch per
-table-set slot for the group's blocks (:mod:`kvzip_vllm.batch_decode`), as soon as its copies
-have landed. ``wait_loads`` makes the compute stream wait, reads one damage flag per block (the
-step's only synchronisation), drops damaged entries from the store and reports their blocks as
-failed (vLLM recomputes them), and copies the good ones from the decode buffer into the paged
-cache on the compute stream: a damaged blob's output never reaches the cache.
-
-Stores (``start_stores`` after the forward): the blocks are gathered token-major on the compute
-stream (so vLLM may reuse them at once); a worker thread encodes them on its own stream (GPU
-encoder for CUDA tensors once the table set exists), plans their decode, and puts them in the
-store; ``collect`` reports the keys stored and dropped (evicted, skipped, damaged or missing).
+cache): the step's records are copied from the arena to one device buffer on a copy stream (a
+run of records lying back to back in the arena, as a prefix stored in order does, is one copy),
+in a few chunk groups; on a decode stream each group is decoded by one ``decode_batch`` call as
+soon as its copies have landed (header and tile checks on the device, one damage flag per
+blob). ``wait_loads`` makes the compute stream wait, reads the step's flags once (its only
+synchronisation), drops damaged entries and reports their blocks as failed (vLLM recomputes
+them), and scatters the good chunks' blocks into the paged cache on the compute stream: a
+damaged blob's output never reaches the cache. Entries that cannot be batch-decoded (blobs
+that embed their own table: stored with ``fit_tokens=0``, or by another path) are decoded
+chunk by chunk with ``kvzip_lossless.decompress``.
 """
 
 from __future__ import annotations
@@ -39,9 +43,8 @@ import numpy as np
 import torch
 
 import kvzip_lossless
-from kvzip_vllm.batch_decode import BlockPlan, DecodeStep, plan_block
 from kvzip_vllm.blocks import as_ids, gather_token_major, scatter_token_major
-from kvzip_vllm.store import RECORD_ALIGN, BlockStore, pack_record
+from kvzip_vllm.store import RECORD_ALIGN, BlockStore
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
@@ -64,16 +67,10 @@ class _Load:
     flags: torch.Tensor | None = None  # [2 * layers * n] damage flags, slot-major
     keep: list = field(default_factory=list)  # tensors alive until the step is done
     leased: list = field(default_factory=list)  # store entries read by the step's copies
+    single: list = field(default_factory=list)  # chunks decoded one by one: (load, outputs)
     copies: int = 0  # host-to-device copies issued for the step's records
-    host_plan_s: float = 0.0  # host time: the step's per-blob plan (DecodeStep)
+    host_plan_s: float = 0.0  # host time: the step's offsets over the plans (numpy)
     host_s: float = 0.0  # host time of start_loads (lookups, plan, copies and launches)
-
-
-def plan_blobs(blobs: tuple[bytes, ...], tables) -> tuple[BlockPlan, int, np.ndarray]:
-    """``BlockStore.put``'s ``plan`` hook: the decode plan of a chunk's blobs, its host bytes,
-    and its tail (kept after the blobs in the entry's record)."""
-    plan = plan_block(blobs, tables)
-    return plan.without_tail(), plan.host_bytes, plan.tail
 
 
 def _load_item(item) -> tuple[str, bytes, tuple[int, ...], int]:
@@ -99,17 +96,14 @@ class CudaTierPipeline:
         self.block_shape = (n * bpc, h, c // 2)  # token-major [chunk_tokens, kv_heads, head]
         cuda = self.device.type == "cuda"
         if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
-            from kvzip_lossless import gpu
-
-            logger.info("kvzip tier: GPU coder %s", gpu.default_backend(self.device))
+            logger.info("kvzip tier: GPU coder %s", kvzip_lossless.coder(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
         self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
         if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
             store.pin()
         # every entry holds its decode plan (also those the shared tier's fetches put)
         store.planner = self._plan_entry
-        self._batch_ok: bool | None = None  # kvzip-lossless's batched coder runs here
-        self._batch_tables = None
+        self._fit_jobs: list = []  # store jobs waiting for the table set (fit_tokens)
         self._tables, self._slot_tables = store.tables, {}  # device copies of the set's tables
         self._load: _Load | None = None
         self.last_host_s: dict[str, float] = {}  # host time of the last load step, by part
@@ -133,8 +127,7 @@ class CudaTierPipeline:
         load = self._load = _Load(time.perf_counter())
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
-        good, plans, blobs, records, offs, batched = [], [], [], [], [], []
-        cuda = self.device.type == "cuda"
+        good, plans, records, offs = [], [], [], []
         for item in loads:
             req_id, key, ids, skip = _load_item(item)
             if len(ids) != self.bpc or not 0 <= skip < self.bpc:
@@ -142,124 +135,33 @@ class CudaTierPipeline:
                     f"a load names {len(ids)} blocks (skip {skip}); a chunk is {self.bpc} blocks"
                 )
             entry = self.store.lease(key)
-            plan = None
-            if entry is not None:
-                load.leased.append(entry)
-                entry_blobs, plan, data, off = entry.blobs, entry.aux, None, entry.off
-                if isinstance(plan, np.ndarray):  # batch plans (kvzip_lossless.PLAN_FIELDS)
-                    if self._plans_match(plan, entry, n_tensors, numel):
-                        batched.append(entry)
-                        good.append((req_id, key, ids, skip))
-                        plans.append(plan)
-                        blobs.append(entry_blobs)
-                        records.append(self.store.record(entry))
-                        offs.append(off)
-                        continue
-                    plan = None  # decoded by the step below, planned now
-                try:
-                    if not isinstance(plan, BlockPlan):  # stored without one (the CPU path)
-                        plan = plan_block(entry_blobs, self.store.tables)
-                        data, _ = pack_record(entry_blobs, plan.tail, pin_memory=cuda)
-                        plan, off = plan.without_tail(), -1
-                    else:
-                        data = self.store.record(entry)
-                    sizes, plan_numel, record_bytes = plan.shape_key
-                    if (
-                        len(sizes) != n_tensors
-                        or plan_numel != numel
-                        or tuple(map(len, entry_blobs)) != sizes
-                        or data.numel() != record_bytes
-                    ):
-                        raise kvzip_lossless.CorruptBlobError("entry does not match its plan")
-                except kvzip_lossless.CorruptBlobError as e:
-                    logger.warning("kvzip tier: chunk %s dropped: %s", key[:4].hex(), e)
-                    self.store.drop(key)
-                    plan = None
-            if plan is None:
+            if entry is None:
                 load.failed.update(ids[skip:])
                 load.dropped.append(key)
                 continue
-            good.append((req_id, key, ids, skip))
-            plans.append(plan)
-            blobs.append(entry_blobs)
-            records.append(data)
-            offs.append(off)
-        n = len(good)
-        if n == 0:
-            return
-        if len(batched) == n and self._batched():
-            return self._start_batched(load, good, plans, records, offs)
-        if batched:  # a step of mixed entries: the batch-planned ones planned here too
-            for j, plan in enumerate(plans):
-                if isinstance(plan, np.ndarray):
-                    full = plan_block(blobs[j], self.store.tables)
-                    records[j], _ = pack_record(blobs[j], full.tail, pin_memory=cuda)
-                    plans[j], offs[j] = full.without_tail(), -1
-        # in arena order: records of consecutive extents go to the device in one copy
-        order = sorted(range(n), key=lambda j: (offs[j] < 0, offs[j]))
-        good, plans, blobs, records, offs = (
-            [x[j] for j in order] for x in (good, plans, blobs, records, offs)
-        )
-        load.blocks = good
-        t_host = time.perf_counter()
-        if self._tables is not self.store.tables:
-            self._tables, self._slot_tables = self.store.tables, {}
-        step = DecodeStep(plans, blobs, self.device, self._tables, self._slot_tables)
-        load.host_plan_s = time.perf_counter() - t_host
-        blob_dev = torch.empty(step.total, dtype=torch.uint8, device=self.device)
-        out = torch.empty(
-            (n_tensors, n, *self.block_shape), dtype=torch.bfloat16, device=self.device
-        )
-        cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
-        for stream in (self.copy_stream, self.decode_stream):
-            if stream is not None:
-                stream.wait_stream(cur)  # the buffers above were allocated on the compute stream
-        with self._on(self.decode_stream):
-            step.upload()
-        # every record straight from the store's (page-locked) arena, no host staging copy;
-        # a run of records that lie back to back in the arena (and so in the step) is one
-        # copy; all copies issued first (the copy engine never waits for the host's decode
-        # launches), each chunk group's plan shift and decode waits for its own copies only
-        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
-        bounds = np.linspace(0, n, groups + 1).astype(int)
-        events = []
-        arena = self.store.arena.buf
-        with self._on(self.copy_stream):
-            for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True):
-                j = j0
-                while j < j1:
-                    k = j + 1
-                    if offs[j] >= 0:
-                        while (
-                            k < j1
-                            and offs[k] >= 0
-                            and offs[k] - offs[j] == int(step.rec_base[k] - step.rec_base[j])
-                        ):
-                            k += 1
-                    a = int(step.rec_base[j])
-                    if k - j > 1:
-                        end = offs[k - 1] + records[k - 1].numel()
-                        src = arena[offs[j] : end]
-                    else:
-                        src = records[j]
-                    blob_dev[a : a + src.numel()].copy_(src, non_blocking=True)
-                    load.copies += 1
-                    j = k
-                if self.copy_stream is not None:
-                    events.append(torch.cuda.Event())
-                    events[-1].record(self.copy_stream)
-        for g, (j0, j1) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            with self._on(self.decode_stream):
-                if events:
-                    self.decode_stream.wait_event(events[g])
-                step.prepare(j0, j1, blob_dev)
-                step.decode(j0, j1, blob_dev, out)
-        with self._on(self.decode_stream):
-            load.flags = step.finish(blob_dev, out).view(-1, n).amax(0)  # per chunk
-        load.out = out
-        # the records stay leased until the step is done (an entry evicted meanwhile keeps
-        # its arena extent until then; an unplanned one's own pinned copy stays referenced)
-        load.keep += [blob_dev, step, records]
+            load.leased.append(entry)
+            plan = entry.aux
+            if plan is None and self.store.tables is not None:  # put without one
+                plan = self._plan_entry(entry.blobs)[0]
+            if isinstance(plan, np.ndarray) and self._plans_match(plan, entry, n_tensors, numel):
+                good.append((req_id, key, ids, skip))
+                plans.append(plan)
+                records.append(self.store.record(entry))
+                offs.append(entry.off)
+                continue
+            # no batch plan (blobs embedding their tables): decoded here, chunk by chunk
+            outs = [
+                torch.empty(self.block_shape, dtype=torch.bfloat16, device=self.device)
+                for _ in range(n_tensors)
+            ]
+            if self.store.get(key, outs):
+                load.single.append(((req_id, key, ids, skip), outs))
+            else:
+                logger.warning("kvzip tier: chunk %s failed to decode: dropped", key[:4].hex())
+                load.failed.update(ids[skip:])
+                load.dropped.append(key)
+        if good:
+            self._start_batched(load, good, plans, records, offs)
         load.host_s = time.perf_counter() - load.t0
 
     def wait_loads(self) -> set[int]:
@@ -306,6 +208,15 @@ class CudaTierPipeline:
                     ids = torch.tensor(dest, device=self.device)
                     for layer, cache in enumerate(self.caches):
                         scatter_token_major(cache, ids, out[2 * layer], out[2 * layer + 1])
+            for (req_id, _, ids, skip), outs in load.single:  # decoded one by one
+                b, n = self.bpc, self.block_size
+                rows = torch.arange(skip, b, device=self.device)
+                dest = torch.tensor(ids[skip:], device=self.device)
+                for layer, cache in enumerate(self.caches):
+                    k, v = (outs[2 * layer + i].view(b, n, *self.block_shape[1:]) for i in (0, 1))
+                    scatter_token_major(cache, dest, k[rows], v[rows])
+                hits[req_id] = hits.get(req_id, 0) + 1
+                tokens += (b - skip) * n
         finally:
             self.store.unlease(load.leased)  # the copies have landed (the sync above)
         s.restore_hits += len(hits)
@@ -352,51 +263,65 @@ class CudaTierPipeline:
                 with self._on(self.store_stream):
                     if event is not None:
                         self.store_stream.wait_event(event)
-                    if self._batched():
-                        self._store_batched(keys, staged)
-                        keys = []
-                    for j, key in enumerate(keys):
-                        layers = [(k[j], v[j]) for k, v in staged]
-                        try:
-                            nbytes, evicted = self.store.put(
-                                key, layers, plan=lambda b: plan_blobs(b, self.store.tables)
-                            )
-                        except Exception:  # noqa: BLE001 (report the chunk as not stored)
-                            logger.exception("kvzip tier: storing a chunk failed")
-                            self.store.stats.store_errors += 1
-                            nbytes, evicted = 0, []
-                        self._done.put((key, nbytes, evicted))
+                    for job_keys, job_staged in self._ready(keys, staged):
+                        if self.store.tables is not None:
+                            self._store_batched(job_keys, job_staged)
+                        else:  # fit_tokens=0 and no tables_path: each blob embeds its table
+                            self._store_single(job_keys, job_staged)
                     if self.store_stream is not None:
                         self.store_stream.synchronize()  # staged is read there until now
             finally:
                 self._jobs.task_done()
 
-    # -- kvzip-lossless's public batched coder ------------------------------------------
-    def _batched(self) -> bool:
-        """Whether kvzip-lossless's batched coder (``encode_batch`` / ``decode_batch``) codes
-        this step: a table set is there and a probe round trip on this device works (an
-        older kvzip-lossless without it: the per-blob coder and this module's batched
-        decode run instead)."""
-        tables = self.store.tables
-        if tables is None:
-            return False
-        if self._batch_ok is None or self._batch_tables is not tables:
-            self._batch_tables = tables
-            self._batch_ok = _probe_batched(self.device, tables, self.block_shape)
-            logger.info("kvzip tier: kvzip-lossless batched coder %s",
-                        "on" if self._batch_ok else "not available")  # fmt: skip
-        return self._batch_ok
+    def _ready(self, keys, staged) -> list:
+        """The store jobs to code now: this one; or, while the store is to fit its table set
+        from the first ``fit_tokens`` tokens, none until that many are queued, then all of
+        them, coded with the set fitted from them (on the device)."""
+        st = self.store
+        if st.tables is not None or st.fit_tokens <= 0:
+            return [(keys, staged)]
+        self._fit_jobs.append((keys, staged))
+        tokens = sum(len(k) for k, _ in self._fit_jobs) * self.block_shape[0]
+        if tokens < st.fit_tokens:
+            return []
+        windows = [
+            [(k[j], v[j]) for k, v in stg] for ks, stg in self._fit_jobs for j in range(len(ks))
+        ]
+        jobs, self._fit_jobs = self._fit_jobs, []
+        try:
+            st.set_tables(kvzip_lossless.build_kv_tables(windows), tokens)
+        except Exception:  # noqa: BLE001 (not stored; the next chunks try again)
+            logger.exception("kvzip tier: fitting the table set failed")
+            for ks, _ in jobs:
+                st.stats.store_errors += len(ks)
+                for key in ks:
+                    self._done.put((key, 0, []))
+            return []
+        logger.info("kvzip tier: table set fitted on the first %d tokens stored", tokens)
+        return jobs
 
+    def _store_single(self, keys, staged) -> None:
+        """Chunks coded blob by blob, each blob embedding its table (no table set)."""
+        for j, key in enumerate(keys):
+            layers = [(k[j], v[j]) for k, v in staged]
+            try:
+                nbytes, evicted = self.store.put(key, layers)
+            except Exception:  # noqa: BLE001 (report the chunk as not stored)
+                logger.exception("kvzip tier: storing a chunk failed")
+                self.store.stats.store_errors += 1
+                nbytes, evicted = 0, []
+            self._done.put((key, nbytes, evicted))
+
+    # -- kvzip-lossless's public batched coder ------------------------------------------
     def _plan_entry(self, blobs):
         """The store's planner for entries put without a plan (e.g. fetched from the shared
-        tier): batch plans when the batched coder runs, else this module's decode plan."""
-        if self._batched():
-            try:
-                plans = np.ascontiguousarray(kvzip_lossless.plan_blobs(blobs), np.int64)
-                return plans, plans.nbytes, None
-            except (ValueError, NotImplementedError):  # e.g. a blob embedding its table
-                pass
-        return plan_blobs(blobs, self.store.tables)
+        tier): their blobs' batch plans, or none for blobs that embed their tables (those
+        are decoded one by one)."""
+        try:
+            plans = np.ascontiguousarray(kvzip_lossless.plan_blobs(blobs), np.int64)
+        except (ValueError, kvzip_lossless.CorruptBlobError):  # embedded table, or damaged
+            return None, 0, None
+        return plans, plans.nbytes, None
 
     def _plans_match(self, plans: np.ndarray, entry, n_tensors: int, numel: int) -> bool:
         """An entry's batch plans agree with its blobs and this cache's shape."""
@@ -404,7 +329,7 @@ class CudaTierPipeline:
             plans.shape == (n_tensors, len(kvzip_lossless.PLAN_FIELDS))
             and (plans[:, 1] == numel).all()
             and tuple(plans[:, 0].tolist()) == tuple(map(len, entry.blobs))
-            and int(plans[:, 0].sum()) == entry.size
+            and int(plans[:, 0].sum()) <= entry.size
         )
 
     def _start_batched(self, load: _Load, good, plans, records, offs) -> None:
@@ -534,22 +459,3 @@ class CudaTierPipeline:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=30)
-
-
-def _probe_batched(device, tables, shape) -> bool:
-    """A round trip of two small tensors through ``encode_batch`` / ``decode_batch`` on
-    ``device`` with ``tables``: False when kvzip-lossless has no batched coder yet (or it
-    fails here; logged)."""
-    try:
-        g = torch.Generator().manual_seed(0)
-        xs = [torch.randn(*shape, generator=g).to(torch.bfloat16).to(device) for _ in range(2)]
-        slots = [kvzip_lossless.kv_slot(0, "k"), kvzip_lossless.kv_slot(0, "v")]
-        enc = kvzip_lossless.encode_batch(xs, tables=tables, slots=slots)
-        out, bad = kvzip_lossless.decode_batch(enc.data, enc.offsets, enc.plans, tables=tables)
-        want = torch.cat([x.reshape(-1) for x in xs]).view(torch.int16)
-        return not bool(bad.any()) and torch.equal(out.reshape(-1).view(torch.int16), want)
-    except (NotImplementedError, AttributeError):
-        return False
-    except Exception:  # noqa: BLE001
-        logger.exception("kvzip tier: kvzip-lossless's batched coder failed its probe")
-        return False

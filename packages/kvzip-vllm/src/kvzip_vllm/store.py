@@ -330,6 +330,14 @@ class BlockStore:
             self.arena.close()
             self.stats.arena_pinned = False
 
+    def set_tables(self, tables: kvzip_lossless.TableSet, fit_tokens: int = 0) -> None:
+        """The per-model table set, fitted by the caller from the first ``fit_tokens``
+        tokens stored (the GPU path fits it on the device)."""
+        self.tables = tables
+        self.stats.table_bytes = tables.nbytes
+        self.stats.table_fit_tokens = fit_tokens
+        self._fit = []
+
     def _maybe_fit(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Collect chunks until ``fit_tokens`` tokens, then fit the table set from them."""
         if self.tables is not None or self.fit_tokens <= 0:
