@@ -103,6 +103,29 @@ def tables(FMT, lv):
     return T
 
 
+def rep_tables(FMT, lv):
+    """v5's RepLut: one table per code width (level_pair of entry e; csrc fill_rep), the
+    regions mapped as RepLut maps them: K4 -> 0, K3 -> 256, V0 -> 0 (4bit) or 256, V2 -> 320."""
+
+    def level_pair(e):
+        if e < 256:
+            return (lv[0][e & 15], lv[0][e >> 4])
+        if e < 320:
+            x = e - 256
+            return (
+                lv[1][(x & 3) | (((x >> 4) & 1) << 2)],
+                lv[1][((x >> 2) & 3) | (((x >> 5) & 1) << 2)],
+            )
+        x = e - 320
+        return (lv[3][x & 3], lv[3][x >> 2])
+
+    base = {"K4": 0, "K3": 256, "V4": 0, "V3": 256, "V2": 320}
+    size = {"K4": 256, "K3": 64, "V4": 256, "V3": 64, "V2": 16}
+    if FMT == 1:
+        base["V4"] = 0
+    return {(r, i): level_pair(base[r] + i) for r in base for i in range(size[r])}
+
+
 def u(mem, off, n):  # little-endian unsigned of n bytes
     return int.from_bytes(bytes(mem[off : off + n].astype(np.uint8)), "little")
 
@@ -215,7 +238,7 @@ def split_cta(
     K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
     KS = D // 16
     BF = INT4
-    T = None if INT4 else tables(FMT, lv)
+    T = None if INT4 else (rep_tables(FMT, lv) if variant == "v5" else tables(FMT, lv))
     # per-lane B fragments of q
     qpad = np.zeros((8, D))
     qpad[:G] = q

@@ -112,11 +112,20 @@ def main():
                 by_class=dict(sorted(by.items())),
             )
         )
+    for x in rows:  # v5's dynamic shared memory (csrc: v5_smem): replicated tables + the ring
+        if x["variant"] == "v5":
+            d, f = x["head_dim"], x["format"]
+            kcb = 7 * d // 16 if f == "3bit" else d // 2
+            vcb = {"int4": d // 2, "4bit": d // 2, "3.5bit": 3 * d // 8, "3bit": 5 * d // 16}[f]
+            mb = 4 if f == "int4" else 2
+            entries = {"int4": 0, "4bit": 256, "3.5bit": 320, "3bit": 336}[f]
+            x["dynamic_smem_bytes"] = entries * 128 + 4 * 4 * 16 * (kcb + vcb + 2 * mb)
     rows.sort(key=lambda x: (x["format"], x["head_dim"], x["variant"]))
     for x in rows:
         print(
             f"{x['variant']:4s} {x['format']:7s} d{x['head_dim']:<4d} regs {x.get('regs')} "
-            f"spill {x.get('spill_bytes')} smem {x.get('smem_bytes')} loop {x['loop_instr']} "
+            f"spill {x.get('spill_bytes')} smem {x.get('smem_bytes')}"
+            f"+{x.get('dynamic_smem_bytes', 0)} loop {x['loop_instr']} "
             f"= {x['per_token_head']} /token-head  {x['by_class']}"
         )
     if a.out:

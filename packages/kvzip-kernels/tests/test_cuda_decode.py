@@ -201,6 +201,8 @@ def test_compiled_layouts_are_the_formats():
     assert lv.shape == (4, 16) and lv.dtype == torch.float16
     assert torch.all(lv[0, 1:] > lv[0, :-1]) and torch.all(lv[3, 1:4] > lv[3, :3])
     assert torch.equal(lv[1, :8], lv[2, :8]) and not lv[3, 4:].any()  # 3-bit K1 and V0
+    lv35 = _cuda.level_table(kernel_spec(_fmt("3.5bit", 2, 64), 64, 16), "cpu")
+    assert torch.equal(lv35[1], lv35[2]) and torch.equal(lv35[0], lv[0])  # v5: one per width
 
 
 def test_cuda_variant_choice(monkeypatch):

@@ -77,7 +77,9 @@ def expected_groups(fmt_name: str, d: int) -> tuple[tuple, tuple] | None:
 
 def level_table(spec, device) -> torch.Tensor:
     """fp16 ``[4, 16]`` on ``device``: the ascending codebook levels of K's groups 0 and 1 and
-    V's groups 0 and 1 (code c -> row[c]), the kernel's input for its level-pair tables."""
+    V's groups 0 and 1 (code c -> row[c]), the kernel's input for its level-pair tables; a K
+    without a second group carries the 3-bit levels in row 1 where V has them (v5's tables are
+    per code width, and every group of a width has the same levels)."""
     return _level_table(spec.k_groups, spec.v_groups, str(device))
 
 
@@ -86,9 +88,18 @@ def _level_table(k_groups, v_groups, device) -> torch.Tensor:
     from kvzip_formats.compact import codebook
 
     t = torch.zeros(4, 16, dtype=torch.float16)
-    for i, (bits, *_rest) in enumerate((*k_groups, *v_groups)):
+    widths = [g[0] for g in (*k_groups, *v_groups)]
+    for i, bits in enumerate(widths):
         if bits:
             t[i, : 1 << bits] = codebook.levels(bits).to(torch.float16)
+    # v5 keeps one table per code width (row 0: 4-bit, row 1: 3-bit, row 3: 2-bit); K's unused
+    # second row carries 3.5bit's 3-bit V levels (v4a reads V's own row 2)
+    if 3 in widths and widths[1] == 0:
+        t[1, :8] = codebook.levels(3).to(torch.float16)
+    for i, bits in enumerate(widths):
+        want = {4: 0, 3: 1, 2: 3}.get(bits)
+        if want is not None and not torch.equal(t[i], t[want]):
+            raise AssertionError(f"levels of {bits}-bit groups differ: {t[i]} vs {t[want]}")
     return t.to(device)
 
 

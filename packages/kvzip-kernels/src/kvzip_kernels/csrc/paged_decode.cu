@@ -166,6 +166,54 @@ constexpr int T_SIZE = 592;
 // base to every lookup's address: one more instruction per lookup)
 __shared__ uint32_t s_lut[T_SIZE];
 
+// v4a's lookup: one table per CTA; 32 lanes reading random entries collide in the shared
+// memory banks (~3.5 wavefronts per lookup: what bounded v4a's 4bit on the H200).
+struct PlainLut {
+  __device__ __forceinline__ uint32_t operator()(int region, uint32_t idx) const {
+    return s_lut[region + idx];
+  }
+};
+
+// v5's lookup: every entry stored 32 times, entry e of lane l at word 32 e + l (bank l), so a
+// lookup is one conflict-free wavefront whatever the indices. Tables by code width (the levels
+// of a width are the same for K and V: codebook.levels(bits)): 4-bit pairs at entry 0 (256),
+// 3-bit at 256 (64), 2-bit at 320 (16); `p` = the table + lane.
+template <int FMT>
+struct RepLut {
+  const uint32_t* p;
+  static constexpr int ENTRIES = FMT == FMT_4BIT ? 256 : FMT == FMT_35BIT ? 320 : FMT == FMT_3BIT ? 336 : 0;
+  __device__ __forceinline__ uint32_t operator()(int region, uint32_t idx) const {
+    const int base = region == T_K4                       ? 0
+                     : region == T_K3                     ? 256
+                     : region == T_V0                     ? (FMT == FMT_4BIT ? 0 : 256)
+                                                          : 320;
+    return p[(base + idx) << 5];
+  }
+};
+
+__device__ __forceinline__ uint32_t level_pair(const uint16_t* lv, int e) {
+  // replicated-table entry e: 4-bit byte (e < 256), 3-bit 6-bit index, 2-bit 4-bit index
+  uint32_t lo, hi;
+  if (e < 256) {
+    lo = lv[e & 15], hi = lv[e >> 4];
+  } else if (e < 320) {
+    const int x = e - 256;
+    lo = lv[16 + ((x & 3) | (((x >> 4) & 1) << 2))];
+    hi = lv[16 + (((x >> 2) & 3) | (((x >> 5) & 1) << 2))];
+  } else {
+    const int x = e - 320;
+    lo = lv[48 + (x & 3)], hi = lv[48 + (x >> 2)];
+  }
+  return lo | (hi << 16);
+}
+
+// lv: the [4][16] levels with row 1 the 3-bit levels (3.5bit's are in row 2: the host passes
+// a table whose row 1 holds them, see _cuda.rep_level_table)
+template <int FMT>
+__device__ void fill_rep(uint32_t* rep, const uint16_t* lv, int tid, int nthreads) {
+  for (int i = tid; i < RepLut<FMT>::ENTRIES * 32; i += nthreads) rep[i] = level_pair(lv, i >> 5);
+}
+
 template <int FMT, int D>
 struct Fmt {
   static constexpr bool INT4 = FMT == FMT_INT4;
@@ -253,17 +301,17 @@ struct KRow {
     return q * (D / 4) + 4 * ks;
   }
   // compact formats: level pairs (c, c+1) -> p0 and (c+2, c+3) -> p1 of k-step ks
-  __device__ __forceinline__ void pairs(int ks, uint32_t& p0, uint32_t& p1) const {
-    const uint32_t* T = s_lut;
+  template <typename LUT>
+  __device__ __forceinline__ void pairs(int ks, const LUT& T, uint32_t& p0, uint32_t& p1) const {
     if (ks < F::KS4) {
       const uint32_t x = (ks & 1) ? w[ks >> 1] >> 16 : w[ks >> 1] & 0xFFFFu;
-      p0 = T[T_K4 + (x & 0xFFu)];
-      p1 = T[T_K4 + (x >> 8)];
+      p0 = T(T_K4, x & 0xFFu);
+      p1 = T(T_K4, x >> 8);
     } else {
       const int kk = ks - F::KS4;
       const uint32_t L = lo >> (8 * kk), H = hi >> (4 * kk);
-      p0 = T[T_K3 + ((L & 0xFu) | ((H & 3u) << 4))];
-      p1 = T[T_K3 + (((L >> 4) & 0xFu) | ((H & 0xCu) << 2))];
+      p0 = T(T_K3, (L & 0xFu) | ((H & 3u) << 4));
+      p1 = T(T_K3, ((L >> 4) & 0xFu) | ((H & 0xCu) << 2));
     }
   }
   // int4: (c, c+2) low nibbles -> lo, (c+1, c+3) high nibbles -> hi
@@ -295,11 +343,10 @@ __device__ __forceinline__ void v_pairs(const uint8_t* p, uint32_t& w0, uint32_t
 // A fragment of V^T for m-tile mt: rows g (channel 16mt + 2g) and g+8 (channel 16mt + 2g + 1),
 // k-rows 2q, 2q+1 (a[0], a[1]) and 2q+8, 2q+9 (a[2], a[3]); vrow and the token order: v_pairs.
 // ST: the distance of byte rows (PS in a page, 16 in a v5 shared-memory tile).
-template <int FMT, int D, bool PAIRED = false>
-__device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int g,
+template <int FMT, int D, bool PAIRED, typename LUT>
+__device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int g, const LUT& T,
                                        uint32_t a[4]) {
   using F = Fmt<FMT, D>;
-  const uint32_t* T = s_lut;
   if constexpr (FMT <= FMT_4BIT) {
     const int j = 8 * mt + g;  // byte row: channels 2j (low nibbles), 2j+1 (high)
     uint32_t w0, w1;
@@ -308,8 +355,8 @@ __device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int 
       int4_pairs<false>(w0, a[0], a[1]);
       int4_pairs<false>(w1, a[2], a[3]);
     } else {
-      const uint32_t t0l = T[T_V0 + (w0 & 0xFFu)], t0h = T[T_V0 + (w0 >> 8)];
-      const uint32_t t1l = T[T_V0 + (w1 & 0xFFu)], t1h = T[T_V0 + (w1 >> 8)];
+      const uint32_t t0l = T(T_V0, w0 & 0xFFu), t0h = T(T_V0, w0 >> 8);
+      const uint32_t t1l = T(T_V0, w1 & 0xFFu), t1h = T(T_V0, w1 >> 8);
       a[0] = prmt(t0l, t0h, 0x5410);
       a[1] = prmt(t0l, t0h, 0x7632);
       a[2] = prmt(t1l, t1h, 0x5410);
@@ -336,8 +383,8 @@ __device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int 
       x1 = (w1 >> sl) & 0x0F0Fu;
       tab = T_V2;
     }
-    const uint32_t t0l = T[tab + (x0 & 0xFFu)], t0h = T[tab + (x0 >> 8)];
-    const uint32_t t1l = T[tab + (x1 & 0xFFu)], t1h = T[tab + (x1 >> 8)];
+    const uint32_t t0l = T(tab, x0 & 0xFFu), t0h = T(tab, x0 >> 8);
+    const uint32_t t1l = T(tab, x1 & 0xFFu), t1h = T(tab, x1 >> 8);
     a[0] = prmt(t0l, t0h, 0x5410);
     a[1] = prmt(t0l, t0h, 0x7632);
     a[2] = prmt(t1l, t1h, 0x5410);
@@ -416,8 +463,10 @@ struct Warp {
   // One 16-token tile, in two halves (v4a issues its prefetch between them).
   // score: kr = this thread's K bytes of rows g, g+8, km their metadata words (0 where
   // invalid) -> s (base-2 scaled scores of tokens g, g+8 for heads 2q, 2q+1; -inf if invalid)
+  template <typename LUT>
   __device__ __forceinline__ void score(const KRow<FMT, D> kr[2], const uint32_t km[2],
-                                        const bool valid[2], float qk_scale, float s[4]) const {
+                                        const bool valid[2], float qk_scale, const LUT& T,
+                                        float s[4]) const {
     float ks_r[2], kz_r[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -433,8 +482,8 @@ struct Warp {
         kr[0].int4(ks, a[0], a[2]);
         kr[1].int4(ks, a[1], a[3]);
       } else {  // a[0]: channels c, c+1; a[2]: c+2, c+3
-        kr[0].pairs(ks, a[0], a[2]);
-        kr[1].pairs(ks, a[1], a[3]);
+        kr[0].pairs(ks, T, a[0], a[2]);
+        kr[1].pairs(ks, T, a[1], a[3]);
       }
       mma16816<BF16>(s, a, bq[ks][0], bq[ks][1]);
     }
@@ -452,9 +501,9 @@ struct Warp {
   // (0 where invalid), vrow/ST the V tile (v_frag)
   // PAIRED: the v5 token order (v_pairs); LAZY: the accumulators are rescaled only when some
   // lane's running maximum moved (alpha != 1; exact: skipping a multiply by 1)
-  template <bool PAIRED = false, bool LAZY = false>
+  template <bool PAIRED, bool LAZY, typename LUT>
   __device__ __forceinline__ void pv(float s[4], const uint32_t vm[2], const uint8_t* vrow,
-                                     int ST, int g) {
+                                     int ST, int g, const LUT& T) {
     float vs_r[2], vz_r[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -505,7 +554,7 @@ struct Warp {
 #pragma unroll
     for (int mt = 0; mt < F::KS; ++mt) {
       uint32_t a[4];
-      v_frag<FMT, D, PAIRED>(vrow, ST, mt, g, a);
+      v_frag<FMT, D, PAIRED>(vrow, ST, mt, g, T, a);
       mma16816<BF16>(acc[mt], a, bp0, bp1);
     }
   }
@@ -627,14 +676,14 @@ __global__ void __launch_bounds__(NW * 32) split_v4a(const Params P) {
       valid[r] = tok >= tok_lo && tok < tok_hi;
     }
     float s[4];
-    W.score(kr, km, valid, P.qk_scale, s);
+    W.score(kr, km, valid, P.qk_scale, PlainLut{}, s);
     const uint32_t vmc[2] = {vm[0], vm[1]};
     if (tile + NW < tile_hi) {  // prefetch the next tile (its K codes and metadata replace these)
       load_raw(tile + NW, blk_nxt, kr, km, vm);
       blk_cur = blk_nxt;
       blk_nxt = block_of(tile + 2 * NW);
     }
-    W.pv(s, vmc, vrow, P.PS, g);
+    W.template pv<false, false>(s, vmc, vrow, P.PS, g, PlainLut{});
   }
   merge_store<FMT, D, NW>(W, P, sm_m, sm_l, sm_o, row0, split, warp, g, q);
 }
@@ -649,17 +698,25 @@ struct Stage {  // one 16-token tile: K codes (token-major), V codes (channel-ma
   static_assert(K % 16 == 0 && V % 16 == 0 && M % 16 == 0, "16-byte cp.async chunks");
 };
 
-// 5 CTAs (20 warps) per SM: <= 102 registers, which every instance meets without spills but
-// 3.5bit at d128 (28 bytes of spills there: it keeps 4 CTAs)
+// Shared memory of a v5 CTA (dynamic: past the 48 KB of static shared memory): the replicated
+// level tables (32 KB at 4bit, 40 KB at 3.5bit, 42 KB at 3bit), then the ring of NW x S stages.
+template <int FMT, int D, int NW, int S>
+constexpr int v5_smem() { return RepLut<FMT>::ENTRIES * 128 + NW * S * Stage<FMT, D>::BYTES; }
+
+// CTAs per SM the launch bound asks registers for: int4 (no tables) 5 (<= 102 registers);
+// the compact formats are held to 3 by their 60-70 KB of shared memory anyway
 template <int FMT, int D>
-constexpr int v5_min_ctas() { return FMT == FMT_35BIT && D == 128 ? 4 : 5; }
+constexpr int v5_min_ctas() { return FMT == FMT_INT4 ? 5 : 3; }
 
 template <int FMT, int D, int NW, int S>
 __global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const Params P) {
   using F = Fmt<FMT, D>;
   using ST = Stage<FMT, D>;
   static_assert(NW * S * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
-  __shared__ __align__(16) uint8_t ring[NW][S][ST::BYTES];  // after the loop: the merge's sm_o
+  extern __shared__ __align__(16) uint8_t v5_dyn[];
+  uint32_t* rep = reinterpret_cast<uint32_t*>(v5_dyn);
+  // the ring, after the tables; after the loop: the merge's sm_o
+  auto ring = reinterpret_cast<uint8_t(*)[S][ST::BYTES]>(v5_dyn + RepLut<FMT>::ENTRIES * 128);
   __shared__ float sm_m[NW][8], sm_l[NW][8];
 
   const int bh = blockIdx.x, split = blockIdx.y;
@@ -718,7 +775,8 @@ __global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const
     if (n < ntiles) issue(n);
     cp_async_commit();
   }
-  if constexpr (!F::INT4) fill_tables<FMT>(P.lut16, threadIdx.x, NW * 32);
+  if constexpr (!F::INT4) fill_rep<FMT>(rep, P.lut16, threadIdx.x, NW * 32);
+  const RepLut<FMT> lut{rep + lane};
   const int64_t row0 = (int64_t)bh * P.G;
   Warp<FMT, D> W;
   W.init(P, row0, g, q);
@@ -748,8 +806,8 @@ __global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const
       vm[r] = valid[r] ? ld_meta(st + ST::K + ST::V + ST::M + t * F::MB, F::INT4) : 0u;
     }
     float s[4];
-    W.score(kr, km, valid, P.qk_scale, s);
-    W.template pv<true, true>(s, vm, st + ST::K + 4 * q, 16, g);
+    W.score(kr, km, valid, P.qk_scale, lut, s);
+    W.template pv<true, true>(s, vm, st + ST::K + 4 * q, 16, g, lut);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: it becomes the merge buffer
@@ -763,9 +821,17 @@ constexpr int STAGES = 4;
 template <int FMT, int D>
 int launch(int variant, const Params& p, int grid_x, cudaStream_t stream) {
   dim3 grid(grid_x, p.num_splits);
-  if (variant == 5)
-    split_v5<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, 0, stream>>>(p);
-  else
+  if (variant == 5) {
+    constexpr int smem = v5_smem<FMT, D, NWARPS, STAGES>();
+    static bool attr = false;  // once per instance (per process: one GPU kind at a time)
+    if (!attr) {
+      const cudaError_t e = cudaFuncSetAttribute(split_v5<FMT, D, NWARPS, STAGES>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return (int)e;
+      attr = true;
+    }
+    split_v5<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem, stream>>>(p);
+  } else
     split_v4a<FMT, D, NWARPS><<<grid, NWARPS * 32, 0, stream>>>(p);
   return (int)cudaGetLastError();
 }
