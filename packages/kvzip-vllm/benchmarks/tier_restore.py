@@ -23,7 +23,7 @@ KV: with ``--kv-dir`` a dump of a real model's KV (``K.npy``/``V.npy``: uint16 b
 ``[layer, token, head, dim]``; ``--dump`` writes one from the embedded model): layer ``l``
 takes dump layer ``l % L``, its channels tiled to ``kv_heads * head_dim`` columns, token ``t``
 dump token ``fit + (t mod (T - fit))``; the table set is fitted on the dump's first ``fit``
-tokens (512), which are never restored (as a ``tables_path`` fitted offline). Without it:
+tokens (2,048), which are never restored (as a ``tables_path`` fitted offline). Without it:
 synthetic KV-like values (a per channel scale and offset, Gaussian noise), said so in the
 results.
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FIT_TOKENS = 512
+FIT_TOKENS = 2048  # tokens the table set is fitted on (more fit it better)
 # vLLM's KVCacheLayout stride order LBNHC over logical [L, B, H, N, C]
 LBNHC = (0, 1, 3, 2, 4)
 
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
                     help="skip the remaining contexts once this much time has passed")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("results/vllm/tier_restore"))
     ap.add_argument("--dump", type=Path, default=None, help="write a KV dump here and exit")
-    ap.add_argument("--dump-tokens", type=int, default=4096)
+    ap.add_argument("--dump-tokens", type=int, default=8192)
     ap.add_argument("--dump-layers", type=int, default=8)
     args = ap.parse_args(argv)
     if args.dump:

@@ -9,11 +9,12 @@ token-major (the codec's rows are tokens, with the previous token as context), c
 per-model table set (``kvzip_lossless.TableSet``, slot ``kv_slot(layer, kind)``) once there
 is one. A chunk whose entry was evicted is simply not found, never replaced by another.
 
-Memory: every entry's record (its blobs back to back, then the tail the ``plan`` hook returned:
-the GPU path's decode plan) lies in one :class:`Arena` of ``budget_bytes`` bytes allocated once
+Memory: every entry's record (its blobs back to back, then any tail the ``plan`` hook
+returned) lies in one :class:`Arena` of ``budget_bytes`` bytes allocated once
 (page-locked on a CUDA host, :meth:`BlockStore.pin`, so a restore copies records to the GPU
 from where they lie), carved in :data:`RECORD_ALIGN`-byte units. ``bytes_held`` is the arena
-bytes the held entries take (their aligned extents) plus their plans' host arrays: it never
+bytes the held entries take (their aligned extents) plus what is kept beside them (the GPU
+path's batch plans, ``kvzip_lossless.PLAN_FIELDS``: 72 bytes a blob): it never
 exceeds the budget, and the page-locked memory is the arena, at most the budget.
 
 Table set: given (``tables_path``, e.g. fitted offline on calibration text), or fitted by the
@@ -40,7 +41,7 @@ import kvzip_lossless
 logger = logging.getLogger("kvzip_vllm.store")
 
 #: An entry's record: its blobs back to back, zeros to a multiple of this, then the tail that
-#: the ``plan`` hook returned (the GPU path's decode plan in the layout its kernels read). The
+#: the ``plan`` hook returned, if any (the GPU path keeps none: its plans lie beside). The
 #: arena hands out extents in multiples of it too, so records of consecutive extents are laid
 #: out as a restore step places them on the device (one copy for a run of them).
 RECORD_ALIGN = 16
@@ -78,8 +79,7 @@ def pack_record(
     blobs, tail: np.ndarray | None = None, *, pin_memory: bool = False
 ) -> tuple[torch.Tensor, tuple[memoryview, ...]]:
     """One uint8 tensor holding ``blobs`` and ``tail`` on its own (page-locked when
-    ``pin_memory``): for an entry held outside an arena (a load of an entry stored without a
-    plan); the store itself keeps records in its :class:`Arena`."""
+    ``pin_memory``), laid out as a record in the arena; the blobs as views into it."""
     n = record_bytes(blobs, tail)
     data = torch.empty(n, dtype=torch.uint8, pin_memory=pin_memory and n > 0)
     return data, write_record(data.numpy(), blobs, tail)
@@ -272,7 +272,7 @@ class _Entry:
     blobs: tuple[memoryview, ...]  # views into the arena
     nbytes: int  # arena extent plus ``aux_bytes``: what it holds against the budget
     raw_bytes: int
-    aux: object = None  # the GPU path's decode plans (kvzip_vllm.batch_decode.BlockPlan)
+    aux: object = None  # the GPU path's batch plans (int64 [blobs, len(PLAN_FIELDS)])
     off: int = 0  # the record's offset in the arena
     size: int = 0  # the record's bytes (its extent: rounded up to RECORD_ALIGN)
     leases: int = 0  # loads in flight reading the record (its extent is reused after them)
