@@ -76,7 +76,7 @@ if numba is not None:
     def _tile_sum(out, o, n):
         s = np.int64(0)
         for p in range(n):
-            s += _fmix((p * 0x9E3779B1 + np.int64(out[o + p])) & 0xFFFFFFFF)
+            s += _fmix((p * 0x9E3779B1 + np.int64(out[np.uint64(o + p)])) & 0xFFFFFFFF)
         return s & 0xFFFFFFFF
 
     @_jit
@@ -90,11 +90,12 @@ if numba is not None:
             by = mo + 7 * g
             w = np.int64(0)
             for k in range(7):
-                w = (w << 8) | np.int64(b[by + k])
+                w = (w << 8) | np.int64(b[np.uint64(by + k)])
             for k in range(8):
                 p = 8 * g + k
-                v = np.int64(out[oo + p]) | ((w >> (49 - 7 * k)) & 127)
-                out[oo + p] = v
+                q = np.uint64(oo + p)
+                v = np.int64(out[q]) | ((w >> (49 - 7 * k)) & 127)
+                out[q] = v
                 acc += _fmix((p * 0x9E3779B1 + v) & 0xFFFFFFFF)
         for p in range(8 * g8, n):
             bit = 7 * p
@@ -147,25 +148,27 @@ if numba is not None:
             for t in range(nr):
                 row = t * C
                 for c in range(c0, c1):
-                    rc = r[c]
-                    xc = x[c]
+                    uc = np.uint64(c)
+                    rc = r[uc]
+                    xc = x[uc]
                     slot = xc & 4095
-                    s = np.int64(clut[(rc << CLUT_ROW) + (slot >> CLUT_SHIFT)])
-                    e = np.int64(packed[rc + s])
+                    s = np.int64(clut[np.uint64((rc << CLUT_ROW) + (slot >> CLUT_SHIFT))])
+                    e = np.int64(packed[np.uint64(rc + s)])
                     while (e >> 16) + (e & 0xFFFF) <= slot:
                         s += 1
-                        e = np.int64(packed[rc + s])
+                        e = np.int64(packed[np.uint64(rc + s)])
                     xc = (e & 0xFFFF) * (xc >> PROB_BITS) + slot - (e >> 16)
                     need = xc < RANS_L
                     # past the chunk's words only in a damaged tile (then error 5): the read
                     # stays inside the tile
-                    w = np.int64(b16[min(wp, wend - 1)])
+                    w = np.int64(b16[np.uint64(min(wp, wend - 1))])
                     xc = ((xc << 16) | w) if need else xc
                     wp += need
-                    x[c] = xc
-                    r[c] = cnext[c * NSYM + s]
+                    x[uc] = xc
+                    k = np.uint64(c * NSYM + s)
+                    r[uc] = cnext[k]
                     nesc += (s & 15) == 0
-                    out[oo + row + c] = vt[c * NSYM + s]  # the mantissa follows, in one pass
+                    out[np.uint64(oo + row + c)] = vt[k]  # the mantissa follows, in one pass
             if wp != wend:  # read past its words, or left some
                 return 5
         for c in range(C):
@@ -230,23 +233,25 @@ if numba is not None:
                 states[c] = RANS_L
             for t in range(nr - 1, -1, -1):
                 for c in range(c1 - 1, c0 - 1, -1):
-                    val = v[t * C + c]
-                    es = ((val >> 7) & 255) - base[c] + MODE_SLOT
+                    uc = np.uint64(c)
+                    val = v[np.uint64(t * C + c)]
+                    bc = base[uc]
+                    es = ((val >> 7) & 255) - bc + MODE_SLOT
                     s = (val >> 15) * 16 + (es if 1 <= es <= 15 else 0)
                     sp = 0
                     if t > 0:
-                        vp = v[(t - 1) * C + c]
-                        ep = ((vp >> 7) & 255) - base[c] + MODE_SLOT
+                        vp = v[np.uint64((t - 1) * C + c)]
+                        ep = ((vp >> 7) & 255) - bc + MODE_SLOT
                         sp = (vp >> 15) * 16 + (ep if 1 <= ep <= 15 else 0)
-                    e = np.int64(packed[(c * nb + bmap[sp]) * 32 + s])
+                    e = np.int64(packed[np.uint64((c * nb + bmap[np.uint64(sp)]) * 32 + s)])
                     f = e & 0xFFFF
-                    xc = states[c]
+                    xc = states[uc]
                     if xc >= f << (32 - PROB_BITS):
-                        scratch[k] = xc & 0xFFFF
+                        scratch[np.uint64(k)] = xc & 0xFFFF
                         k += 1
                         xc >>= 16
                     q = xc // f
-                    states[c] = (q << PROB_BITS) + (xc - q * f) + (e >> 16)
+                    states[uc] = (q << PROB_BITS) + (xc - q * f) + (e >> 16)
             counts[ch] = k
             for j in range(k):
                 words[nw + j] = scratch[k - 1 - j]
@@ -254,8 +259,8 @@ if numba is not None:
         ne = 0
         n = nr * C
         for p in range(n):
-            val = v[p]
-            es = ((val >> 7) & 255) - base[p % C] + MODE_SLOT
+            val = v[np.uint64(p)]
+            es = ((val >> 7) & 255) - base[np.uint64(p % C)] + MODE_SLOT
             if not 1 <= es <= 15:
                 esc[ne] = p
                 ne += 1
@@ -263,7 +268,7 @@ if numba is not None:
         nbits = 0
         j = 0
         for p in range(n):
-            acc = (acc << 7) | (v[p] & 127)
+            acc = (acc << 7) | (v[np.uint64(p)] & 127)
             nbits += 7
             while nbits >= 8:
                 nbits -= 8
@@ -274,7 +279,7 @@ if numba is not None:
             mant[j] = (acc << (8 - nbits)) & 255
         s = np.int64(0)
         for p in range(n):
-            s += _fmix((p * 0x9E3779B1 + v[p]) & 0xFFFFFFFF)
+            s += _fmix((p * 0x9E3779B1 + v[np.uint64(p)]) & 0xFFFFFFFF)
         return nw, ne, s & 0xFFFFFFFF
 
 
