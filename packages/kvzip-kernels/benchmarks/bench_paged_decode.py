@@ -409,6 +409,11 @@ def main():
                             if backend == "triton" or name in cuda_formats:
                                 say(f"!! {key}: {ex}")
                             continue
+                        except RuntimeError as ex:  # a failed CUDA launch: the others still run
+                            if backend == "triton":
+                                raise
+                            say(f"!! {key}: {type(ex).__name__}: {ex}")
+                            continue
                         outs[key] = o
                         twin = "ours" + key.removeprefix(prefix)
                         if backend != "triton" and twin in outs:
