@@ -135,7 +135,7 @@ def _host_pinned(n_bytes: int) -> tuple[torch.Tensor, bool]:
     return t, (torch.cuda.is_available() and _host_register(t))
 
 
-def run_context(args, ctx, src: KvSource, tables, dev) -> dict:
+def run_context(args, ctx, src: KvSource, tables, dev, budget_ratio: float) -> dict:
     from kvzip_vllm.cuda_pipeline import CudaTierPipeline
     from kvzip_vllm.store import BlockStore, _host_unregister
 
@@ -153,10 +153,11 @@ def run_context(args, ctx, src: KvSource, tables, dev) -> dict:
         cache[:nb].copy_(x)
     sync()
     fill_s = time.perf_counter() - t_fill
-    budget = int(raw_bytes / args.budget_ratio)
+    budget = int(raw_bytes / budget_ratio)
     store = BlockStore(budget, tables=tables, fit_tokens=0)
     pipe = CudaTierPipeline(store, caches, bs, bpc)
-    row = {"context": ctx, "block_size": bs, "chunk_tokens": ct, "layers": L}
+    row = {"context": ctx, "block_size": bs, "chunk_tokens": ct, "layers": L,
+           "budget_ratio": round(budget_ratio, 4)}  # fmt: skip
     try:
         keys = [ctx.to_bytes(8, "little") + c.to_bytes(8, "little") + bytes(16)
                 for c in range(n_chunks)]  # fmt: skip
@@ -310,8 +311,10 @@ def write(out: Path, result: dict) -> None:
         "from page-locked memory. store GB/s: bf16 bytes over the time from the first "
         "`start_stores` until every chunk is held (table set given: no slow path). ratio: bf16 "
         "bytes over blob bytes; bytes held: arena extents plus decode plans; arena: the "
-        "page-locked memory, allocated once at `budget_bytes` (raw / "
-        f"{result['budget_ratio']}). Other columns per row in the JSON.",
+        "page-locked memory, allocated once at `budget_bytes` = raw / the row's `budget_ratio` "
+        f"({result['budget_ratio']}: auto sizes a context's arena from the held ratio the one "
+        "before measured, as a user sizes the budget to the data). Other columns per row in "
+        "the JSON.",
     ]
     if result.get("skipped"):
         lines += ["", f"Not run (time limit): {result['skipped']}"]
@@ -328,8 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-dir", default=None, help="K.npy/V.npy dump (default: synthetic)")
-    ap.add_argument("--budget-ratio", type=float, default=1.25,
-                    help="budget_bytes = raw bf16 bytes / this")  # fmt: skip
+    ap.add_argument("--budget-ratio", default="auto",
+                    help="budget_bytes = raw bf16 bytes / this; auto: 1.25 for the first "
+                    "context, then 0.98 x the held ratio the previous one measured")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--time-limit-s", type=float, default=200.0,
@@ -378,7 +382,13 @@ def main(argv=None) -> int:
         if time.perf_counter() - t_start > args.time_limit_s:
             result["skipped"].append(ctx)
             continue
-        r = run_context(args, ctx, src, tables, dev)
+        if args.budget_ratio != "auto":
+            ratio = float(args.budget_ratio)
+        elif result["rows"] and result["rows"][-1]["raw_over_bytes_held"] > 0:
+            ratio = 0.98 * result["rows"][-1]["raw_over_bytes_held"]
+        else:
+            ratio = 1.25
+        r = run_context(args, ctx, src, tables, dev, ratio)
         result["rows"].append(r)
         print(f"{r['context']:>8} {r['restore_s']:>10} {r['raw_copy_s']:>10} "
               f"{r['store_GBps']:>10} {r['ratio']:>7} {r['raw_over_bytes_held']:>8} "
