@@ -8,20 +8,24 @@
 #      and cuda-v4a-* / cuda-v5-* for int4/4bit/3.5bit/3bit, in one process on the same data
 #      (its own time budget 230 s, 10 timings per kernel)                       (<= 290 s)
 #   3. bench_cache_write.py: split and fused compact writes vs a prefill layer    (<= 70 s)
+# KVZIP_TREE: a snapshot of the checkout to run (default: the current directory); BUNDLE: the
+# FlashInfer bundle (default .carry/flashinfer, relative to the current directory)
 set -uo pipefail
 : "${OUT:?set OUT}"
-export PYTHONPATH=packages/kvzip-formats/src:packages/kvzip-kernels/src:packages/kvzip-kernels/tests
+P=${KVZIP_TREE:-.}/packages
+BUNDLE=${BUNDLE:-.carry/flashinfer}
+export PYTHONPATH=$P/kvzip-formats/src:$P/kvzip-kernels/src:$P/kvzip-kernels/tests
 export PYTHONUNBUFFERED=1
 unset KVZIP_KERNELS_BACKEND KVZIP_KERNELS_CUDA_VARIANT KVZIP_KERNELS_CACHE_WRITE
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/device.txt
 ( time timeout ${TESTS_LIMIT_S:-180} python3 -m pytest -q -m gpu \
-    packages/kvzip-kernels/tests/test_cuda_decode.py;
-  timeout 60 python3 -m pytest -q packages/kvzip-kernels/tests/test_cache_write_fused.py ) \
+    $P/kvzip-kernels/tests/test_cuda_decode.py;
+  timeout 60 python3 -m pytest -q $P/kvzip-kernels/tests/test_cache_write_fused.py ) \
   2>&1 | tee $OUT/gpu_tests_v5.log | tail -8
-timeout ${BENCH_LIMIT_S:-290} python3 packages/kvzip-kernels/benchmarks/bench_paged_decode.py \
-  --bundle .carry/flashinfer --formats fp8,int4,4bit,3.5bit,3bit --backends triton,cuda \
+timeout ${BENCH_LIMIT_S:-290} python3 $P/kvzip-kernels/benchmarks/bench_paged_decode.py \
+  --bundle $BUNDLE --formats fp8,int4,4bit,3.5bit,3bit --backends triton,cuda \
   --cuda-variants v4a,v5 --shapes 8b,70b-tp8 --batches 8,16,32,64 --contexts 32768,131072 \
   --iters ${ITERS:-10} --warmup 3 --time-budget-s ${BUDGET_S:-230} --tag v5 --out $OUT \
   2>&1 | tee $OUT/bench_paged_decode_v5.log | grep -v "^\[check\]" | tail -45
-timeout ${CW_LIMIT_S:-70} python3 packages/kvzip-kernels/benchmarks/bench_cache_write.py \
+timeout ${CW_LIMIT_S:-70} python3 $P/kvzip-kernels/benchmarks/bench_cache_write.py \
   --tag fused --out $OUT 2>&1 | tee $OUT/bench_cache_write_fused.log | tail -22
