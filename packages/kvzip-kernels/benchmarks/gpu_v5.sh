@@ -17,7 +17,7 @@ BUNDLE=${BUNDLE:-.carry/flashinfer}
 export PYTHONPATH=$P/kvzip-formats/src:$P/kvzip-kernels/src:$P/kvzip-kernels/tests
 export PYTHONUNBUFFERED=1
 unset KVZIP_KERNELS_BACKEND KVZIP_KERNELS_CUDA_VARIANT KVZIP_KERNELS_CACHE_WRITE
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/device.txt
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader  # 7 files come back: logs, JSON, md
 ( time timeout ${TESTS_LIMIT_S:-180} python3 -m pytest -q -m gpu \
     $P/kvzip-kernels/tests/test_cuda_decode.py;
   timeout 60 python3 -m pytest -q $P/kvzip-kernels/tests/test_cache_write_fused.py ) \
