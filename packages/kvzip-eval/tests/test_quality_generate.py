@@ -1,5 +1,7 @@
+import pytest
+
 from kvzip_eval.corpus import token_windows
-from kvzip_eval.quality.generate import generate
+from kvzip_eval.quality.generate import WIDTH_STEP, batches, generate, width
 from kvzip_formats import get_format
 
 
@@ -13,12 +15,28 @@ def test_bf16_generation_identical_and_exact_probe(loaded):
     assert same == ref and all(len(o) > 0 for o in ref)
 
 
-def test_batched_equals_one_by_one_for_bf16(loaded):
-    # Left padding must not change what a row generates (positions, masks, pad handling).
-    prompts = token_windows(loaded.tokenizer, 2, 20, seed=6).tolist()
-    prompts[0] = prompts[0][:12]
-    batched, _ = generate(loaded, prompts, None, max_new_tokens=5, batch_size=2)
-    single = [generate(loaded, [p], None, max_new_tokens=5, batch_size=1)[0][0] for p in prompts]
-    # bf16 matmuls of a padded batch may round differently; demand agreement of the first
-    # tokens, which a wrong position or mask would break immediately.
-    assert [b[:2] for b in batched] == [s[:2] for s in single]
+@pytest.mark.parametrize("fmt", [None, "int4"])
+def test_batch_invariant(loaded, fmt):
+    # The same prompt alone (its batch filled with copies of it) and beside two other
+    # prompts of other lengths, in another position of the batch: bit-identical tokens.
+    f = get_format(fmt) if fmt else None
+    wins = token_windows(loaded.tokenizer, 3, 40, seed=11).tolist()
+    p, q, r = wins[0][:33], wins[1][:40], wins[2][:37]  # one width bucket, three pad counts
+    alone, _ = generate(loaded, [p], f, max_new_tokens=12, batch_size=3)
+    mixed, _ = generate(loaded, [q, r, p], f, max_new_tokens=12, batch_size=3)
+    assert len(alone[0]) > 0 and mixed[2] == alone[0]
+    again, _ = generate(loaded, [r, p], f, max_new_tokens=12, batch_size=3)
+    assert again[1] == alone[0] and again[0] == mixed[1]
+
+
+def test_batches_group_by_width():
+    prompts = [[1] * n for n in (5, WIDTH_STEP + 1, 7, 9, 2 * WIDTH_STEP)]
+    assert width(1) == WIDTH_STEP and width(WIDTH_STEP) == WIDTH_STEP
+    assert batches(prompts, 2) == [[0, 2], [3], [1, 4]]
+
+
+def test_bad_arguments(loaded):
+    with pytest.raises(ValueError, match="batch_size"):
+        generate(loaded, [[1, 2]], None, max_new_tokens=2, batch_size=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(loaded, [[]], None, max_new_tokens=2)

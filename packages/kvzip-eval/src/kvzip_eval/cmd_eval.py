@@ -9,6 +9,9 @@ import os
 # [3,64]@[64,64] matmul 23 ms vs 32 us with PASSIVE; large matmuls unchanged). Must be set
 # before torch starts its thread pool.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Deterministic cuBLAS (generation asks torch for deterministic algorithms on CUDA); read
+# when cuBLAS starts, so set before torch touches the GPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import click  # noqa: E402
 
@@ -241,12 +244,12 @@ def command(
     device = resolve_device(device)
     s = replace(s, noise_floor=device == "cuda" if noise_floor is None else noise_floor)
     if device == "cpu" and batch_size is None:
-        s = replace(s, gen_batch=min(s.gen_batch, 8))  # wider batches only pad more on 2 cores
+        # batches are filled to gen_batch rows (batch invariance): wide ones cost on 2 cores
+        s = replace(s, gen_batch=min(s.gen_batch, 8))
     if device == "cpu" and preset == "full":
         click.echo(
-            "note: --full is the protocol of docs/protocol.md (8 windows of the model's context, "
-            "32 x 256 tokens, 600 retrieval samples per format): hours on a few CPU cores, "
-            "minutes with --device cuda",
+            f"note: --full is the protocol of docs/protocol.md ({_preset_help(PRESETS['full'])}"
+            "): hours on a few CPU cores, minutes with --device cuda",
             err=True,
         )
     try:
@@ -349,8 +352,9 @@ def next_steps(preset: str | None, device: str, model_path) -> list[str]:
     lines = ["", "Next:"]
     if preset != "full":
         lines.append(
-            "  kvzip eval --full --device cuda   the whole quality protocol (8 windows of the "
-            "model's context, 32 prompts x 256 tokens, 600 retrieval samples): minutes on a GPU"
+            "  kvzip eval --full --device cuda   the whole quality protocol ("
+            + _preset_help(PRESETS["full"])
+            + "): minutes on a GPU"
             + (", hours here" if device == "cpu" else "")
         )
     if model_path is None:

@@ -14,6 +14,40 @@ def _retrieval_mean(r: dict) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+#: McNemar p-value under which a format's retrieval is said to leave bf16's.
+LEAVES_P = 0.05
+
+
+def retrieval_pooled(f: dict) -> tuple[float, list[float]] | None:
+    """Accuracy over every retrieval sample of the run, with its Wilson 95% interval (None
+    for results without per-cell sample counts)."""
+    from kvzip_eval.quality.stats import wilson
+
+    acc, n = f.get("retrieval") or {}, f.get("retrieval_n") or {}
+    if not acc or not n:
+        return None
+    k = sum(round(a * n[t][L]) for t, per in acc.items() for L, a in per.items())
+    total = sum(n[t][L] for t, per in acc.items() for L in per)
+    return k / total, wilson(k, total)
+
+
+def leaves_bf16(result: dict) -> list[str]:
+    """One line per (format, task, length) whose pass/fail differs from bf16's on the same
+    samples by McNemar's exact test (p < LEAVES_P)."""
+    lines = []
+    for name, f in result["formats"].items():
+        for task, per in (f.get("retrieval_p_vs_bf16") or {}).items():
+            for L, p in per.items():
+                if p < LEAVES_P:
+                    ref = result["reference"]["retrieval"][task][L]
+                    acc = f["retrieval"][task][L]
+                    lines.append(
+                        f"{name} leaves bf16 on {task} at {L} tokens: {acc:.2f} vs {ref:.2f} "
+                        f"(McNemar p = {p:.3g})"
+                    )
+    return lines
+
+
 def _num(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -32,7 +66,10 @@ def summary_rows(result: dict) -> list[dict]:
                 "words_changed": _num(f.get("words_changed"), ".3f"),
                 "first_departure": _num(f.get("first_departure"), ".1f"),
                 "identical": _num(f.get("identical"), ".2f"),
-                "retrieval": _num(_retrieval_mean(f.get("retrieval") or {}), ".2f"),
+                "retrieval": _num(
+                    (retrieval_pooled(f) or (_retrieval_mean(f.get("retrieval") or {}),))[0],
+                    ".2f",
+                ),
             }
         )
     ref = result.get("reference", {}).get("retrieval")
@@ -82,12 +119,13 @@ _LEGEND = {
     "kl_mean": "kl_mean, kl_median, kl_p99: KL divergence of the next-token distribution from "
     "bf16's, at every position of held-out text (0 = identical; lower is better)",
     "top1_agree": "top1_agree: share of positions where the most likely next token is bf16's",
-    "words_changed": "words_changed: word edit distance of the greedy continuation from "
-    "bf16's, per bf16 word; identical: share of continuations equal to bf16's",
+    "words_changed": "words_changed: word edit distance of the short greedy continuation "
+    "from bf16's, per bf16 word (generation is batch-invariant: bf16 against itself is "
+    "exactly 0); identical: share of continuations equal to bf16's",
     "first_departure": "first_departure: mean position (generated tokens) of the first token "
-    "that differs from bf16's (an identical continuation counts its length)",
-    "retrieval": "retrieval: accuracy at finding keyed values in a long context (mean over "
-    "tasks and lengths)",
+    "that differs from bf16's (an identical continuation counts its length; higher is better)",
+    "retrieval": "retrieval: share of needles (pass keys, colors) found in long prose, over "
+    "every task and length of the run",
 }
 
 
@@ -163,14 +201,27 @@ def words_ci_rows(result: dict) -> list[dict]:
 
 
 def retrieval_rows(result: dict) -> list[dict]:
+    """Accuracy per format, task and length; with its Wilson 95% interval and a ``*`` where
+    the format leaves bf16 (McNemar p < LEAVES_P) for results that carry them."""
     rows = []
     sources = dict(result["formats"])
     if "bf16" not in sources and result.get("reference"):
-        sources = {"bf16 (reference)": {"retrieval": result["reference"]["retrieval"]}, **sources}
+        ref = result["reference"]
+        sources = {
+            "bf16 (reference)": {
+                "retrieval": ref["retrieval"],
+                "retrieval_ci95": ref.get("retrieval_ci95") or {},
+            },
+            **sources,
+        }
     for name, f in sources.items():
         for task, per_len in f["retrieval"].items():
             row = {"format": name, "task": task}
-            row.update({L: f"{a:.2f}" for L, a in per_len.items()})
+            for L, a in per_len.items():
+                ci = (f.get("retrieval_ci95") or {}).get(task, {}).get(L)
+                p = (f.get("retrieval_p_vs_bf16") or {}).get(task, {}).get(L)
+                mark = "*" if p is not None and p < LEAVES_P else ""
+                row[L] = f"{a:.2f}{mark}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
             rows.append(row)
     return rows
 
@@ -276,14 +327,22 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
     fig.savefig(out / "kl.png", dpi=120)
     plt.close(fig)
 
-    # The frontier a user chooses on: mean KL against bits, every format of the run.
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    # The frontier a user chooses on: mean KL (and retrieval) against bits, every format and
+    # baseline of the run in one figure.
+    pooled = {n: retrieval_pooled(fmts[n]) for n in names}
+    with_retrieval = any(v is not None for v in pooled.values())
+    fig, axes = plt.subplots(
+        1, 2 if with_retrieval else 1, figsize=(11 if with_retrieval else 6.5, 4), squeeze=False
+    )
+    ax = axes[0][0]
     on = set(frontier(result)[0])
     pts = [(fmts[n]["bits"], fmts[n]["kl_mean"], n) for n in names]
     floor = min((k for _, k, _ in pts if k > 0), default=1.0) / 3
     line = sorted((b, max(k, floor)) for b, k, n in pts if n in on)
     if line:
         ax.plot(*zip(*line, strict=True), color="tab:gray", lw=1, zorder=1)
+    lo, hi = min(b for b, _, _ in pts), max(b for b, _, _ in pts)
+    ticks = [t for t in (2, 3, 3.5, 4, 4.5, 5, 6, 8, 12, 16, 32) if lo * 0.9 <= t <= hi * 1.1]
     for i, (b, k, n) in enumerate(sorted(pts)):
         ax.scatter(b, max(k, floor), color="tab:blue" if n in on else "tab:red", zorder=2)
         # neighbours of about one size (4.125, 4.25 bits) get labels at three heights
@@ -296,17 +355,39 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         )
     if any(k > 0 for _, k, _ in pts):
         ax.set_yscale("log")
-    ax.set_xscale("log", base=2)
-    lo, hi = min(b for b, _, _ in pts), max(b for b, _, _ in pts)
-    ticks = [t for t in (2, 3, 3.5, 4, 4.5, 5, 6, 8, 12, 16, 32) if lo * 0.9 <= t <= hi * 1.1]
-    ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
-    ax.minorticks_off()
-    ax.set_xlabel("bits per element, log scale (fewer: more sessions per GPU)")
     ax.set_ylabel("mean KL vs bf16 (bf16's 0 at the bottom)")
     ax.set_title(
-        f"Size against quality, {result['model']['name']}\nblue: best for the size; red: "
-        "another format is no larger and closer to bf16",
+        "KL against size; blue: best for the size,\nred: another format is no larger and "
+        "closer to bf16",
         fontsize=9,
+    )
+    if with_retrieval:
+        ax2 = axes[0][1]
+        for i, n in enumerate(sorted(names, key=lambda m: fmts[m]["bits"])):
+            if pooled[n] is None:
+                continue
+            acc, (clo, chi) = pooled[n]
+            b = fmts[n]["bits"]
+            ax2.errorbar(
+                b,
+                acc,
+                yerr=[[acc - clo], [chi - acc]],
+                fmt="o",
+                capsize=3,
+                color="tab:blue" if n in on else "tab:red",
+            )
+            ax2.annotate(
+                n, (b, acc), fontsize=8, xytext=(5, 8 * (i % 3) - 8), textcoords="offset points"
+            )
+        ax2.set_ylabel("retrieval accuracy, all tasks and lengths (95% Wilson)")
+        ax2.set_title("Retrieval against size", fontsize=9)
+    for a_ in axes[0]:
+        a_.set_xscale("log", base=2)
+        a_.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
+        a_.minorticks_off()
+        a_.set_xlabel("bits per element, log scale (fewer: more sessions per GPU)")
+    fig.suptitle(
+        f"Size against quality, {result['model']['name']}: every format of the run", fontsize=10
     )
     fig.tight_layout()
     fig.savefig(out / "frontier.png", dpi=120)
@@ -396,8 +477,10 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         md += [
             "## Words changed, first departure, identical outputs (95% intervals)",
             "",
-            f"Over {s['prompts']} prompts x {s['new_tokens']} greedy tokens; intervals: "
-            "percentile bootstrap of the mean over prompts.",
+            f"Over {s['prompts']} prompts x {s['new_tokens']} greedy tokens, each prompt "
+            "generated in fixed-shape batches (batch-invariant; bf16 against itself is exactly "
+            "0); intervals: percentile bootstrap of the mean over prompts (words changed, "
+            "first departure), Wilson (identical).",
             "",
             markdown_table(wrows, ["format", "words_changed", "first_departure", "identical"]),
             "",
@@ -405,7 +488,19 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
     if tasks:
         lens = [str(L) for L in s["retrieval_lengths"]]
         md += ["## Retrieval accuracy by task and length", ""]
+        n = s["retrieval_samples"]
+        md += [
+            f"{n} samples per task and length; [95% Wilson interval]; `*`: the format's "
+            f"pass/fail differs from bf16's on the same samples (exact McNemar p < {LEAVES_P}).",
+            "",
+        ]
         md += [markdown_table(retrieval_rows(result), ["format", "task", *lens]), ""]
+        gone = leaves_bf16(result)
+        md += ["Where a format leaves bf16:", ""]
+        md += (
+            [f"- {x}" for x in gone] if gone else ["- nowhere: every cell within McNemar p >= 0.05"]
+        )
+        md += [""]
     md += ["## KL by position (mean over 8 equal spans of the window)", ""]
     md += [
         markdown_table(

@@ -2,11 +2,10 @@
 
 Settings presets: ``quick`` (about a minute on 2 CPU cores) for tests and checks,
 ``default`` (KL only, a few minutes there) for a first look, ``full`` for published numbers:
-the quality protocol of docs/protocol.md, 8 windows of the model's full context, 32 prompts x
-256 new tokens, 50 samples per retrieval task at 1,024, 2,048, 4,096 tokens and the full
-context. ``full`` is meant for a GPU (``--device cuda``): on 2 shared CPU cores an
-8,192-token forward of SmolLM2-135M took 128 s, so the protocol would take days there. Every
-count can be changed with the command's options.
+the quality protocol, 8 windows of the model's full context, 256 prompts x 32 new tokens,
+100 samples per retrieval task and length. ``full`` is meant for a GPU (``--device cuda``):
+on 2 shared CPU cores an 8,192-token forward of SmolLM2-135M took 128 s, so the protocol
+would take days there. Every count can be changed with the command's options.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from tqdm.auto import tqdm
 
 from kvzip_eval.corpus import token_windows
 from kvzip_eval.quality import kl as kl_mod
-from kvzip_eval.quality import retrieval, words
+from kvzip_eval.quality import retrieval, stats, words
 from kvzip_eval.quality.generate import generate
 
 
@@ -32,7 +31,7 @@ class Settings:
     new_tokens: int
     retrieval_lengths: tuple[int, ...]  # 0 = the model's context length
     retrieval_samples: int
-    tasks: tuple[str, ...] = retrieval.TASKS
+    tasks: tuple[str, ...] = retrieval.DEFAULT_TASKS
     gen_batch: int = 8
     seed: int = 0
     #: run the bf16 reference twice (KL and words changed) and report the difference: the
@@ -70,18 +69,22 @@ PRESETS = {
         retrieval_lengths=(512,),
         retrieval_samples=0,
     ),
-    # The quality protocol of docs/protocol.md. gen_batch 64 takes each retrieval group (50
-    # samples of one task and length) in one batch on a GPU; on the CPU the command lowers it
-    # to 8.
+    # The quality protocol of docs/protocol.md. Words changed over a short window: 256
+    # prompts x 32 greedy tokens separate fp8, int4 and int4-rot beyond their 95% intervals
+    # (first departure on 48 CPU prompts: fp8 14.3 [11.1, 17.7], int4 2.6 [1.6, 3.9], int4-rot
+    # 4.5 [3.0, 6.4]; the intervals narrow as 1/sqrt(prompts)); longer continuations only
+    # add text written after the outputs parted. Retrieval: the tasks and lengths bf16
+    # passes (>= 0.9, results/quality/retrieval_bf16.md), 100 samples per cell. gen_batch
+    # 100: a retrieval cell in one batch on a GPU (the command lowers it to 8 on the CPU).
     "full": Settings(
         kl_windows=8,
         kl_length=0,
-        prompts=32,
+        prompts=256,
         passage_tokens=192,
-        new_tokens=256,
-        retrieval_lengths=(1024, 2048, 4096, 0),
-        retrieval_samples=50,
-        gen_batch=64,
+        new_tokens=32,
+        retrieval_lengths=(1024, 2048),
+        retrieval_samples=100,
+        gen_batch=100,
     ),
 }
 #: What the quality protocol asks for (docs/protocol.md, "Quality protocol").
@@ -175,7 +178,7 @@ def run_retrieval(loaded, formats: dict, s: Settings, text_file, progress: bool)
     for smp in samples:
         groups.setdefault((smp.task, smp.length), []).append(smp)
     bar = _bar(len(samples) * (len(formats) + 1), "retrieval", progress)
-    acc = {n: {} for n in ["__reference__", *formats]}
+    passed: dict[str, dict] = {n: {} for n in ["__reference__", *formats]}
     for (task, length), group in groups.items():
         prompts = [list(x.prompt_ids) for x in group]
         new = retrieval.ANSWER_TOKENS[task]
@@ -206,10 +209,24 @@ def run_retrieval(loaded, formats: dict, s: Settings, text_file, progress: bool)
                 )
         for name, outs in runs.items():
             texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
-            ok = [retrieval.score(x, t) for x, t in zip(group, texts, strict=True)]
-            acc[name].setdefault(task, {})[str(length)] = sum(ok) / len(ok)
+            passed[name][(task, length)] = [
+                retrieval.score(x, t) for x, t in zip(group, texts, strict=True)
+            ]
     bar.close()
-    return acc
+    return {n: retrieval_stats(passed[n], passed["__reference__"]) for n in passed}
+
+
+def retrieval_stats(passed: dict, reference: dict) -> dict:
+    """Per task and length: accuracy, its Wilson 95% interval, the sample count, and the
+    exact McNemar p-value of the format's pass/fail against bf16's on the same samples."""
+    out = {"acc": {}, "ci95": {}, "n": {}, "p_vs_bf16": {}}
+    for (task, length), ok in passed.items():
+        L = str(length)
+        out["acc"].setdefault(task, {})[L] = sum(ok) / len(ok)
+        out["ci95"].setdefault(task, {})[L] = stats.wilson(sum(ok), len(ok))
+        out["n"].setdefault(task, {})[L] = len(ok)
+        out["p_vs_bf16"].setdefault(task, {})[L] = stats.mcnemar_p(ok, reference[(task, length)])
+    return out
 
 
 def check_formats(loaded, formats: dict) -> None:
@@ -279,13 +296,17 @@ def run_suite(
             "words_changed": wc[name]["words_changed"] if wc else None,
             "identical": wc[name]["identical"] if wc else None,
             **{k: wc[name][k] if wc else None for k in WORDS_EXTRA},
-            "retrieval": rt[name] if rt else {},
+            "retrieval": rt[name]["acc"] if rt else {},
+            "retrieval_ci95": rt[name]["ci95"] if rt else {},
+            "retrieval_n": rt[name]["n"] if rt else {},
+            "retrieval_p_vs_bf16": rt[name]["p_vs_bf16"] if rt else {},
             "kl_by_position": k.kl_by_position,
             "kl_positions": k.positions,
             "reused_reference": {"kl": k.exact, "words": wc[name]["exact"] if wc else None},
         }
     reference = {
-        "retrieval": rt["__reference__"] if rt else {},
+        "retrieval": rt["__reference__"]["acc"] if rt else {},
+        "retrieval_ci95": rt["__reference__"]["ci95"] if rt else {},
         "outputs": wc["__reference__"]["outputs"] if wc else [],
     }
     if s.noise_floor:

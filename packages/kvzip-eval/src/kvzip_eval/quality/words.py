@@ -9,6 +9,7 @@ from rapidfuzz.distance import Levenshtein
 
 from kvzip_eval.corpus import token_windows
 from kvzip_eval.quality.generate import chat_ids
+from kvzip_eval.quality.stats import mean_ci95, wilson
 
 #: Instructions the generated prompts rotate through (each followed by a passage).
 INSTRUCTIONS = (
@@ -44,26 +45,10 @@ def first_departure(ref_ids, out_ids) -> int:
     return min(len(ref_ids), len(out_ids))
 
 
-#: Resamples of the percentile bootstrap behind every ``*_ci95`` interval (fixed seed).
-BOOTSTRAP = 2000
-
-
-def mean_ci95(values) -> list[float]:
-    """95% percentile-bootstrap interval of the mean over prompts (seeded: reproducible)."""
-    import numpy as np
-
-    x = np.asarray(values, dtype=np.float64)
-    if x.size == 0:
-        raise ValueError("no values")
-    means = np.random.default_rng(0).choice(x, size=(BOOTSTRAP, x.size)).mean(axis=1)
-    lo, hi = np.quantile(means, [0.025, 0.975])
-    return [float(lo), float(hi)]
-
-
 def summarize(references: list[str], outputs: list[str], ref_ids=None, out_ids=None) -> dict:
-    """Mean per-prompt words changed and the share of outputs identical to the reference,
-    each with a 95% interval over prompts; with token ids, also the mean position of the
-    first token that departs from the reference (``first_departure``)."""
+    """Mean per-prompt words changed (bootstrap 95% interval over prompts) and the share of
+    outputs identical to the reference (Wilson 95% interval); with token ids, also the mean
+    position of the first token that departs from the reference (``first_departure``)."""
     if len(references) != len(outputs) or not references:
         raise ValueError(
             f"need as many outputs as references (>0), got {len(outputs)} and {len(references)}"
@@ -77,7 +62,7 @@ def summarize(references: list[str], outputs: list[str], ref_ids=None, out_ids=N
         "words_changed": sum(changed) / len(changed),
         "words_changed_ci95": mean_ci95(changed),
         "identical": sum(same) / len(same),
-        "identical_ci95": mean_ci95([float(x) for x in same]),
+        "identical_ci95": wilson(sum(same), len(same)),
     }
     if ref_ids is not None:
         dep = [first_departure(list(a), list(b)) for a, b in zip(ref_ids, out_ids, strict=True)]
