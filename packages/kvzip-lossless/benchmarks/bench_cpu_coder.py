@@ -128,6 +128,54 @@ def compare_c(blobs, ts, repeats: int) -> dict:
     )  # fmt: skip
 
 
+def compare_rev(rev: str, blobs, ts, repeats: int) -> dict:
+    """The numba coder of git revision ``rev`` (its ``_cpu_fast.py``) against the current one,
+    decode passes interleaved (same blobs, same load on a shared machine): a ratio that the
+    machine's load moves far less than either figure."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    from kvzip_lossless import _cpu_fast, codec
+    from kvzip_lossless import blob as B
+
+    path = "packages/kvzip-lossless/src/kvzip_lossless/_cpu_fast.py"
+    src = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True
+    ).stdout
+    d = tempfile.mkdtemp()
+    f = Path(d) / "_cpu_fast_ref.py"
+    f.write_text(src)
+    spec = importlib.util.spec_from_file_location("_cpu_fast_ref", f)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    items = []
+    for b in blobs:
+        buf = memoryview(b)
+        h = B.parse_header(buf)
+        items.append((buf, h, codec.table_for(h, ts)))
+    mods = {"current": _cpu_fast, rev: ref}
+    for m in mods.values():  # compile, and the same output
+        outs = [m.decode_u16(*it) for it in items]
+    same = all(
+        np.array_equal(a, b)
+        for a, b in zip(outs, [_cpu_fast.decode_u16(*it) for it in items], strict=True)
+    )
+    nbytes = sum(it[1].numel * 2 for it in items)
+    rates = {k: [] for k in mods}
+    for _ in range(repeats):
+        for k, m in mods.items():
+            t0 = time.process_time()
+            for it in items:
+                m.decode_u16(*it)
+            rates[k].append(nbytes / max(time.process_time() - t0, 1e-9) / 1e6)
+    best = {k: max(v) for k, v in rates.items()}
+    return dict(
+        rev=rev, decode_MBps=best, passes=rates, same_output=same,
+        speedup=best["current"] / best[rev],
+    )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/lossless")
@@ -137,6 +185,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--numpy-repeats", type=int, default=2)
     ap.add_argument("--compare-c", action="store_true", help="also time the C twin of the loop")
+    ap.add_argument(
+        "--compare-rev", default=None, help="also time this git revision's numba coder, interleaved"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     K, V, ts = capture(Path(args.kv_dir), args.length)
@@ -206,6 +257,8 @@ def main() -> None:
     )
     if args.compare_c:
         out["numba_vs_c"] = compare_c(blobs["numba"], ts, args.repeats)
+    if args.compare_rev:
+        out["numba_vs_rev"] = compare_rev(args.compare_rev, blobs["numba"], ts, args.repeats)
     od = Path(args.out)
     od.mkdir(parents=True, exist_ok=True)
     (od / "cpu_coder.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -244,6 +297,15 @@ def main() -> None:
             f"passes): numba {c['loop_MBps']['numba']:.1f} MB/s, its C twin "
             f"(`benchmarks/cpu_decode_twin.c`, gcc {c['c_flags']}) "
             f"{c['loop_MBps']['c']:.1f} MB/s; same output: {c['same_output']}.",
+        ]
+    if args.compare_rev:
+        c = out["numba_vs_rev"]
+        md += [
+            "",
+            f"Against the numba coder of revision {c['rev']} (decode only, `_cpu_fast.decode_u16` "
+            f"on the same blobs, passes interleaved): current {c['decode_MBps']['current']:.1f} "
+            f"MB/s, {c['rev']} {c['decode_MBps'][c['rev']]:.1f} MB/s: {c['speedup']:.2f}x; "
+            f"same output: {c['same_output']}.",
         ]
     (od / "cpu_coder.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

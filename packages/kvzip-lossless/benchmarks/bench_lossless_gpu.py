@@ -22,6 +22,7 @@ Steps (each writes into the JSON even when a later one fails):
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -39,6 +40,7 @@ p.add_argument("--kv", default=".carry/kv")
 p.add_argument("--nvcomp", default=".carry/nvcomp")
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
 p.add_argument("--smoke", action="store_true")
+p.add_argument("--name", default="lossless_gpu", help="output files: <out>/<name>.json / .md")
 p.add_argument("--skip", default="", help="comma list of steps to skip")
 p.add_argument("--backends", default="cuda,triton", help="GPU coders to check and time")
 p.add_argument("--restore-modes", default="calibrated,embedded")
@@ -48,7 +50,7 @@ if args.smoke:
 os.makedirs(args.out, exist_ok=True)
 
 import kvzip_lossless as kl  # noqa: E402
-from kvzip_lossless import _torch, codec, gpu, tiles  # noqa: E402
+from kvzip_lossless import _torch, batch, codec, gpu, gpu_batch, tiles  # noqa: E402
 from kvzip_lossless import blob as B  # noqa: E402
 
 DEV = torch.device("cpu" if args.smoke else "cuda")
@@ -74,7 +76,7 @@ except ImportError:
 
 
 def save():
-    with open(os.path.join(args.out, "lossless_gpu.json"), "w") as f:
+    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         json.dump(R, f, indent=2)
 
 
@@ -197,8 +199,12 @@ def check():
                 sizes[mode][1] += len(cpu_b)
                 res["tensors"] += 1
     res["ratio_calibrated_blobs"] = sizes["calibrated"][0] / sizes["calibrated"][1]
+    # the tables of the sample's layers only (tables.kvzt holds every layer of the model;
+    # run 1-2 counted all 30 layers' tables against an 8-layer sample: 1.496x)
+    sample_tables = kl.TableSet(TS.tables[: 2 * L])
+    res["sample_tables_bytes"] = sample_tables.nbytes
     res["ratio_calibrated_with_tables"] = sizes["calibrated"][0] / (
-        sizes["calibrated"][1] + TS.nbytes
+        sizes["calibrated"][1] + sample_tables.nbytes
     )
     res["ratio_embedded"] = sizes["embedded"][0] / sizes["embedded"][1]
     R["check"] = res
@@ -294,6 +300,119 @@ def throughput():
         "parts; host blob assembly not timed)",
         "decode": "decode kernel + escape patch + checksum compare on device",
     }
+
+
+@step("batch")
+def batch_step():
+    """The batched API (kvzip_lossless.encode_batch / decode_batch, spec/blob.md section 9).
+
+    1. The codec alone: one 8B-shaped layer K / V ([131072, 8, 128], one blob) encoded and
+       decoded through the batched kernels, rows_per_tile 1,024 (the default) and 256.
+    2. 256-token chunks of the 8B shape (32 layers x K, V = 64 blobs a chunk), N chunks per
+       call: encode (the whole call: kernels, the one device-to-host read, host layout,
+       assembly) and decode (the whole call from one device buffer, damage flags on the device).
+    Times: CUDA events around the whole call (median of 5 after a warm-up)."""
+    res = {"tables": "the sample's calibrated tables widened to 1,024 columns (wide_tables)"}
+    wide = wide_tables(BIG_H * BIG_D)
+    for be in BACKENDS:
+        for kind in ("k", "v"):
+            x = big_layer(1, kind, BIG_T, BIG_H, BIG_D)
+            slot = kl.kv_slot(1, kind)
+            nbytes = x.numel() * 2
+            for rpt in (RPT, 256 if not args.smoke else 8):
+                enc = functools.partial(gpu_batch.encode_batch, [x], wide, [slot], rpt, backend=be)
+                t_enc = timeit(enc)
+                data, offs, lens, plans = enc()
+                si = batch._set_index(plans, [wide])
+                out = torch.empty(x.numel(), dtype=torch.bfloat16, device=DEV)
+                oo = np.zeros(1, np.int64)
+                dec = functools.partial(
+                    gpu_batch.decode_batch, data, offs, plans, [wide], si, out, oo, backend=be
+                )
+                t_dec = timeit(dec)
+                _, bad = dec()
+                exact = bool(torch.equal(out.view(torch.int16), x.view(-1).view(torch.int16)))
+                row = {
+                    "bytes": nbytes,
+                    "ratio": nbytes / int(lens.sum()),
+                    "encode_s": t_enc,
+                    "decode_s": t_dec,
+                    "encode_GBps": nbytes / t_enc / 1e9,
+                    "decode_GBps": nbytes / t_dec / 1e9,
+                    "exact": exact,
+                    "flags_clear": int(bad.sum()) == 0,
+                }
+                if rpt == RPT and kind == "k":  # bytes == the single-blob GPU coder's
+                    ref, _ = gpu_blob_bytes(x, wide, slot, be)
+                    row["bytes_equal_single_blob_coder"] = ref == bytes(
+                        data.cpu().numpy().tobytes()
+                    )
+                key = f"{be}_{kind}_rows{rpt}"
+                res.setdefault("layer", {})[key] = row
+                print("batch layer", key, row, flush=True)
+                del data, out
+        # 256-token chunks
+        tok = 256 if not args.smoke else 8
+        n_max = 128 if not args.smoke else 2
+        big = {
+            (layer, kind): big_layer(layer, kind, tok * n_max, BIG_H, BIG_D)
+            for layer in range(NL)
+            for kind in ("k", "v")
+        }
+        keys = list(big)
+        for n_chunks in (1, 16, n_max) if not args.smoke else (1, n_max):
+            xs = [big[k][c * tok : (c + 1) * tok] for c in range(n_chunks) for k in keys]
+            slots = [kl.kv_slot(layer, kind) for _c in range(n_chunks) for layer, kind in keys]
+            nbytes = sum(x.numel() * 2 for x in xs)
+            enc = functools.partial(gpu_batch.encode_batch, xs, wide, slots, RPT, backend=be)
+            t_enc = timeit(enc)
+            data, offs, lens, plans = enc()
+            si = batch._set_index(plans, [wide])
+            out = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV)
+            oo = np.arange(len(xs), dtype=np.int64) * xs[0].numel()
+            dec = functools.partial(
+                gpu_batch.decode_batch, data, offs, plans, [wide], si, out, oo, backend=be
+            )
+            t_dec = timeit(dec)
+            _, bad = dec()
+            exact = all(
+                torch.equal(out[oo[i] : oo[i] + x.numel()].view(torch.int16),
+                            x.reshape(-1).view(torch.int16))
+                for i, x in enumerate(xs)
+            )  # fmt: skip
+            dmg = data.clone()
+            dmg[int(offs[len(xs) // 2]) + int(lens[len(xs) // 2]) // 2] ^= 0x10
+            _, bad2 = gpu_batch.decode_batch(dmg, offs, plans, [wide], si, out, oo, backend=be)
+            flags = (bad2 != 0).cpu().numpy()
+            row = {
+                "chunks": n_chunks,
+                "tokens": n_chunks * tok,
+                "blobs": len(xs),
+                "bytes": nbytes,
+                "ratio": nbytes / int(lens.sum()),
+                "ratio_with_tables": nbytes / (int(lens.sum()) + wide.nbytes),
+                "encode_s": t_enc,
+                "decode_s": t_dec,
+                "encode_GBps": nbytes / t_enc / 1e9,
+                "decode_GBps": nbytes / t_dec / 1e9,
+                "exact": exact,
+                "flags_clear": int(bad.sum()) == 0,
+                "damage_flagged_only_there": bool(flags[len(xs) // 2] and flags.sum() == 1),
+            }
+            if n_chunks == 1:  # the bytes equal the CPU coder's (compress of each tensor)
+                row["bytes_equal_cpu"] = all(
+                    bytes(data[int(offs[i]) : int(offs[i] + lens[i])].cpu().numpy().tobytes())
+                    == kl.compress(x.cpu(), tables=wide, slot=slots[i])
+                    for i, x in enumerate(xs[:8])
+                )
+            key = f"{be}_chunks{n_chunks}"
+            res.setdefault("chunks256", {})[key] = row
+            print("batch chunks", key, row, flush=True)
+            del data, out, dmg
+        big.clear()
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+    R["batch"] = res
 
 
 @step("nvcomp")
@@ -539,8 +658,43 @@ def prefill():
     print("prefill", res, flush=True)
 
 
+def summary():
+    """Per coder (the batched API on one 8B layer, K and V, default tiles) beside nvCOMP."""
+    out = {}
+    for key, t in R.get("batch", {}).get("layer", {}).items():
+        be, _, rows_ = key.split("_")
+        if rows_ != f"rows{RPT}":
+            continue
+        o = out.setdefault(be, {"bytes": 0, "enc_s": 0.0, "dec_s": 0.0, "blob_bytes": 0.0})
+        o["bytes"] += t["bytes"]
+        o["enc_s"] += t["encode_s"]
+        o["dec_s"] += t["decode_s"]
+        o["blob_bytes"] += t["bytes"] / t["ratio"]
+    for o in out.values():
+        o["encode_GBps"] = o["bytes"] / o["enc_s"] / 1e9
+        o["decode_GBps"] = o["bytes"] / o["dec_s"] / 1e9
+        o["ratio_8b_layer"] = o["bytes"] / o["blob_bytes"]
+    if "check" in R:
+        for o in out.values():
+            o["ratio_real_sample_with_tables"] = R["check"]["ratio_calibrated_with_tables"]
+    if isinstance(R.get("nvcomp"), dict):
+        n = R["nvcomp"]
+        out["nvcomp"] = {
+            "encode_GBps": n["encode_GBps_1GiB"],
+            "decode_GBps": n["decode_GBps_1GiB"],
+            "ratio_real_sample": n["ratio_real_sample"],
+        }
+    R["summary"] = out
+    R["targets"] = {"decode_GBps": 600, "encode_GBps": 300, "ratio": 1.55}
+
+
+summary()
 save()
 rows = [("item", "value")]
+for be, o in R.get("summary", {}).items():
+    rows += [
+        (f"SUMMARY {be}: enc GB/s / dec GB/s", f"{o['encode_GBps']:.0f} / {o['decode_GBps']:.0f}")
+    ]
 if "check" in R:
     c = R["check"]
     rows += [
@@ -557,6 +711,22 @@ for key, t in R.get("throughput", {}).items():
         (
             f"8B layer {key}: ratio / enc GB/s / dec GB/s",
             f"{t['ratio']:.3f} / {t['encode_GBps']:.0f} / {t['decode_GBps']:.0f}",
+        )
+    ]
+for key, t in R.get("batch", {}).get("layer", {}).items():
+    rows += [
+        (
+            f"batched API, 8B layer {key}: ratio / enc GB/s / dec GB/s / exact",
+            f"{t['ratio']:.3f} / {t['encode_GBps']:.0f} / {t['decode_GBps']:.0f} / {t['exact']}",
+        )
+    ]
+for key, t in R.get("batch", {}).get("chunks256", {}).items():
+    rows += [
+        (
+            f"batched API, 256-token 8B chunks, {key} ({t['blobs']} blobs): ratio / enc GB/s / "
+            "dec GB/s / exact / damage flagged",
+            f"{t['ratio']:.3f} / {t['encode_GBps']:.1f} / {t['decode_GBps']:.1f} / {t['exact']} / "
+            f"{t['damage_flagged_only_there']}",
         )
     ]
 if isinstance(R.get("nvcomp"), dict):
@@ -589,6 +759,6 @@ text = (
 )
 if R.get("errors"):
     text += "\nerrors: " + json.dumps(R["errors"]) + "\n"
-with open(os.path.join(args.out, "lossless_gpu.md"), "w") as f:
+with open(os.path.join(args.out, args.name + ".md"), "w") as f:
     f.write(text)
 print(text)
