@@ -177,17 +177,21 @@ struct PlainLut {
 // v5's lookup: every entry stored 32 times, entry e of lane l at word 32 e + l (bank l), so a
 // lookup is one conflict-free wavefront whatever the indices. Tables by code width (the levels
 // of a width are the same for K and V: codebook.levels(bits)): 4-bit pairs at entry 0 (256),
-// 3-bit at 256 (64), 2-bit at 320 (16); `p` = the table + lane.
+// 3-bit at 256 (64), 2-bit at 320 (16).
+// v5's dynamic shared memory: the replicated tables, then the ring (addressed as a symbol, so a
+// lookup's address is (index << 7 | lane << 2) + a constant: two integer ops per lookup)
+extern __shared__ __align__(16) uint8_t v5_dyn[];
+
 template <int FMT>
 struct RepLut {
-  const uint32_t* p;
+  uint32_t lane4;  // lane * 4: the bank
   static constexpr int ENTRIES = FMT == FMT_4BIT ? 256 : FMT == FMT_35BIT ? 320 : FMT == FMT_3BIT ? 336 : 0;
   __device__ __forceinline__ uint32_t operator()(int region, uint32_t idx) const {
     const int base = region == T_K4                       ? 0
                      : region == T_K3                     ? 256
                      : region == T_V0                     ? (FMT == FMT_4BIT ? 0 : 256)
                                                           : 320;
-    return p[(base + idx) << 5];
+    return *reinterpret_cast<const uint32_t*>(v5_dyn + base * 128 + ((idx << 7) | lane4));
   }
 };
 
@@ -713,7 +717,6 @@ __global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const
   using F = Fmt<FMT, D>;
   using ST = Stage<FMT, D>;
   static_assert(NW * S * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
-  extern __shared__ __align__(16) uint8_t v5_dyn[];
   uint32_t* rep = reinterpret_cast<uint32_t*>(v5_dyn);
   // the ring, after the tables; after the loop: the merge's sm_o
   auto ring = reinterpret_cast<uint8_t(*)[S][ST::BYTES]>(v5_dyn + RepLut<FMT>::ENTRIES * 128);
@@ -776,7 +779,7 @@ __global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const
     cp_async_commit();
   }
   if constexpr (!F::INT4) fill_rep<FMT>(rep, P.lut16, threadIdx.x, NW * 32);
-  const RepLut<FMT> lut{rep + lane};
+  const RepLut<FMT> lut{4u * lane};
   const int64_t row0 = (int64_t)bh * P.G;
   Warp<FMT, D> W;
   W.init(P, row0, g, q);
