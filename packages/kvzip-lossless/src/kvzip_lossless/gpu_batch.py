@@ -233,13 +233,13 @@ if triton is not None:
 
     @triton.jit
     def _bmant_kernel(in16, data8, tdesc, BLOCK: tl.constexpr):
-        tile = tl.program_id(1)
+        tile = tl.program_id(0)
         d = tdesc + tile * 4
         in_off = tl.load(d)
         nv = tl.load(d + 1)
         mant = tl.load(d + 2)
         mode = tl.load(d + 3)
-        g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ng = (nv + 7) // 8
         gm = (g < ng) & (mode == 1)
         bits = tl.zeros([BLOCK], tl.int64)
@@ -673,7 +673,7 @@ def _launch_mant(be, flat, data, tdesc, n_tiles, max_nv):
         _cuda.batch_mant(flat, data, tdesc, n_tiles, max_nv)
     else:
         block = 256
-        grid = (triton.cdiv(-(-max_nv // 8), block), n_tiles)
+        grid = (n_tiles, triton.cdiv(-(-max_nv // 8), block))  # tiles on the unbounded axis
         _bmant_kernel[grid](flat, data, tdesc, BLOCK=block, num_warps=4)
 
 

@@ -348,24 +348,26 @@ __global__ void kvzl_basm(const uint16_t* __restrict__ in, uint8_t* __restrict__
   }
 }
 
-// Mantissas of the rANS tiles: thread g of tile blockIdx.y packs values 8g..8g+7 into bytes
-// 7g..7g+6 of the tile's mantissa field. tdesc: 4 int64 per tile: in_off, nv, mant (byte), mode.
+// Mantissas of the rANS tiles: thread g of tile blockIdx.x packs values 8g..8g+7 into bytes
+// 7g..7g+6 of the tile's mantissa field (striding by the grid's y extent). tdesc: 4 int64 per
+// tile: in_off, nv, mant (byte), mode.
 __global__ void kvzl_bmant(const uint16_t* __restrict__ in, uint8_t* __restrict__ data,
                            const int64_t* __restrict__ tdesc) {
-  const int64_t* d = tdesc + 4 * (int64_t)blockIdx.y;
+  const int64_t* d = tdesc + 4 * (int64_t)blockIdx.x;
   if (d[3] != 1) return;
   const int64_t nv = d[1];
-  const int64_t g = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (g * 8 >= nv) return;
-  const uint16_t* s = in + d[0] + g * 8;
-  uint64_t bits = 0;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) bits = (bits << 7) | ((g * 8 + k < nv ? s[k] : 0u) & 127u);
   const int64_t nbytes = (7 * nv + 7) / 8;
-  uint8_t* o = data + d[2] + g * 7;
+  for (int64_t g = blockIdx.y * (int64_t)blockDim.x + threadIdx.x; g * 8 < nv;
+       g += (int64_t)gridDim.y * blockDim.x) {
+    const uint16_t* s = in + d[0] + g * 8;
+    uint64_t bits = 0;
 #pragma unroll
-  for (int k = 0; k < 7; ++k)
-    if (g * 7 + k < nbytes) o[k] = (uint8_t)(bits >> (8 * (6 - k)));
+    for (int k = 0; k < 8; ++k) bits = (bits << 7) | ((g * 8 + k < nv ? s[k] : 0u) & 127u);
+    uint8_t* o = data + d[2] + g * 7;
+#pragma unroll
+    for (int k = 0; k < 7; ++k)
+      if (g * 7 + k < nbytes) o[k] = (uint8_t)(bits >> (8 * (6 - k)));
+  }
 }
 
 // Header check: one thread per blob. bdesc: 16 int64 per blob: off, length, C, rpt, n_tiles,
@@ -600,9 +602,10 @@ int kvzl_bmant_launch(const void* in, void* data, const void* tdesc, int n_tiles
                       long long max_nv, void* stream) {
   const int threads = 256;
   const long long groups = (max_nv + 7) / 8;
-  const long long bx = (groups + threads - 1) / threads;
-  if (bx > 0 && n_tiles > 0)
-    kvzl_bmant<<<dim3((unsigned)bx, (unsigned)n_tiles), threads, 0, (cudaStream_t)stream>>>(
+  long long by = (groups + threads - 1) / threads;
+  by = by > 65535 ? 65535 : by;
+  if (by > 0 && n_tiles > 0)
+    kvzl_bmant<<<dim3((unsigned)n_tiles, (unsigned)by), threads, 0, (cudaStream_t)stream>>>(
         (const uint16_t*)in, (uint8_t*)data, (const int64_t*)tdesc);
   return (int)cudaGetLastError();
 }
