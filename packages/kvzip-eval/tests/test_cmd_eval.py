@@ -4,6 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvzip_eval.cmd_eval import command
+from kvzip_eval.quality.stats import wilson
 
 TINY = [
     "--quick",
@@ -68,7 +69,15 @@ def test_json_schema_and_values(run):
     n_ref = len(data["reference"]["outputs"])
     assert n_ref == 1 and bf16["first_departure"] >= 1
     assert bf16["first_departure_ci95"] == [bf16["first_departure"]] * 2
-    assert bf16["words_changed_ci95"] == [0.0, 0.0] and bf16["identical_ci95"] == [1.0, 1.0]
+    assert bf16["words_changed_ci95"] == [0.0, 0.0]
+    assert bf16["identical_ci95"] == pytest.approx(wilson(1, 1))  # 1 of 1 identical
+    # retrieval per cell: sample count, Wilson interval, McNemar against bf16 (itself: p = 1)
+    cell = ("niah_multikey_1", "300")
+    for f in (bf16, int4):
+        acc = f["retrieval"][cell[0]][cell[1]]
+        assert f["retrieval_n"][cell[0]][cell[1]] == 1
+        assert f["retrieval_ci95"][cell[0]][cell[1]] == pytest.approx(wilson(round(acc), 1))
+    assert bf16["retrieval_p_vs_bf16"][cell[0]][cell[1]] == 1.0
     assert 0 <= int4["first_departure"] <= bf16["first_departure"]
     prov = data["provenance"]
     assert {"date", "machine", "versions", "command"} <= set(prov)
