@@ -402,7 +402,7 @@ def batch_step():
             if n_chunks == 1:  # the bytes equal the CPU coder's (compress of each tensor)
                 row["bytes_equal_cpu"] = all(
                     bytes(data[int(offs[i]) : int(offs[i] + lens[i])].cpu().numpy().tobytes())
-                    == kl.compress(x.cpu(), tables=wide, slot=slots[i])
+                    == kl.compress(x.cpu(), tables=wide, slot=slots[i], rows_per_tile=RPT)
                     for i, x in enumerate(xs[:8])
                 )
             key = f"{be}_chunks{n_chunks}"
