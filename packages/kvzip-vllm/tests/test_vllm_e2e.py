@@ -74,9 +74,12 @@ def test_connector_restores_prefix_bit_exact(tmp_path_factory):
     s = r["stats"]
     # The second run was a local prefix-cache hit: the tier restored nothing then.
     assert r["restore_hits_before"] == 0
-    # After the reset, the tier restored every full block but the one holding the last token.
+    # After the reset, the tier restored every whole chunk (the example leaves chunk_tokens at
+    # its default) below the last prompt token, which is computed.
+    from kvzip_vllm.settings import DEFAULT_CHUNK_TOKENS as C
+
     assert r["restore_hits_after"] == 1
-    assert r["tokens_restored"] == (r["prompt_tokens"] - 1) // 128 * 128
+    assert r["tokens_restored"] == (r["prompt_tokens"] - 1) // C * C
     assert s["load_errors"] == 0
     assert r["same_as_local_hit"], "restored run's greedy output differs from a local hit's"
     # The prompt's blocks (held-out text) against the table set fitted on the warm-up text.
