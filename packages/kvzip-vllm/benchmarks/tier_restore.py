@@ -330,6 +330,7 @@ def write(out: Path, result: dict) -> None:
 
 
 def main(argv=None) -> int:
+    global FIT_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--block-size", type=int, default=16)
@@ -343,6 +344,8 @@ def main(argv=None) -> int:
                     help="budget_bytes = raw bf16 bytes / this; auto: 1.25 for the first "
                     "context, then 0.98 x the held ratio the previous one measured")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fit-tokens", type=int, default=FIT_TOKENS,
+                    help="dump tokens the table set is fitted on (never restored)")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--time-limit-s", type=float, default=200.0,
                     help="skip the remaining contexts once this much time has passed")  # fmt: skip
@@ -356,6 +359,7 @@ def main(argv=None) -> int:
         return 0
     if args.chunk_tokens % args.block_size:
         raise SystemExit(f"--chunk-tokens {args.chunk_tokens} is not a multiple of the block size")
+    FIT_TOKENS = args.fit_tokens
     import kvzip_lossless
 
     dev = torch.device(args.device)
