@@ -35,9 +35,9 @@ class VerifyingKvzipConnector(KvzipConnector):
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             for st in getattr(meta, "stores", []):  # kvzip_vllm.tier.metadata.Store
-                key, block_id = st.key, st.block_id
+                key = st.key  # a chunk: its blocks st.ids
                 if key not in self._v_copies:
-                    self._v_copies[key] = self._v_block(block_id)
+                    self._v_copies[key] = [self._v_block(b) for b in st.ids]
                     self._v_counts["stored_copies"] += 1
         return super().wait_for_save()
 
@@ -46,14 +46,14 @@ class VerifyingKvzipConnector(KvzipConnector):
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             for ld in getattr(meta, "loads", []):  # kvzip_vllm.tier.metadata.Load
-                key, block_id = ld.key, ld.block_id
-                want = self._v_copies.get(key)
-                if want is None or block_id in errors:
-                    continue
-                got = self._v_block(block_id)
-                same = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-                self._v_counts["checked"] += 1
-                self._v_counts["equal" if same else "differ"] += 1
+                chunk = self._v_copies.get(ld.key)
+                for i, block_id in enumerate(ld.ids):  # the blocks the load wrote
+                    if chunk is None or i < ld.skip or block_id in errors:
+                        continue
+                    got = self._v_block(block_id)
+                    same = all(torch.equal(a, b) for a, b in zip(chunk[i], got, strict=True))
+                    self._v_counts["checked"] += 1
+                    self._v_counts["equal" if same else "differ"] += 1
         if self._v_path:
             with open(self._v_path, "w") as f:
                 json.dump(self._v_counts, f)
