@@ -119,6 +119,7 @@ def tier(args) -> dict:
                 "budget_bytes": int(args.budget_gb * 1e9),
                 "stats_path": str(stats),
                 "fit_tokens": args.fit_tokens,
+                "chunk_tokens": args.chunk_tokens,
             },
         },
     )
@@ -128,7 +129,7 @@ def tier(args) -> dict:
     other = prompts(1, 64, seed=12, vocab=vocab)
     _timed(llm, other, 1)  # warm-up
     t_recompute, _ = _timed(llm, p, 1)
-    want_blocks = ctx // bs
+    want_blocks = ctx // args.chunk_tokens  # the tier's entries: whole chunks
     t = time.perf_counter()
     while time.perf_counter() - t < args.store_deadline_s:
         s = _read(stats)
@@ -158,6 +159,7 @@ def tier(args) -> dict:
         "gpu": torch.cuda.get_device_name(0),
         "context": ctx,
         "block_size": bs,
+        "chunk_tokens": args.chunk_tokens,
         "cuda_graphs": not args.eager,
         "init_s": round(init_s, 1),
         "recompute_ttft_s": round(t_recompute, 3),
@@ -254,6 +256,7 @@ def main() -> None:
     p.add_argument("--gpu-mem", type=float, default=0.6)
     p.add_argument("--budget-gb", type=float, default=24.0)
     p.add_argument("--fit-tokens", type=int, default=1024)
+    p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--store-deadline-s", type=float, default=240)
     p.add_argument("--eager", action="store_true")
     p.add_argument("--format", default="4bit")
