@@ -179,7 +179,7 @@ def main() -> int:
     ap.add_argument("--shared-blocks", type=int, default=32, help="blocks A prompts share")
     ap.add_argument("--prompt-blocks", type=int, default=48, help="full blocks per prompt")
     ap.add_argument("--gen", type=int, default=16)
-    ap.add_argument("--budget-gb", type=float, default=20.0)
+    ap.add_argument("--budget-gb", type=float, default=4.0)
     ap.add_argument("--gpu-mem", type=float, default=0.6)
     args = ap.parse_args()
     if args.out is None:

@@ -7,6 +7,8 @@
 #   gpu_session.sh serving   # bench_serving.py: every format, 32k and 128k
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
 #   gpu_session.sh decode    # the kernels' paged-decode benchmark beside XQA (FlashInfer bundle carried)
+#   gpu_session.sh tier      # tier_restore.py: the tier's GPU pipeline at 32k/128k (.carry/kv carried)
+#   gpu_session.sh codec     # bench_lossless_gpu.py beside nvCOMP (.carry/kv, .carry/nvcomp carried)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race
 #   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval (second model piece carried)
 set -uo pipefail
@@ -63,6 +65,19 @@ decode)
     --bundle .carry/flashinfer --formats ${DECODE_FORMATS:-fp8,int4,4bit} --backends ${DECODE_BACKENDS:-triton,cuda} \
     --shapes ${DECODE_SHAPES:-8b,70b-tp8} --batches ${DECODE_BATCHES:-8,32} --contexts 32768,131072 --tag ${DECODE_TAG:-v4a} \
     --time-budget-s ${DECODE_BUDGET_S:-260} --out $RES 2>&1 | tee $RES/decode.log | tail -30
+  ;;
+tier)
+  env_line
+  # the tier's GPU pipeline alone (no vLLM): 32k and 128k prefix restore against a pinned raw
+  # copy, on the embedded model's KV (carried as .carry/kv: K.npy, V.npy)
+  timeout ${TIER_LIMIT_S:-260} python3 $R/kvzip-vllm/benchmarks/tier_restore.py --kv-dir .carry/kv \
+    --fit-tokens 1024 --out $RES/tier_restore_h200 --time-limit-s ${TIER_BUDGET_S:-200} 2>&1 | tee $RES/tier.log | tail -12
+  ;;
+codec)
+  env_line
+  # the GPU codec alone beside nvCOMP (wheels carried as .carry/nvcomp), same data
+  timeout ${CODEC_LIMIT_S:-200} python3 $R/kvzip-lossless/benchmarks/bench_lossless_gpu.py --kv .carry/kv \
+    --nvcomp .carry/nvcomp --out $RES --name lossless_gpu_h200_run3 2>&1 | tee $RES/codec.log | tail -25
   ;;
 faults)
   env_line
