@@ -82,7 +82,7 @@ PRESETS = {
         prompts=256,
         passage_tokens=128,
         new_tokens=32,
-        retrieval_lengths=(1024, 2048),
+        retrieval_lengths=(512, 1024),
         retrieval_samples=100,
         gen_batch=100,
     ),
