@@ -60,7 +60,12 @@ def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0):
     if sk is not None:
         kw["sinks"] = tuple(t.cuda() for t in sk)
     cfg = config or DecodeConfig()
-    tri = paged_decode(fmt, *dev, backend="triton", config=cfg, **kw)
+    if name == "3bit" and d == 64:  # the Triton kernel is refused there on a GPU (wrong results)
+        with pytest.raises(FormatError, match="head_dim 64"):
+            paged_decode(fmt, *dev, backend="triton", config=cfg, **kw)
+        tri = None
+    else:
+        tri = paged_decode(fmt, *dev, backend="triton", config=cfg, **kw)
     for v in VARIANTS:
         c = DecodeConfig(**{**cfg.__dict__, "cuda_variant": v})
         out = paged_decode(fmt, *dev, backend="cuda", config=c, **kw)
@@ -69,6 +74,8 @@ def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0):
         assert err <= tol, (
             f"{name} CUDA {v}: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
         )
+        if tri is None:
+            continue
         diff = _rel(out, tri.float().cpu())
         assert diff <= tol, f"{name} {v}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
 

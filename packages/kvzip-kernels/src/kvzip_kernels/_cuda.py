@@ -47,7 +47,10 @@ MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
 FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1, "3.5bit": 2, "3bit": 3}
 BACKENDS = ("auto", "cuda", "triton")
 VARIANTS = {"v4a": 4, "v5": 5}
-DEFAULT_VARIANT = "v4a"
+#: v5 by measurement (results/kernels/bench_paged_decode_v5.md, H200, full grid, same run):
+#: geometric-mean speedup over the best fp8 int4 1.50x (v4a 1.27x), 4bit 1.16x (0.65x),
+#: 3.5bit 0.98x (0.89x), 3bit 0.91x (0.92x)
+DEFAULT_VARIANT = "v5"
 
 
 def pick_variant(name: str | None = None) -> str:
