@@ -65,7 +65,7 @@ class GpuTier:
             gpu_memory_utilization=args.gpu_mem,
             enable_prefix_caching=True,
             enforce_eager=True,
-            async_scheduling=False,  # the tier refuses it: see connector.require_sync_scheduling
+            async_scheduling=False,  # faults: same result on (h200_run3) and off (run4)
             seed=0,
             kv_transfer_config={
                 "kv_connector": "KvzipConnector",

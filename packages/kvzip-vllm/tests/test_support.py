@@ -289,12 +289,3 @@ def test_backend_takes_a_connector_only_when_it_loads_placeholders(monkeypatch):
         kt = SimpleNamespace(kv_connector_extra_config=extra)
         with pytest.raises(support.UnsupportedConfigError, match="a KV connector"):
             _backend_impl({"kv_transfer_config": kt}, monkeypatch)
-
-
-def test_the_connector_refuses_asynchronous_scheduling():
-    from kvzip_vllm.connector import require_sync_scheduling
-
-    with pytest.raises(support.UnsupportedConfigError, match="async_scheduling=False"):
-        require_sync_scheduling(SimpleNamespace(async_scheduling=True))
-    require_sync_scheduling(SimpleNamespace(async_scheduling=False))
-    require_sync_scheduling(None)  # no scheduler config (unit tests' stand-ins)

@@ -102,26 +102,6 @@ def require_recompute_policy(kv_transfer_config) -> None:
         kv_transfer_config.kv_load_failure_policy = "recompute"
 
 
-def require_sync_scheduling(scheduler_config) -> None:
-    """Refuse asynchronous scheduling: under it vLLM does not recover a failed load correctly.
-
-    With ``async_scheduling`` (vLLM 0.26's default on CUDA) the step after a prefill is
-    scheduled before that prefill's output, and with it the worker's report of a block that
-    failed to load, is seen; vLLM then truncates the request at the failed block with a
-    token count that already includes the next step, and the token sampled on top of the
-    unrestored block is kept. Measured on the H200 (``benchmarks/gpu_faults.py``): every
-    damaged or evicted block gave an output that differs from vLLM's without the tier. The
-    CPU platform never schedules asynchronously."""
-    if getattr(scheduler_config, "async_scheduling", False):
-        raise support.UnsupportedConfigError(
-            "kvzip-vllm connector: asynchronous scheduling is on; under it vLLM does not "
-            "recover correctly from a block the tier cannot restore (the token sampled on top "
-            "of it is kept). Start vLLM with async_scheduling=False (LLM(..., "
-            "async_scheduling=False) or `vllm serve --no-async-scheduling`); supported: "
-            "synchronous scheduling"
-        )
-
-
 class KvzipConnector(KVConnectorBase_V1):
     """Stores computed KV blocks losslessly compressed in CPU memory; restores prefix hits."""
 
@@ -137,7 +117,6 @@ class KvzipConnector(KVConnectorBase_V1):
             vllm_config.model_config, dtypes=support.SUPPORTED_CONNECTOR_DTYPES, what="connector"
         )
         support.check_parallel(vllm_config.parallel_config, what="connector")
-        require_sync_scheduling(getattr(vllm_config, "scheduler_config", None))
         if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16"):
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
