@@ -47,7 +47,7 @@ def main() -> int:
     from kvzip_eval.quality.words import summarize
     from kvzip_eval.results import markdown_table, provenance, provenance_markdown, write_json
 
-    example = _run([PKG / "examples" / "cpu_example.py", "--prompt-tokens", "768"])
+    example = _run([PKG / "examples" / "cpu_example.py", "--prompt-tokens", "769"])
     scen = PKG / "tests" / "vllm_scenarios.py"
     base = _run([scen, "backend"])
     sys.path.insert(0, str(PKG / "tests"))
@@ -138,9 +138,15 @@ def main() -> int:
                 "prompt_ratio_with_tables",
                 "table_bytes",
                 "restore_seconds",
+                "cold_s",
+                "restored_s",
                 "same_as_local_hit",
             ],
         ),
+        "",
+        "`cold_s`: the request that computed the whole prompt (prefill + generation); "
+        "`restored_s`: the same request after a prefix-cache reset, its prefix restored from the "
+        "tier (restore + the last token's prefill + the same generation).",
         "",
         "`prompt_ratio`: the prompt's blocks (held-out text), bf16 bytes over blob bytes, coded "
         "with the table set the tier fitted on the warm-up prompt's first "

@@ -58,7 +58,7 @@ def _example(tmp: Path) -> dict:
         [
             str(PKG / "examples" / "cpu_example.py"),
             "--prompt-tokens",
-            "768",
+            "769",  # 3 whole 256-token chunks + 1: the tier restores what a local hit reuses
             "--max-tokens",
             "12",
             "--json",
