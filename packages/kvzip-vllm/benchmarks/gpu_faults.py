@@ -87,22 +87,36 @@ class GpuTier:
         self.keys: dict[tuple, list[bytes]] = {}
         finished = self.scheduler.request_finished
 
+        self.snap_at: list[int] = []  # diagnosis: block positions to read from the GPU cache
+        self.snaps: dict[int, list] = {}
+
         def record(request, block_ids):
             n = len(request.prompt_token_ids) // self.bs
             self.keys[tuple(request.prompt_token_ids)] = self.scheduler.keys_of(request, n)
+            ids = (
+                block_ids[0] if block_ids and isinstance(block_ids[0], list | tuple) else block_ids
+            )
+            self.snaps = {j: self.gpu_block(ids[j]) for j in self.snap_at if j < len(ids)}
             return finished(request, block_ids)
 
         self.scheduler.request_finished = record
         self.tick_prompt = prompts(1, 8, seed=99, vocab=self.cfg["vocab_size"])[0]
 
-    def gen(self, p: list[int], n: int | None = None) -> dict:
+    def gen(self, p: list[int], n: int | None = None, snap=()) -> dict:
+        """Greedy ids of ``p``; with ``snap``, the GPU cache's blocks at those positions of
+        the request as they were when it finished (``out["gpu"]``)."""
         from vllm import SamplingParams
 
         sp = SamplingParams(
             max_tokens=n or self.gen_tokens, temperature=0.0, ignore_eos=True, detokenize=False
         )
-        out = self.llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
-        return {"ids": list(out.token_ids), "finish": str(out.finish_reason)}
+        self.snap_at, self.snaps = list(snap), {}
+        try:
+            res = self.llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+        finally:
+            self.snap_at = []
+        out = res[0].outputs[0]
+        return {"ids": list(out.token_ids), "finish": str(out.finish_reason), "gpu": self.snaps}
 
     def settle(self) -> None:
         """Wait for the background stores, then one step carries their report to the
@@ -115,17 +129,32 @@ class GpuTier:
     def stats(self) -> dict:
         return self.worker.stats()
 
-    def run(self, p: list[int]) -> dict:
+    def gpu_block(self, block_id: int) -> list:
+        """One paged-cache block as it is on the device now, in ``read_block``'s order (layer 0
+        K, layer 0 V, ...), token-major, on the CPU (diagnosis)."""
+        import torch
+
+        from kvzip_vllm.blocks import gather_token_major
+
+        if self.worker.layers[0][1].device.type == "cpu":  # the CPU page order: the worker's
+            return [x for kv in self.worker._gather_block(block_id) for x in kv]
+        out = []
+        for _, cache in self.worker.layers:
+            idx = torch.tensor([block_id], device=cache.device)
+            out += [x[0].cpu() for x in gather_token_major(cache, idx)]
+        return out
+
+    def run(self, p: list[int], snap=()) -> dict:
         self.llm.reset_prefix_cache()
         before = self.stats()
-        out = self.gen(p)
+        out = self.gen(p, snap=snap)
         self.settle()
         after = self.stats()
         keys = ("load_errors", "stores_refused_after_load_error", "blocks_restored")
         out["delta"] = {k: after[k] - before[k] for k in keys}
         return out
 
-    def ref(self, p: list[int], k: int, filler: list[int], keep=()) -> dict:
+    def ref(self, p: list[int], k: int, filler: list[int], keep=(), snap=()) -> dict:
         self.llm.reset_prefix_cache(reset_connector=True)
         self.settle()
         if k:
@@ -133,9 +162,9 @@ class GpuTier:
             while f[0] == p[k * self.bs]:
                 f = f[1:]
             self.gen(p[: k * self.bs] + f[: len(p) - k * self.bs], 1)
-        out = self.gen(p)
+        out = self.gen(p, snap=snap)
         self.settle()
-        out["blocks"] = {j: self.worker.read_block(self.key(p)[j]) for j in keep}
+        out["blocks"] = {j: self.worker.read_block(self.key(p)[j]) for j in (*keep, *snap)}
         return out
 
     def key(self, p) -> list[bytes]:
@@ -164,6 +193,28 @@ class GpuTier:
                 n = sum(int((a != b).sum()) for a, b in zip(got, want, strict=True))
                 bad.append((j, round(n / sum(a.numel() for a in got), 4)))
         return bad
+
+
+def frac_differing(a, b) -> dict | None:
+    """Fractions of the values that differ between two blocks (lists of per-layer K, V):
+    all layers, layer 0's K and V (a function of the tokens and positions alone), the last
+    layer's K. None when either is missing."""
+    import torch
+
+    if a is None or b is None:
+        return None
+
+    def f(x, y):
+        return round(float((x != y).sum()) / x.numel(), 4)
+
+    n = sum(int((x != y).sum()) for x, y in zip(a, b, strict=True))
+    return {
+        "all": round(n / sum(x.numel() for x in a), 4),
+        "l0_k": f(a[0], b[0]),
+        "l0_v": f(a[1], b[1]),
+        "last_k": f(a[-2], b[-2]),
+        "equal": all(torch.equal(x, y) for x, y in zip(a, b, strict=True)),
+    }
 
 
 def main() -> int:
@@ -216,7 +267,12 @@ def main() -> int:
         "U1/evict": (U[1], lone_evict, [lone_evict]),
         "U1/all": (U[1], nb, ()),
     }
-    refs = {name: t.ref(p, k, filler, keep) for name, (p, k, keep) in need.items()}
+    faults = {"A1/mid": mid, "A2/evict": evict_at, "U0/mid": lone_mid, "U1/evict": lone_evict}
+    near = {n: [j for j in (f - 1, f, f + 1) if 0 <= j < nb] for n, f in faults.items()}
+    refs = {
+        name: t.ref(p, k, filler, keep, snap=near.get(name, ()))
+        for name, (p, k, keep) in need.items()
+    }
     t.llm.reset_prefix_cache(reset_connector=True)
     t.settle()
     cases = []
@@ -235,23 +291,47 @@ def main() -> int:
         row["ok"] = row["finish"] == "length" and row["same"] and not row["blocks_differing"]
         cases.append(row)
 
+    diagnosis = []
+
+    def fault(case, ref_name, p, act):
+        """A fault case, with the blocks around the fault compared every way (diagnosis):
+        the tier's and the GPU cache's, of the recovery and of the reference, and the tier's
+        before the fault."""
+        snap = near[ref_name]
+        keys = t.key(p)
+        orig = {j: t.worker.read_block(keys[j]) for j in snap}
+        act(keys[faults[ref_name]])
+        out = t.run(p, snap=snap)
+        check(case, ref_name, out, p, need[ref_name][2])
+        ref = refs[ref_name]
+        rec_tier = {j: t.worker.read_block(keys[j]) for j in snap}
+        ids, want = out["ids"], ref["ids"]
+        first = next((i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b), None)
+        row = {"case": case, "fault_at": faults[ref_name], "first_token_differing": first}
+        for j in snap:
+            pairs = {
+                "recovery_gpu~reference_gpu": (out["gpu"].get(j), ref["gpu"].get(j)),
+                "recovery_tier~recovery_gpu": (rec_tier[j], out["gpu"].get(j)),
+                "reference_tier~reference_gpu": (ref["blocks"].get(j), ref["gpu"].get(j)),
+                "before_fault_tier~reference_gpu": (orig[j], ref["gpu"].get(j)),
+                "before_fault_tier~recovery_gpu": (orig[j], out["gpu"].get(j)),
+            }
+            row[f"block {j}"] = {name: frac_differing(a, b) for name, (a, b) in pairs.items()}
+        diagnosis.append(row)
+
     check("cold", "A0/0", t.run(A[0]))
     check("cold", "U0/0", t.run(U[0]))
     check("cold", "U1/0", t.run(U[1]))
     # a damaged block in the middle of the shared prefix; A1's own blocks were computed on
     # top of it in the failed step (refused), then recomputed and stored
-    t.damage(t.key(A[0])[mid])
-    check("damaged shared block", "A1/mid", t.run(A[1]), A[1], need["A1/mid"][2])
+    fault("damaged shared block", "A1/mid", A[1], t.damage)
     check("after: restored", "A1/all", t.run(A[1]))
-    t.damage(t.key(U[0])[lone_mid])
-    check("damaged block (lone prompt)", "U0/mid", t.run(U[0]), U[0], need["U0/mid"][2])
+    fault("damaged block (lone prompt)", "U0/mid", U[0], t.damage)
     check("after: restored", "U0/all", t.run(U[0]))
     # the eviction race
-    t.evict(t.key(A[0])[evict_at])
-    check("evicted before the load", "A2/evict", t.run(A[2]), A[2], need["A2/evict"][2])
+    fault("evicted before the load", "A2/evict", A[2], t.evict)
     check("after: restored", "A2/all", t.run(A[2]))
-    t.evict(t.key(U[1])[lone_evict])
-    check("evicted before the load (lone)", "U1/evict", t.run(U[1]), U[1], need["U1/evict"][2])
+    fault("evicted before the load (lone)", "U1/evict", U[1], t.evict)
     check("after: restored", "U1/all", t.run(U[1]))
 
     ok = t.recompute and t.policy == "recompute" and all(c["ok"] for c in cases)
@@ -271,6 +351,7 @@ def main() -> int:
         "policy": t.policy,
         "recompute_kv_load_failures": t.recompute,
         "cases": cases,
+        "diagnosis": diagnosis,
         "tier_stats": t.stats(),
         "wall_s": round(time.perf_counter() - t0, 1),
     }

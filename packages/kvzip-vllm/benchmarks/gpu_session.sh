@@ -40,8 +40,9 @@ checks)
   if [ "${PIPESTATUS[0]}" = 0 ]; then echo auto >/tmp/kvzip_kernels_backend; else echo triton >/tmp/kvzip_kernels_backend; fi
   echo "decode path for vLLM: $(cat /tmp/kvzip_kernels_backend)"
   export KVZIP_KERNELS_BACKEND=$(cat /tmp/kvzip_kernels_backend)
-  KVZIP_GPU_SHAPE=tiny timeout 240 python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_vllm_e2e.py \
-    -k backend_on_cuda -x 2>&1 | tee $RES/checks_backend_on_cuda.log | tail -4
+  # CHECK_BACKEND_K: e.g. "backend_on_cuda and 3bit" (one format: about 80 s each)
+  KVZIP_GPU_SHAPE=tiny timeout ${CHECK_BACKEND_LIMIT_S:-240} python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_vllm_e2e.py \
+    -k "${CHECK_BACKEND_K:-backend_on_cuda}" -x 2>&1 | tee $RES/checks_backend_on_cuda.log | tail -4
   ;;
 serving)
   env_line

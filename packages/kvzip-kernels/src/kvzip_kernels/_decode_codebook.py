@@ -11,8 +11,8 @@ Channels are split into R classes by the position of their bits in a byte (R = 2
 nibbles: even and odd channels; R = 4 for the 2-bit plane: channel ``4i + r``); each class is
 one ``tl.dot`` of depth head_dim / R, with q' gathered the same way. A 2- or 3-bit group of 32
 channels (``3bit`` at head_dim 64) has classes of 8, below tl.dot's depth 16: its classes are
-paired (``PAIR``), 0 with 1 and 2 with 3, interleaved into 2 classes of 16 (class r' holds
-channels ``4(i // 2) + 2r' + i % 2``).
+paired (``PAIR``), 0 with 1 and 2 with 3, into 2 classes of 16 (class r' holds channels
+``4(i // 2) + 2r' + i % 2``), each element decoded from its own bytes (``_paired_levels``).
 
 The codebook lookup is a select tree on the magnitude bits (symmetric levels: 3 selects for
 8 magnitudes at 4 bits plus the sign, 1 + 2 at 3 bits): correct first. It costs ~8-10
@@ -237,6 +237,11 @@ def _group_levels(
             m7,
         )
         c2, c3 = c0, c1
+    elif PAIR:
+        c0, c1 = _paired_levels(
+            ptr, base, t, BITS, N, OFF, OFF1, CB, PS, CHANNEL_MAJOR, mask, m0, m1, m2, m3
+        )
+        c2, c3 = c0, c1
     else:
         i = tl.arange(0, N // 4)
         b2 = _load_bytes(ptr, base, t, OFF + i, CB, PS, CHANNEL_MAJOR, mask)
@@ -246,10 +251,50 @@ def _group_levels(
             b1 = _load_bytes(ptr, base, t, OFF1 + i // 2, CB, PS, CHANNEL_MAJOR, mask)
             b1s = (b1 >> ((i % 2) * 4).to(tl.uint8)[None, :]) & 15  # class r's bit -> bit r
             c0, c1, c2, c3 = _levels3(b2, b1s, INTERPRET, m0, m1, m2, m3)
-        if PAIR:  # classes of 8 -> 2 classes of 16: (0, 1) and (2, 3) interleaved
-            c0, c1 = tl.interleave(c0, c1), tl.interleave(c2, c3)
-            c2, c3 = c0, c1
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _paired_levels(
+    ptr,
+    base,
+    t,
+    BITS: tl.constexpr,
+    N: tl.constexpr,
+    OFF: tl.constexpr,
+    OFF1: tl.constexpr,
+    CB: tl.constexpr,
+    PS: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
+    mask,
+    m0,
+    m1,
+    m2,
+    m3,
+):
+    """The two paired classes of a 2- or 3-bit group of 32 channels, ``[BLOCK_N, N // 2]``
+    each: element e of class r' is channel ``4(e // 2) + 2r' + e % 2``. Each element is decoded
+    from its own bytes (a 2-bit field of plane byte e // 2; at 3 bits the high bit from the
+    1-bit plane) with the select tree, on the GPU as under the interpreter: no interleave of
+    narrower classes and no packed inline assembly on tiles 8 bytes wide (together they gave
+    wrong results on the H200, results/kernels/gpu_tests_v5.log, though not under the
+    interpreter)."""
+    e = tl.arange(0, N // 2)
+    lo = _load_bytes(ptr, base, t, OFF + e // 2, CB, PS, CHANNEL_MAJOR, mask).to(tl.int32)
+    f0 = (lo >> (2 * (e % 2))[None, :]) & 3  # fields 0, 1 of the byte
+    f1 = (lo >> (4 + 2 * (e % 2))[None, :]) & 3  # fields 2, 3
+    if BITS == 3:
+        # channel 4i + r's high bit: bit 4 * (i % 2) + r of 1-bit-plane byte i // 2, i = e // 2
+        hi = _load_bytes(ptr, base, t, OFF1 + e // 4, CB, PS, CHANNEL_MAJOR, mask).to(tl.int32)
+        at = (4 * ((e // 2) % 2) + e % 2)[None, :]
+        f0 = f0 | (((hi >> at) & 1) << 2)
+        f1 = f1 | (((hi >> (at + 2)) & 1) << 2)
+        c0 = _level(f0, 3, m0, m1, m2, m3, m0, m0, m0, m0)
+        c1 = _level(f1, 3, m0, m1, m2, m3, m0, m0, m0, m0)
+    else:
+        c0 = _level(f0, 2, m0, m1, m0, m0, m0, m0, m0, m0)
+        c1 = _level(f1, 2, m0, m1, m0, m0, m0, m0, m0, m0)
+    return c0, c1
 
 
 @triton.jit

@@ -179,15 +179,6 @@ def paged_decode(
     from kvzip_kernels import _cuda
 
     use_cuda = _cuda.choose(backend, f.name, spec, g, q.device) == "cuda"
-    if not use_cuda and f.name == "3bit" and d == 64 and q.device.type == "cuda" and not interpret:
-        # measured on the H200 (results/kernels/gpu_tests_v5.log): the Triton 3bit kernel at
-        # head_dim 64 is 0.6-1.2 relative L2 away from the reference on a GPU (it agrees under
-        # the interpreter); the CUDA kernel agrees. Refused rather than wrong.
-        raise FormatError(
-            "format '3bit' at head_dim 64: the Triton decode kernel gives wrong results on CUDA "
-            "GPUs; supported: backend='cuda' (sm_90, chosen by backend='auto' there), or 3bit "
-            "at head_dim 128, or another format"
-        )
     geometry = dict(
         num_kv_heads=hkv,
         k_page_bytes=spec.layout.page_bytes,
