@@ -100,6 +100,48 @@ class GpuTier:
             return finished(request, block_ids)
 
         self.scheduler.request_finished = record
+        self.trace: dict | None = None  # diagnosis: one prompt's steps (scheduled, fault block)
+        build, wait_layer, wait_save = (
+            self.scheduler.build_connector_meta,
+            self.worker.wait_for_layer_load,
+            self.worker.wait_for_save,
+        )
+
+        def traced_build(so):
+            meta = build(so)
+            tr = self.trace
+            if tr is None:
+                return meta
+            step = {"sched": None, "loads": len(meta.loads), "layer_waits": 0, "stores": []}
+            reqs = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+            cached = so.scheduled_cached_reqs
+            reqs += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            for req_id, done in reqs:
+                st = self.scheduler._reqs.get(req_id)
+                if st is None or tuple(st.request.prompt_token_ids) != tr["prompt"]:
+                    continue
+                step["sched"] = [int(done), int(so.num_scheduled_tokens.get(req_id, 0))]
+                step["stores"] = [x.pos for x in meta.stores if x.req_id == req_id]
+                if len(st.block_ids) > tr["pos"]:
+                    tr["block"] = st.block_ids[tr["pos"]]
+            tr["steps"].append(step)
+            return meta
+
+        def traced_layer(name):
+            if self.trace is not None and self.trace["steps"]:
+                self.trace["steps"][-1]["layer_waits"] += 1
+            return wait_layer(name)
+
+        def traced_save(meta):
+            r = wait_save(meta)
+            tr = self.trace
+            if tr is not None and tr["steps"] and "block" in tr:
+                tr["steps"][-1]["fault_block"] = self.gpu_block(tr["block"])
+            return r
+
+        self.scheduler.build_connector_meta = traced_build
+        self.worker.wait_for_layer_load = traced_layer
+        self.worker.wait_for_save = traced_save
         self.tick_prompt = prompts(1, 8, seed=99, vocab=self.cfg["vocab_size"])[0]
 
     def gen(self, p: list[int], n: int | None = None, snap=()) -> dict:
@@ -297,17 +339,36 @@ def main() -> int:
         """A fault case, with the blocks around the fault compared every way (diagnosis):
         the tier's and the GPU cache's, of the recovery and of the reference, and the tier's
         before the fault."""
-        snap = near[ref_name]
+        snap, f = near[ref_name], faults[ref_name]
         keys = t.key(p)
-        orig = {j: t.worker.read_block(keys[j]) for j in snap}
-        act(keys[faults[ref_name]])
-        out = t.run(p, snap=snap)
+        orig = {j: t.worker.read_block(keys[j]) for j in range(len(keys))}
+        act(keys[f])
+        t.trace = {"prompt": tuple(p), "pos": f, "steps": []}
+        try:
+            out = t.run(p, snap=snap)
+        finally:
+            trace, t.trace = t.trace, None
         check(case, ref_name, out, p, need[ref_name][2])
         ref = refs[ref_name]
         rec_tier = {j: t.worker.read_block(keys[j]) for j in snap}
         ids, want = out["ids"], ref["ids"]
         first = next((i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b), None)
-        row = {"case": case, "fault_at": faults[ref_name], "first_token_differing": first}
+        row = {"case": case, "fault_at": f, "first_token_differing": first}
+        steps = []
+        for st in trace["steps"][:4]:  # the fault's step, the recompute's, two decode steps
+            blk = st.pop("fault_block", None)
+            st["fault_block~reference_gpu"] = frac_differing(blk, ref["gpu"].get(f))
+            st["fault_block~before_fault"] = frac_differing(blk, orig[f])
+            steps.append(st)
+        row["steps"] = steps
+        end = out["gpu"].get(f)
+        if end is not None:
+            row["fault_block_at_end_zero_fraction"] = round(
+                sum(float((x == 0).sum()) for x in end) / sum(x.numel() for x in end), 4
+            )
+            row["fault_block_at_end_equals_block"] = [
+                j for j, b in orig.items() if b is not None and frac_differing(end, b)["equal"]
+            ]
         for j in snap:
             pairs = {
                 "recovery_gpu~reference_gpu": (out["gpu"].get(j), ref["gpu"].get(j)),

@@ -25,7 +25,7 @@ env_line() {
 }
 case $stage in
 install)
-  P=.carry/vllm-gpu/part2
+  P=${VLLM_PART2:-.carry/vllm-gpu/part2}
   cp $P/* /tmp/vstage/ && bash $P/install.sh /tmp/vstage /tmp/site >/tmp/envline 2>$OUT/install.log || exit 1
   mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p0 /tmp/smollm2/
   env_line
