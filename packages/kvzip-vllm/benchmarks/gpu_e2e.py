@@ -96,6 +96,9 @@ def tier(args) -> dict:
     stats = root / "tier-stats.json"
     verify = root / "verify.json"
     os.environ["KVZIP_VERIFY_PATH"] = str(verify)
+    # the connector refuses model runner V2 (it does not rewind after a failed load:
+    # kvzip_vllm.connector.require_rewinding_model_runner); the V1 runner in every process
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     ctx, bs = args.context, args.block_size
     t0 = time.perf_counter()
     llm = LLM(

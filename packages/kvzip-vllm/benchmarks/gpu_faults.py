@@ -39,6 +39,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# the connector refuses model runner V2, which does not rewind a request after a failed load
+# (kvzip_vllm.connector.require_rewinding_model_runner): the V1 model runner
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 from bench_serving import LLAMA31_8B, prompts  # noqa: E402
 from gpu_e2e import SMALL  # noqa: E402

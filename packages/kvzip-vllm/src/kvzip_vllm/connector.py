@@ -60,6 +60,7 @@ __all__ = [
     "KvzipConnectorMetadata",
     "KvzipWorkerMetadata",
     "require_recompute_policy",
+    "require_rewinding_model_runner",
 ]
 
 logger = init_logger("vllm.kvzip.connector")
@@ -102,6 +103,27 @@ def require_recompute_policy(kv_transfer_config) -> None:
         kv_transfer_config.kv_load_failure_policy = "recompute"
 
 
+def require_rewinding_model_runner(vllm_config) -> None:
+    """Refuse vLLM's model runner V2 (the default of vLLM 0.26 on CUDA for Llama-class models).
+
+    After a failed synchronous KV load vLLM rewinds the request to its first failed block and
+    recomputes from there. Model runner V2 rewinds only its CPU copy of the request's computed
+    tokens, not the device copy, so the recompute reads its tokens and positions from the wrong
+    offset (vllm-project/vllm#49250, open): measured on the H200 with vLLM 0.26
+    (results/vllm/h200_run5/gpu_faults.md), the failed block was never rewritten, the output
+    differed from vLLM's without the tier and the tier then stored the unrewritten block. The
+    V1 model runner rewinds both (the same faults pass there: results/vllm/h200_run6). A tier
+    that cannot be recovered from correctly must not start."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise support.UnsupportedConfigError(
+            "kvzip-vllm connector: vLLM's model runner V2 is in use, and it does not rewind a "
+            "request after a failed KV load (vllm-project/vllm#49250): a block the tier cannot "
+            "restore (evicted or damaged) would be recomputed from the wrong positions and the "
+            "request would get a wrong prefix; supported: the V1 model runner "
+            "(VLLM_USE_V2_MODEL_RUNNER=0 in the environment of every vLLM process)"
+        )
+
+
 class KvzipConnector(KVConnectorBase_V1):
     """Stores computed KV blocks losslessly compressed in CPU memory; restores prefix hits."""
 
@@ -117,6 +139,7 @@ class KvzipConnector(KVConnectorBase_V1):
             vllm_config.model_config, dtypes=support.SUPPORTED_CONNECTOR_DTYPES, what="connector"
         )
         support.check_parallel(vllm_config.parallel_config, what="connector")
+        require_rewinding_model_runner(vllm_config)
         if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16"):
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
