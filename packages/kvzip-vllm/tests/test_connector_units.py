@@ -40,8 +40,10 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
     assert "'budget_byte'" in msg
     assert (
         "known keys: budget_bytes, chunk_tokens, fit_tokens, shared_budget_bytes, "
-        "shared_timeout_s, shared_url, stats_path, tables_path"
+        "shared_timeout_s, shared_url, stats_path, store_queue_bytes, tables_path"
     ) in msg
+    with pytest.raises(ConnectorSettingsError, match=r"store_queue_bytes=0 .*greater than 0"):
+        connector_settings({"store_queue_bytes": 0}, environ={})
 
 
 @pytest.mark.parametrize(

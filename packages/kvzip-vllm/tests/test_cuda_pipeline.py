@@ -123,12 +123,12 @@ def key(i):
 def make(request):
     pipes = []
 
-    def build(device, layout="LBNHC", budget=1 << 30, tables="calibrated"):
+    def build(device, layout="LBNHC", budget=1 << 30, tables="calibrated", queue_bytes=2 << 30):
         layers, heads, n, d = SHAPES[device]
         buf, caches = paged_caches(layers, heads, n, d, device, layout)
         ts = calibrated_tables(layers, heads, d) if tables == "calibrated" else None
         store = BlockStore(budget, tables=ts, fit_tokens=2 * n if tables == "fit" else 0)
-        pipe = CudaTierPipeline(store, caches, n)
+        pipe = CudaTierPipeline(store, caches, n, queue_bytes=queue_bytes)
         pipes.append(pipe)
         return buf, caches, store, pipe
 
@@ -220,6 +220,46 @@ def test_budget_evicts_lru_and_reports_dropped(make, device):
     assert st.evictions == 1 and st.bytes_held <= st.budget_bytes and st.blocks_held == 2
     pipe.start_loads([("r", key(1), 5)])
     assert pipe.wait_loads() == {5}  # evicted: never served
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_store_queue_is_bounded_and_refuses_beyond_it(make, device):
+    """While the store thread is busy, queued staged copies never pass ``queue_bytes``: the
+    step's stores that would are reported dropped (not held, recomputed when next needed),
+    counted, and nothing of them is served; an empty queue always takes a step's stores."""
+    import threading
+
+    _, caches, store, pipe = make(device)
+    layers, heads, n, d = SHAPES[device]
+    one = 2 * layers * n * heads * d * 2  # one block's staged bf16 K and V, every layer
+    _, caches, store, pipe = make(device, queue_bytes=int(2.5 * one))
+    fill(caches, seed=5)
+    gate, started = threading.Event(), threading.Event()
+    real = pipe._store_batched
+
+    def held_up(keys, staged):
+        started.set()
+        assert gate.wait(30)
+        return real(keys, staged)
+
+    pipe._store_batched = held_up
+    pipe.start_stores([(key(0), 0), (key(1), 1)])  # 2 blocks: within the bound
+    assert started.wait(30)
+    pipe.start_stores([(key(2), 2)])  # 3 blocks queued would pass 2.5
+    assert store.stats.stores_dropped_queue_full == 1
+    gate.set()
+    pipe.drain()
+    stored, dropped = pipe.collect()
+    assert sorted(stored) == [key(0), key(1)] and dropped == [key(2)]
+    assert store.stats.store_queue_peak_bytes == 2 * one
+    assert key(2) not in store
+    pipe.start_loads([("r", key(2), 6)])
+    assert pipe.wait_loads() == {6}  # never stored: recomputed, never served
+    assert pipe.collect() == ([], [key(2)])  # the failed load's key, reported not held
+    stored, dropped = store_blocks(pipe, [(key(3), 3), (key(4), 4), (key(5), 5)])
+    assert len(stored) == 3 and not dropped  # an empty queue takes one step's stores
+    with pytest.raises(ValueError, match="queue_bytes must be > 0"):
+        CudaTierPipeline(store, caches, n, queue_bytes=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -81,7 +81,12 @@ def _load_item(item) -> tuple[str, bytes, tuple[int, ...], int]:
 
 class CudaTierPipeline:
     def __init__(
-        self, store: BlockStore, caches: list[torch.Tensor], block_size: int, bpc: int = 1
+        self,
+        store: BlockStore,
+        caches: list[torch.Tensor],
+        block_size: int,
+        bpc: int = 1,
+        queue_bytes: int = 2 << 30,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -112,6 +117,11 @@ class CudaTierPipeline:
         self._dropped: list[bytes] = []
         self._done: queue.Queue = queue.Queue()
         self._jobs: queue.Queue = queue.Queue()
+        if queue_bytes <= 0:
+            raise ValueError(f"queue_bytes must be > 0, got {queue_bytes}")
+        self.queue_bytes = queue_bytes  # staged copies waiting for the store thread, at most
+        self._queued = 0  # bytes of staged copies queued or being coded
+        self._queued_lock = threading.Lock()
         self._thread = threading.Thread(target=self._store_loop, daemon=True)
         self._thread.start()
 
@@ -240,8 +250,27 @@ class CudaTierPipeline:
             if len(ids) != self.bpc:
                 raise ValueError(f"a store names {len(ids)} blocks; a chunk is {self.bpc}")
             flat.extend(ids)
-        ids = torch.tensor(flat, device=self.device)
         m, (t, h, d) = len(stores), self.block_shape
+        nbytes = 2 * len(self.caches) * m * t * h * d * 2  # bf16 K and V of every layer
+        with self._queued_lock:
+            full = self._queued > 0 and self._queued + nbytes > self.queue_bytes
+            if not full:
+                self._queued += nbytes
+                s = self.store.stats
+                s.store_queue_peak_bytes = max(s.store_queue_peak_bytes, self._queued)
+        if full:  # the device memory outside vLLM's accounting stays bounded
+            self.store.stats.stores_dropped_queue_full += m
+            logger.warning(
+                "kvzip tier: %d chunks not stored: %.2f GB of stores already queued "
+                "(store_queue_bytes %.2f GB)",
+                m,
+                self._queued / 1e9,
+                self.queue_bytes / 1e9,
+            )
+            for key in keys:
+                self._done.put((key, 0, []))
+            return
+        ids = torch.tensor(flat, device=self.device)
         staged = [
             tuple(x.view(m, t, h, d) for x in gather_token_major(cache, ids))
             for cache in self.caches
@@ -250,7 +279,7 @@ class CudaTierPipeline:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        self._jobs.put((keys, staged, event))
+        self._jobs.put((keys, staged, event, nbytes))
 
     def _store_loop(self) -> None:
         while True:
@@ -258,7 +287,7 @@ class CudaTierPipeline:
             if job is None:
                 self._jobs.task_done()
                 return
-            keys, staged, event = job
+            keys, staged, event, nbytes = job
             try:
                 with self._on(self.store_stream):
                     if event is not None:
@@ -271,6 +300,9 @@ class CudaTierPipeline:
                     if self.store_stream is not None:
                         self.store_stream.synchronize()  # staged is read there until now
             finally:
+                del staged, job  # (jobs held for the table fit keep their copies)
+                with self._queued_lock:
+                    self._queued -= nbytes
                 self._jobs.task_done()
 
     def _ready(self, keys, staged) -> list:

@@ -103,6 +103,13 @@ class ConnectorSettings(BaseModel):
     """JSON file the worker rewrites with the tier's counters."""
     tables_path: str | None = None
     """A ``kvzip_lossless.TableSet`` file for this model (fitted offline)."""
+    store_queue_bytes: int = Field(2 << 30, gt=0)
+    """GPU memory the stores waiting to be coded may take (their staged bf16 copies, made on
+    the device so vLLM can reuse the blocks at once, and outside vLLM's KV-cache accounting:
+    leave this much free, e.g. with ``gpu_memory_utilization``). A step's stores that would
+    pass it are not stored (counted ``stores_dropped_queue_full``; vLLM computes those chunks
+    when they are next needed). An empty queue always takes one step's stores; the first
+    ``fit_tokens`` tokens' copies are also kept until the table set is fitted from them."""
     fit_tokens: int = Field(1024, ge=0)
     """Without ``tables_path``: fit the table set from the first this many tokens stored
     (0: never; every blob then embeds its own table)."""
@@ -115,7 +122,12 @@ class ConnectorSettings(BaseModel):
     """Connect and read timeout of each call to the server (default 0.2 s / 0.5 s)."""
 
     @field_validator(
-        "budget_bytes", "fit_tokens", "shared_budget_bytes", "chunk_tokens", mode="before"
+        "budget_bytes",
+        "fit_tokens",
+        "shared_budget_bytes",
+        "chunk_tokens",
+        "store_queue_bytes",
+        mode="before",
     )
     @classmethod
     def _not_bool(cls, v):

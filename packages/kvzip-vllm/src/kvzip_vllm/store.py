@@ -241,6 +241,10 @@ class TierStats:
     # step (they were computed on KV that was not restored; vLLM recomputes and stores them)
     stores_refused_after_load_error: int = 0
     store_errors: int = 0  # stores that raised (the chunk is not held; recomputed if needed)
+    # GPU path: chunks not stored because the queue of staged copies was full
+    # (``store_queue_bytes``); peak bytes that queue held
+    stores_dropped_queue_full: int = 0
+    store_queue_peak_bytes: int = 0
     misses: int = field(default=0)
     table_bytes: int = 0  # the per-model table set (stored once), 0 until fitted/loaded
     table_fit_tokens: int = 0  # tokens the set was fitted on by the store (0: loaded)

@@ -188,7 +188,13 @@ class KvzipWorker:
             from kvzip_vllm.cuda_pipeline import CudaTierPipeline
 
             caches = [cache for _, cache in self.layers]
-            self._cuda = CudaTierPipeline(self.store, caches, self.block_size, self.bpc)
+            self._cuda = CudaTierPipeline(
+                self.store,
+                caches,
+                self.block_size,
+                self.bpc,
+                queue_bytes=self.settings.store_queue_bytes,
+            )
 
     def _halves(self, block_id: int):
         """CPU: per layer, the flat K and V halves ``[kv_heads, block_size * head]`` of each
