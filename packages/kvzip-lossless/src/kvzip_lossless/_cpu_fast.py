@@ -107,13 +107,14 @@ if numba is not None:
         return acc
 
     @_jit
-    def _decode_rans(b, b16, o, length, nr, C, ne, packed, clut, cnext, vt, base, out, oo, x, r,
+    def _decode_rans(b, b16, o, length, nr, C, ne, dec, clut, bm, nbs, base, out, oo, x, r,
                      sums):  # fmt: skip
         """One rANS tile at byte ``o`` of ``b`` into ``out[oo:oo + nr*C]``, its checksum into
         ``sums[0]``; returns 0 or an error.
 
-        ``r[c]``: the packed-table row of lane ``c``'s next context; a symbol is found from
-        ``clut`` (the symbol at every 16th slot of the row) and a short forward scan."""
+        ``r[c]``: the decode-table row of lane ``c``'s next context; a symbol is found from
+        ``clut`` (the symbol at every 16th slot of the row) and a short forward scan. One
+        entry of ``dec`` holds all a decoded symbol needs (layout: :func:`_table_arrays`)."""
         nv = nr * C
         nch = (C + LANES - 1) // LANES
         st = o + 4 * nch
@@ -144,7 +145,7 @@ if numba is not None:
             c1 = min(C, c0 + LANES)
             wend = wp + _u32(b, o + 4 * ch)
             for c in range(c0, c1):
-                r[c] = cnext[c * NSYM]
+                r[c] = c * nbs  # the first row has no previous token: bucket 0
             for t in range(nr):
                 row = t * C
                 for c in range(c0, c1):
@@ -153,10 +154,10 @@ if numba is not None:
                     xc = x[uc]
                     slot = xc & 4095
                     s = np.int64(clut[np.uint64((rc << CLUT_ROW) + (slot >> CLUT_SHIFT))])
-                    e = np.int64(packed[np.uint64(rc + s)])
+                    e = np.int64(dec[np.uint64(rc + s)])
                     while (e >> 16) + (e & 0xFFFF) <= slot:
                         s += 1
-                        e = np.int64(packed[np.uint64(rc + s)])
+                        e = np.int64(dec[np.uint64(rc + s)])
                     xc = (e & 0xFFFF) * (xc >> PROB_BITS) + slot - (e >> 16)
                     need = xc < RANS_L
                     # past the chunk's words only in a damaged tile (then error 5): the read
@@ -165,10 +166,12 @@ if numba is not None:
                     xc = ((xc << 16) | w) if need else xc
                     wp += need
                     x[uc] = xc
-                    k = np.uint64(c * NSYM + s)
-                    r[uc] = cnext[k]
+                    r[uc] = c * nbs + bm[np.uint64(s)]
                     nesc += (s & 15) == 0
-                    out[np.uint64(oo + row + c)] = vt[k]  # the mantissa follows, in one pass
+                    # the value less its mantissa, which follows in one pass
+                    out[np.uint64(oo + row + c)] = ((s >> 4) << 15) | (
+                        (((s & 15) + base[uc] - MODE_SLOT) & 255) << 7
+                    )
             if wp != wend:  # read past its words, or left some
                 return 5
         for c in range(C):
@@ -191,8 +194,8 @@ if numba is not None:
         return 0
 
     @_jit
-    def _decode_blob(b, b16, offs, lengths, modes, n_exc, checks, rows, C, rpt, packed, clut,
-                     cnext, vt, base, out):  # fmt: skip
+    def _decode_blob(b, b16, offs, lengths, modes, n_exc, checks, rows, C, rpt, dec, clut, bm, nbs,
+                     base, out):  # fmt: skip
         """Every tile of a blob into ``out``; returns (0, 0) or (error code, tile)."""
         x = np.zeros(C, np.int64)
         r = np.zeros(C, np.int64)
@@ -209,8 +212,8 @@ if numba is not None:
                     out[oo + p] = _u16(b, o + 2 * p)
                 sums[0] = _tile_sum(out, oo, nv)
             else:
-                err = _decode_rans(b, b16, o, lengths[ti], nr, C, n_exc[ti], packed, clut, cnext,
-                                   vt, base, out, oo, x, r, sums)  # fmt: skip
+                err = _decode_rans(b, b16, o, lengths[ti], nr, C, n_exc[ti], dec, clut, bm, nbs, base,
+                                   out, oo, x, r, sums)  # fmt: skip
                 if err:
                     return err, ti
             if sums[0] != checks[ti]:
@@ -288,13 +291,25 @@ def _table_arrays(table: Table):
     ``cum << 16 | freq`` rows (int64), the coarse symbol lookup (the symbol at every
     ``2**CLUT_SHIFT``-th slot of each row, uint8), each (column, symbol)'s next-context row
     offset, each (column, symbol)'s decoded value less its mantissa, bucket map and base."""
-    if "cpu_fast" not in table._derived:
+    if "cpu_fast_v2" not in table._derived:
         C, nb = table.columns, table.n_buckets
         sym = np.arange(NSYM)
         bmap = np.asarray(table.buckets, np.int64)
         base = table.base.astype(np.int64)
         es = (sym & 15)[None, :] + base[:, None] - MODE_SLOT
-        table._derived["cpu_fast"] = dict(
+        packed = table.packed().reshape(C, nb, NSYM).astype(np.int64)
+        cum, freq = packed >> 16, packed & 0xFFFF
+        vt = ((sym >> 4) << 15)[None, :] | ((es & 255) << 7)
+        dec = (
+            (cum + freq)
+            | (cum << 13)
+            | (vt[:, None, :] << 25)
+            | ((bmap * NSYM)[None, None, :] << 41)
+        )
+        table._derived["cpu_fast_v2"] = dict(
+            dec=np.ascontiguousarray(packed.ravel(), np.int32),
+            bm=bmap * NSYM,
+            nbs=nb * NSYM,
             packed=np.ascontiguousarray(table.packed().ravel(), np.int64),
             clut=np.ascontiguousarray(table.lut()[:, :: 1 << CLUT_SHIFT].ravel(), np.uint8),
             cnext=((np.arange(C)[:, None] * nb + bmap[None, :]) * NSYM).ravel(),
@@ -303,7 +318,7 @@ def _table_arrays(table: Table):
             base=base,
             nb=nb,
         )
-    return table._derived["cpu_fast"]
+    return table._derived["cpu_fast_v2"]
 
 
 def decode_u16(buf: memoryview, h: Header, table: Table | None) -> np.ndarray:
@@ -322,7 +337,7 @@ def decode_u16(buf: memoryview, h: Header, table: Table | None) -> np.ndarray:
     err, ti = _decode_blob(
         b, b16, h.offsets()[:-1], h.lengths.astype(np.int64), h.modes.astype(np.int64),
         h.n_exc.astype(np.int64), h.checksums.astype(np.int64), h.rows, h.columns,
-        h.rows_per_tile, t["packed"], t["clut"], t["cnext"], t["vt"], t["base"], out,
+        h.rows_per_tile, t["dec"], t["clut"], t["bm"], t["nbs"], t["base"], out,
     )  # fmt: skip
     if err:
         raise CorruptBlobError(ERRORS[int(err)].format(t=int(ti)))
