@@ -50,6 +50,17 @@ def test_tier_restores_a_32k_prompt_bit_exact_with_local_hit_output(tmp_path):
     assert r["tier_stats"]["load_errors"] == 0, r
 
 
+def test_tier_time_to_first_token_without_the_checker(tmp_path):
+    """The plain connector (no block-by-block check on the way, which the bit-exact test
+    needs): the restored request's output equals a local hit's; its time to first token
+    against the recompute's is in the result (``restore_over_recompute``; goal <= 0.1)."""
+    r = _run(tmp_path, "tier", "--context", "32768", "--no-verify")
+    assert r["blocks_held"] == r["blocks_expected"], r
+    assert r["tokens_restored_first"] >= r["context"] - r["chunk_tokens"] - r["block_size"], r
+    assert r["output_equal_local_hit"], r
+    assert r["tier_stats"]["load_errors"] == 0, r
+
+
 @pytest.mark.parametrize("fmt", ["int4", "4bit", "3.5bit", "3bit"])
 def test_compact_backend_generates_with_cuda_graphs(tmp_path, fmt):
     r = _run(tmp_path, "compact", "--format", fmt)
