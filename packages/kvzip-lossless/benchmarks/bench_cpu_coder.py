@@ -103,9 +103,9 @@ def compare_c(blobs, ts, repeats: int) -> dict:
         for j, o in zip(jobs, outs[kind], strict=True):
             b, b16, off, ln, nr, cols, ne, t = j
             if kind == "numba":
-                err = _cpu_fast._decode_rans(b, b16, off, ln, nr, cols, ne, t["packed"],
-                                             t["clut"], t["cnext"], t["vt"], t["base"], o, 0,
-                                             x, r, sums)  # fmt: skip
+                err = _cpu_fast._decode_rans(b, b16, off, ln, nr, cols, ne, t["dec"],
+                                             t["clut"], t["nbs"], t["base"], o, 0, x, r,
+                                             sums)  # fmt: skip
             else:
                 P = lambda a: a.ctypes.data  # noqa: E731
                 err = lib.decode_rans(P(b), P(b16), off, ln, nr, cols, ne, P(t["packed"]),
