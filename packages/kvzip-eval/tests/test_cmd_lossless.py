@@ -96,6 +96,9 @@ def test_per_core_decode_timing_counts_every_blob():
         for i in (0, 1)
     ]
     threads = torch.get_num_threads()
-    mbps, n = decode_MBps_per_core([kl.compress(x) for x in xs], None)
+    mbps, n, passes = decode_MBps_per_core([kl.compress(x) for x in xs], None, passes=2)
     assert n == sum(x.numel() * 2 for x in xs) and mbps > 0
+    assert len(passes) == 2 and mbps == max(passes)  # the best of the timed passes
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        decode_MBps_per_core([kl.compress(xs[0])], None, passes=0)
     assert torch.get_num_threads() == threads  # restored

@@ -7,6 +7,7 @@ The ratio counts every blob byte plus the stored table set (LZMA file) once.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -201,6 +202,7 @@ def command(
                 checked += 1
 
     per_core, per_core_bytes, per_core_passes = decode_MBps_per_core(sampled, ts)
+    load_avg = [round(v, 2) for v in os.getloadavg()]  # the machine's load as it was timed
     raw = acc["k"]["raw"] + acc["v"]["raw"]
     blobs = acc["k"]["blob"] + acc["v"]["blob"]
     tb = {kind: _tables_bytes(ts, kind) for kind in "kv"}
@@ -221,6 +223,7 @@ def command(
         "cpu_encode_MBps": raw / t_enc / 1e6,
         "cpu_decode_MBps": per_core,
         "cpu_decode_MBps_passes": per_core_passes,
+        "cpu_decode_load_average": load_avg,
         "cpu_decode_MBps_all_threads": raw / t_dec / 1e6,
         "calibration_s": t_cal,
         "settings": {
@@ -239,7 +242,8 @@ def command(
             "timing_note": "MB/s of bf16 values on the CPU. cpu_decode_MBps: per core (the "
             f"first window's {len(sampled)} blobs, {per_core_bytes} bytes, decoded on one "
             "torch thread after one untimed warm-up pass; bytes / process CPU seconds, best of "
-            f"{DECODE_PASSES} passes, each decoding every blob); cpu_encode_MBps and "
+            f"{DECODE_PASSES} passes, each decoding every blob; the 1, 5 and 15 minute load "
+            "averages right after: cpu_decode_load_average); cpu_encode_MBps and "
             f"cpu_decode_MBps_all_threads: wall time with {torch.get_num_threads()} torch "
             "threads. On a shared machine: indicative only",
         },
