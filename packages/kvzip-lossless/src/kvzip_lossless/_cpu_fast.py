@@ -352,8 +352,10 @@ def _table_arrays(table: Table):
     return table._derived[_KEY]
 
 
-def decode_u16(buf: memoryview, h: Header, table: Table | None) -> np.ndarray:
-    """Every tile decoded and checksummed (uint16 values); CorruptBlobError on any damage."""
+def decode_u16(buf: memoryview, h: Header, table: Table | None) -> np.ndarray | None:
+    """Every tile decoded and checksummed (uint16 values); CorruptBlobError on any damage.
+    None when the table has more context rows than the packed decode entry can name (the
+    caller, ``codec.decode_u16``, then decodes with the numpy coder)."""
     out = np.empty(h.numel, np.uint16)
     if not h.n_tiles:
         return out
@@ -364,9 +366,7 @@ def decode_u16(buf: memoryview, h: Header, table: Table | None) -> np.ndarray:
         table = _NO_TABLE[h.columns]
     t = _table_arrays(table)
     if t["dec"] is None:  # more context rows than the packed entry can name
-        from kvzip_lossless import codec
-
-        return codec.decode_u16(buf, h, table, cpu="numpy")
+        return None
     b = np.frombuffer(buf, np.uint8)
     b16 = np.frombuffer(buf, np.uint16, len(buf) // 2)
     err, ti = _decode_blob(

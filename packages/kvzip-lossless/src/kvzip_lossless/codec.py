@@ -146,7 +146,10 @@ def decode_u16(buf: memoryview, h: Header, table: Table, cpu: str | None = None)
     """Decode every tile on the CPU coder ``cpu`` (None: the default) and verify each
     checksum; returns the values (uint16)."""
     if _cpu_coder(cpu) == "numba":
-        return _cpu_fast.decode_u16(buf, h, table)
+        out = _cpu_fast.decode_u16(buf, h, table)
+        if out is not None:
+            return out
+        # else a table too large for the compiled decoder's packed entries: numpy below
     cols = h.columns
     out = np.empty(h.numel, np.uint16)
     offs = h.offsets()
