@@ -138,7 +138,9 @@ def tier(args) -> dict:
     # a first prompt of this length warms its prefill path; the second is timed
     t_recompute_first, _ = _timed(llm, prompts(1, ctx, seed=13, vocab=vocab), 1)
     t_recompute, _ = _timed(llm, p, 1)
-    want_blocks = ctx // args.chunk_tokens  # the tier's entries: whole chunks
+    # the tier's entries: whole chunks of both long prompts (the warm-up's and p's; the short
+    # prompt holds none), so the wait below ends only once p's own chunks are held too
+    want_blocks = 2 * (ctx // args.chunk_tokens)
     t = time.perf_counter()
     while time.perf_counter() - t < args.store_deadline_s:
         s = _read(stats)

@@ -222,6 +222,19 @@ def test_budget_evicts_lru_and_reports_dropped(make, device):
     assert pipe.wait_loads() == {5}  # evicted: never served
 
 
+def test_the_default_store_queue_is_half_the_free_device_memory_capped(monkeypatch):
+    """``store_queue_bytes=None``: half the GPU memory free once vLLM holds its KV cache, at
+    most 16 GiB; off CUDA a fixed 2 GiB."""
+    from kvzip_vllm import cuda_pipeline as cp
+
+    assert cp.default_queue_bytes(torch.device("cpu")) == 2 << 30
+    free = {"bytes": 10 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 0))
+    assert cp.default_queue_bytes(torch.device("cuda", 0)) == 5 << 30
+    free["bytes"] = 100 << 30
+    assert cp.default_queue_bytes(torch.device("cuda", 0)) == 16 << 30
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_store_queue_is_bounded_and_refuses_beyond_it(make, device):
     """While the store thread is busy, queued staged copies never pass ``queue_bytes``: the

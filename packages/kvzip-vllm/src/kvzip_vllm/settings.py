@@ -103,13 +103,15 @@ class ConnectorSettings(BaseModel):
     """JSON file the worker rewrites with the tier's counters."""
     tables_path: str | None = None
     """A ``kvzip_lossless.TableSet`` file for this model (fitted offline)."""
-    store_queue_bytes: int = Field(2 << 30, gt=0)
+    store_queue_bytes: int | None = Field(None, gt=0)
     """GPU memory the stores waiting to be coded may take (their staged bf16 copies, made on
-    the device so vLLM can reuse the blocks at once, and outside vLLM's KV-cache accounting:
-    leave this much free, e.g. with ``gpu_memory_utilization``). A step's stores that would
-    pass it are not stored (counted ``stores_dropped_queue_full``; vLLM computes those chunks
-    when they are next needed). An empty queue always takes one step's stores; the first
-    ``fit_tokens`` tokens' copies are also kept until the table set is fitted from them."""
+    the device so vLLM can reuse the blocks at once, and outside vLLM's KV-cache accounting).
+    None (the default): half the device memory still free once vLLM has allocated its KV
+    cache, at most 16 GiB (at least one 8,192-token prefill step of an 8B-shaped model fits
+    in 1 GiB). A step's stores that would pass it are not stored (counted
+    ``stores_dropped_queue_full``; vLLM computes those chunks when they are next needed). An
+    empty queue always takes one step's stores; the first ``fit_tokens`` tokens' copies are
+    also kept until the table set is fitted from them."""
     fit_tokens: int = Field(1024, ge=0)
     """Without ``tables_path``: fit the table set from the first this many tokens stored
     (0: never; every blob then embeds its own table)."""
