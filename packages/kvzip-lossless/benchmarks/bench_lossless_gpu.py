@@ -494,21 +494,25 @@ def batch_step():
     res = {"tables": "the sample's calibrated tables widened to 1,024 columns (wide_tables)"}
     R["batch"] = res  # filled as it runs: a failing case keeps the ones before it
     wide = wide_tables(BIG_H * BIG_D)
-    for be in BACKENDS:
+    # "cuda-smem": the CUDA encoder with the second decoder design (tables staged in shared
+    # memory), beside "cuda" (the first: table rows read through L1), on the same data
+    for be in BACKENDS + (["cuda-smem"] if "cuda" in BACKENDS else []):
+        cb, dec_name = ("cuda", "smem") if be == "cuda-smem" else (be, "l1")
         for kind in ("k", "v"):
             x = big_layer(1, kind, BIG_T, BIG_H, BIG_D)
             slot = kl.kv_slot(1, kind)
             nbytes = x.numel() * 2
             for rpt in (RPT, 256 if not args.smoke else 8):
-                enc = functools.partial(gpu_batch.encode_batch, [x], wide, [slot], rpt, backend=be)
+                enc = functools.partial(gpu_batch.encode_batch, [x], wide, [slot], rpt, backend=cb)
                 t_enc = timeit(enc)
                 data, offs, lens, plans = enc()
                 si = batch._set_index(plans, [wide])
                 out = torch.empty(x.numel(), dtype=torch.bfloat16, device=DEV)
                 oo = np.zeros(1, np.int64)
                 dec = functools.partial(
-                    gpu_batch.decode_batch, data, offs, plans, [wide], si, out, oo, backend=be
-                )
+                    gpu_batch.decode_batch, data, offs, plans, [wide], si, out, oo,
+                    backend=cb, decoder=dec_name,
+                )  # fmt: skip
                 t_dec = timeit(dec)
                 _, bad = dec()
                 exact = bool(torch.equal(out.view(torch.int16), x.view(-1).view(torch.int16)))
@@ -523,7 +527,7 @@ def batch_step():
                     "flags_clear": int(bad.sum()) == 0,
                 }
                 if rpt == RPT and kind == "k":  # bytes == the single-blob GPU coder's
-                    ref, _ = gpu_blob_bytes(x, wide, slot, be)
+                    ref, _ = gpu_blob_bytes(x, wide, slot, cb)
                     row["bytes_equal_single_blob_coder"] = ref == bytes(
                         data.cpu().numpy().tobytes()
                     )
@@ -541,20 +545,21 @@ def batch_step():
         }
         keys = list(big)
         # the Triton fallback is timed on 1 and 16 chunks only (its 128-chunk call is slow)
-        counts = (1, 16, n_max) if be == "cuda" else (1, 16)
+        counts = (1, 16, n_max) if cb == "cuda" else (1, 16)
         for n_chunks in counts if not args.smoke else (1, n_max):
             xs = [big[k][c * tok : (c + 1) * tok] for c in range(n_chunks) for k in keys]
             slots = [kl.kv_slot(layer, kind) for _c in range(n_chunks) for layer, kind in keys]
             nbytes = sum(x.numel() * 2 for x in xs)
-            enc = functools.partial(gpu_batch.encode_batch, xs, wide, slots, RPT, backend=be)
+            enc = functools.partial(gpu_batch.encode_batch, xs, wide, slots, RPT, backend=cb)
             t_enc = timeit(enc)
             data, offs, lens, plans = enc()
             si = batch._set_index(plans, [wide])
             out = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV)
             oo = np.arange(len(xs), dtype=np.int64) * xs[0].numel()
             dec = functools.partial(
-                gpu_batch.decode_batch, data, offs, plans, [wide], si, out, oo, backend=be
-            )
+                gpu_batch.decode_batch, data, offs, plans, [wide], si, out, oo,
+                backend=cb, decoder=dec_name,
+            )  # fmt: skip
             t_dec = timeit(dec)
             _, bad = dec()
             exact = all(
@@ -564,7 +569,9 @@ def batch_step():
             )  # fmt: skip
             dmg = data.clone()
             dmg[int(offs[len(xs) // 2]) + int(lens[len(xs) // 2]) // 2] ^= 0x10
-            _, bad2 = gpu_batch.decode_batch(dmg, offs, plans, [wide], si, out, oo, backend=be)
+            _, bad2 = gpu_batch.decode_batch(
+                dmg, offs, plans, [wide], si, out, oo, backend=cb, decoder=dec_name
+            )
             flags = (bad2 != 0).cpu().numpy()
             row = {
                 "chunks": n_chunks,

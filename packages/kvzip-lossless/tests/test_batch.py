@@ -86,6 +86,44 @@ def test_cpu_batch_flags_only_the_damaged_blob():
             kl.check_batch(bad)
 
 
+def test_prepared_decode_reads_data_only_when_run_and_runs_once():
+    """``prepare_decode_batch``: the checks now (bad input refused at once), the blobs read at
+    ``run`` (here copied in after the prepare, as a restore does), the same values and flags
+    as ``decode_batch``; a second run is refused."""
+    ts = table_set()
+    xs, slots = batch_inputs()
+    eb = kl.encode_batch(xs, tables=ts, slots=slots, rows_per_tile=16)
+    data = torch.zeros_like(eb.data)
+    prep = kl.prepare_decode_batch(data, eb.offsets, eb.plans, tables=ts)
+    data.copy_(eb.data)
+    out, bad = prep.run()
+    assert bad.tolist() == [0, 0, 0, 0]
+    oo = np.concatenate([[0], np.cumsum([x.numel() for x in xs])[:-1]])
+    for i, x in enumerate(xs):
+        got = out[oo[i] : oo[i] + x.numel()].view(torch.int16)
+        assert torch.equal(got, x.view(-1).view(torch.int16))
+    with pytest.raises(RuntimeError, match="has run already"):
+        prep.run()
+    # prepared over the zeros, run over the zeros: every blob flagged, nothing trusted
+    _, bad = kl.prepare_decode_batch(
+        torch.zeros_like(eb.data), eb.offsets, eb.plans, tables=ts
+    ).run()
+    assert bad.tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="lies outside data"):
+        kl.prepare_decode_batch(data[:100], eb.offsets, eb.plans, tables=ts)
+
+
+def test_cuda_decoder_is_chosen_by_argument_then_environment(monkeypatch):
+    monkeypatch.delenv("KVZIP_LOSSLESS_DECODER", raising=False)
+    assert gpu_batch.cuda_decoder() == gpu_batch.DEFAULT_DECODER
+    monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", "smem")
+    assert gpu_batch.cuda_decoder() == "smem"
+    assert gpu_batch.cuda_decoder("l1") == "l1"
+    monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", "fast")
+    with pytest.raises(ValueError, match="unknown CUDA decoder 'fast'.*'l1', 'smem'"):
+        gpu_batch.cuda_decoder()
+
+
 def test_batch_refuses_bad_input():
     ts = table_set()
     xs, slots = batch_inputs()
@@ -168,10 +206,34 @@ def test_triton_batch_same_bytes_exact_and_damage_flags():
         assert [int(v != 0) for v in bad.tolist()] == [int(k == i) for k in range(5)], (i, pos)
 
 
+@needs_triton
+def test_triton_prepared_decode_runs_on_data_copied_after_the_prepare():
+    """The GPU path's two steps (descriptors up at the prepare, kernels at ``run``) on the
+    Triton kernels: blobs copied into the buffer after the prepare decode exactly."""
+    ts = table_set()
+    xs, slots = batch_inputs()
+    xs = [x.to(DEV) for x in xs]
+    data, offs, lens, plans = gpu_batch.encode_batch(xs, ts, slots, 16, backend="triton")
+    buf = torch.zeros_like(data)
+    si = batch._set_index(plans, [ts])
+    oo = np.concatenate([[0], np.cumsum([x.numel() for x in xs])[:-1]])
+    out = torch.empty(sum(x.numel() for x in xs), dtype=torch.bfloat16, device=DEV)
+    prep = gpu_batch.prepare_decode(buf, offs, plans, [ts], si, out, oo, backend="triton")
+    buf.copy_(data)
+    _, bad = prep.run()
+    assert bad.tolist() == [0] * 4
+    for i, x in enumerate(xs):
+        assert torch.equal(out[oo[i] : oo[i] + x.numel()].view(torch.int16),
+                           x.reshape(-1).view(torch.int16))  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_batch_8b_chunk_matches_cpu():
-    """A 256-token chunk of an 8B-shaped model (4 layers here) through the CUDA kernels."""
+@pytest.mark.parametrize("decoder", gpu_batch.CUDA_DECODERS)
+def test_cuda_batch_8b_chunk_matches_cpu(decoder, monkeypatch):
+    """A 256-token chunk of an 8B-shaped model (4 layers here) through the CUDA kernels, with
+    each CUDA decoder design (K's 8 context buckets and V's 1 in one batch)."""
+    monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", decoder)
     layers = [(kv_like(256, 8, 128, 2 * k), kv_like(256, 8, 128, 2 * k + 1)) for k in range(4)]
     ts = kl.build_kv_tables([[(k.cuda(), v.cuda()) for k, v in layers]])
     assert ts.to_bytes() == kl.build_kv_tables([layers]).to_bytes()
@@ -190,3 +252,10 @@ def test_cuda_batch_8b_chunk_matches_cpu():
     d[int(eb.offsets[5]) + 500] ^= 1
     _, bad = kl.decode_batch(d, eb.offsets, eb.plans, tables=ts)
     assert [int(v != 0) for v in bad.cpu().tolist()] == [int(k == 5) for k in range(len(xs))]
+    # a column count that is not a multiple of 32 (the last chunk's lanes partly idle)
+    y = kv_like(300, 3, 20, 9)
+    ty = kl.build_kv_tables([[(y, kv_like(300, 3, 20, 10))]])
+    ey = kl.encode_batch([y.cuda()], tables=ty, slots=[0])
+    oy, by = kl.decode_batch(ey.data, ey.offsets, ey.plans, tables=ty)
+    assert by.cpu().tolist() == [0]
+    assert torch.equal(oy.cpu().view(torch.int16), y.view(-1).view(torch.int16))

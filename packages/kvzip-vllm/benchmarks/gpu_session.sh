@@ -72,7 +72,7 @@ tier)
   # the tier's GPU pipeline alone (no vLLM): 32k and 128k prefix restore against a pinned raw
   # copy, on the embedded model's KV (carried as .carry/kv: K.npy, V.npy)
   timeout ${TIER_LIMIT_S:-260} python3 $R/kvzip-vllm/benchmarks/tier_restore.py --kv-dir .carry/kv \
-    --fit-tokens 1024 --out $RES/tier_restore_h200 --time-limit-s ${TIER_BUDGET_S:-200} 2>&1 | tee $RES/tier.log | tail -12
+    --fit-tokens 1024 --out $RES/${TIER_NAME:-tier_restore_h200} --time-limit-s ${TIER_BUDGET_S:-200} 2>&1 | tee $RES/tier.log | tail -12
   ;;
 codec)
   env_line

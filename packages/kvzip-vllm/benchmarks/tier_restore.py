@@ -48,6 +48,10 @@ FIT_TOKENS = 2048  # tokens the table set is fitted on (more fit it better)
 LBNHC = (0, 1, 3, 2, 4)
 
 
+def _decoder() -> str:
+    return os.environ.get("KVZIP_LOSSLESS_DECODER") or "default"
+
+
 def paged_caches(layers, blocks, heads, block_size, head_size, device):
     """One backing buffer viewed per layer as ``[blocks, kv_heads, block_size, 2 * head]``."""
     shape = (layers, blocks, heads, block_size, 2 * head_size)
@@ -295,7 +299,8 @@ def write(out: Path, result: dict) -> None:
     lines = [
         "# kvzip-vllm tier: restore of a prefix vs a raw copy (the connector's GPU pipeline)",
         "",
-        f"Device {result['device']}, {result['date']}, decode backend `{result['backend']}`, "
+        f"Device {result['device']}, {result['date']}, decode backend `{result['backend']}` "
+        f"(decoder `{result.get('decoder')}`), "
         f"versions {result['versions']}.",
         "",
         f"Shape: {result['shape']}. Data: {result['data']}. Command: `{result['command']}`.",
@@ -378,6 +383,8 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "versions": versions(),
         "backend": backend,
+        # the CUDA batched decoder design (KVZIP_LOSSLESS_DECODER: l1 or smem)
+        "decoder": _decoder(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "shape": f"{args.layers} layers x (K, V), {args.kv_heads} KV heads, head "
         f"{args.head_dim}, vLLM block {args.block_size} tokens, tier chunks of "

@@ -10,10 +10,12 @@ from kvzip_lossless._version import __version__
 from kvzip_lossless.batch import (
     PLAN_FIELDS,
     EncodedBatch,
+    PreparedDecode,
     check_batch,
     decode_batch,
     encode_batch,
     plan_blobs,
+    prepare_decode_batch,
 )
 from kvzip_lossless.blob import FORMAT_VERSION, CorruptBlobError
 from kvzip_lossless.codec import coder, compress, decompress
@@ -23,6 +25,7 @@ __all__ = [
     "FORMAT_VERSION",
     "PLAN_FIELDS",
     "EncodedBatch",
+    "PreparedDecode",
     "CorruptBlobError",
     "Table",
     "TableSet",
@@ -37,4 +40,5 @@ __all__ = [
     "fit_table",
     "kv_slot",
     "plan_blobs",
+    "prepare_decode_batch",
 ]

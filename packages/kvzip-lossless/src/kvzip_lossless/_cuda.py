@@ -100,6 +100,7 @@ def lib(device=None):
             L.kvzl_bmant_launch.argtypes = [P, P, P, I, LL, P]
             L.kvzl_bhead_launch.argtypes = [P, P, I, P, P]
             L.kvzl_bdec_launch.argtypes = [P, P, P, P, P, P, I, P, P, P, P, P, P, P]
+            L.kvzl_bdec_smem_launch.argtypes = [P, P, P, P, P, P, I, I, P, P, P, P, P, P, P]
             _libs[cap] = L
         except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
             _failed[cap] = f"{type(e).__name__}: {e}"
@@ -268,8 +269,17 @@ def batch_check(data, bdesc, n, bad) -> None:
 
 
 def batch_decode(data, cum16, bmap, base, bdesc, items, n_items, out16, sums, expect, ecount,
-                 nexp, bad) -> None:  # fmt: skip
+                 nexp, bad, decoder="l1", max_nb=1) -> None:  # fmt: skip
+    """``decoder``: ``"l1"`` (each lane reads its column's table row from global memory through
+    L1) or ``"smem"`` (the item's 32 columns' rows staged once in shared memory,
+    lane-interleaved; ``max_nb``: the batch's largest bucket count, sizing it)."""
     L = lib(data.device)
     a = [_ptr(t) for t in (data, cum16, bmap, base, bdesc, items)]
     b = [_ptr(t) for t in (out16, sums, expect, ecount, nexp, bad)]
-    _check(L.kvzl_bdec_launch(*a, n_items, *b, _stream()), "batch decode")
+    if decoder == "smem":
+        rc = L.kvzl_bdec_smem_launch(*a, n_items, int(max_nb), *b, _stream())
+    elif decoder == "l1":
+        rc = L.kvzl_bdec_launch(*a, n_items, *b, _stream())
+    else:
+        raise ValueError(f"unknown CUDA decoder {decoder!r}: 'l1' or 'smem'")
+    _check(rc, "batch decode")

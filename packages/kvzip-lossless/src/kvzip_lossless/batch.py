@@ -16,6 +16,8 @@ table set and ``rows_per_tile``); what is batched is the work:
   one launch checks every header (magic, fields against the plan, CRC-32), one launch decodes
   every tile of every blob (escapes, raw tiles and tile checksums included, in the kernel). It
   returns a per-blob damage flag on the device, without synchronising: read it back once.
+- :func:`prepare_decode_batch` is :func:`decode_batch` split at its launches (host work and
+  descriptor upload first, kernels at ``run()``), for a restore that copies the blobs in.
 - :func:`plan_blobs` computes the plans of blobs held on the host (e.g. made by
   :func:`kvzip_lossless.compress`), with numpy over their headers.
 
@@ -176,7 +178,8 @@ def decode_batch(
     out: torch.Tensor | None = None,
     out_offsets=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode blobs from one buffer into one output buffer; returns ``(out, bad)``.
+    """Decode blobs from one buffer into one output buffer; returns ``(out, bad)``: the same
+    as ``prepare_decode_batch(...).run()`` (:func:`prepare_decode_batch`).
 
     ``data``: uint8 tensor (CUDA or CPU) holding blob ``i`` at byte ``offsets[i]`` (int64,
     multiples of :data:`ALIGN`), ``plans[i]`` its plan (from :func:`encode_batch` or
@@ -191,6 +194,48 @@ def decode_batch(
     numpy over the ``n`` plans. Raises ValueError on the host for inputs that cannot be
     decoded at all (plans malformed, a table set missing for a ``table_id``, offsets not
     aligned or outside ``data``, ``out`` too small or not bf16).
+    """
+    return prepare_decode_batch(
+        data, offsets, plans, tables=tables, out=out, out_offsets=out_offsets
+    ).run()
+
+
+class PreparedDecode:
+    """A :func:`decode_batch` whose host work is done and whose descriptors are on the device
+    (uploaded on the stream current at :func:`prepare_decode_batch`): :meth:`run` only
+    launches the kernels, on the stream current then, reading ``data`` at that point."""
+
+    def __init__(self, out: torch.Tensor, launch):
+        self.out = out
+        self._launch = launch
+        self._ran = False
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch the decode; returns ``(out, bad)`` as :func:`decode_batch` does. Once only."""
+        if self._ran:
+            raise RuntimeError("this prepared decode has run already: prepare it again")
+        self._ran = True
+        return self.out, self._launch()
+
+
+def prepare_decode_batch(
+    data: torch.Tensor,
+    offsets,
+    plans: np.ndarray,
+    *,
+    tables: TableSet | Sequence[TableSet] | None,
+    out: torch.Tensor | None = None,
+    out_offsets=None,
+) -> PreparedDecode:
+    """:func:`decode_batch` in two steps: every check, the host work and the descriptors'
+    host-to-device copy now; the kernels at :meth:`PreparedDecode.run`, when ``data`` holds
+    the blobs (its contents are not read before).
+
+    For a restore that copies the blobs into ``data`` itself: prepare every group of blobs
+    first, on the stream that will copy, then queue the bulk copies, then run each group on
+    another stream as its copy lands. The descriptors' copies are then queued ahead of the
+    bulk copies: a descriptor copy queued behind them waits for them all on the copy engine
+    and puts the whole decode after the whole copy.
     """
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         raise ValueError("data must be a 1-D uint8 tensor holding the blobs")
@@ -242,8 +287,10 @@ def decode_batch(
         if gpu.available():
             from kvzip_lossless import gpu_batch
 
-            return gpu_batch.decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets)
-    return _decode_cpu(data, offsets, plans, sets, set_idx, out, out_offsets)
+            return gpu_batch.prepare_decode(data, offsets, plans, sets, set_idx, out, out_offsets)
+    return PreparedDecode(
+        out, lambda: _decode_cpu(data, offsets, plans, sets, set_idx, out, out_offsets)[1]
+    )
 
 
 def check_batch(bad: torch.Tensor) -> None:

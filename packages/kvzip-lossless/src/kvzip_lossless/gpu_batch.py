@@ -20,6 +20,7 @@ launch).
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections import OrderedDict
 
@@ -42,6 +43,11 @@ ASM_W = 12  # int64 fields of an assembly descriptor row
 BLOB_W = 16  # int64 fields of a decode blob row
 MASK32 = 0xFFFFFFFF
 HEAD_SIZE = HEAD.size  # 40
+#: The CUDA batched decoders (csrc/kvzl.cu): ``l1``, each lane reading its column's frequency
+#: rows from global memory (the first design); ``smem``, the item's 32 columns' rows staged in
+#: shared memory first, lane-interleaved. Same output and flags.
+CUDA_DECODERS = ("l1", "smem")
+DEFAULT_DECODER = "l1"
 
 
 # ---------------------------------------------------------------------------- table banks
@@ -678,8 +684,30 @@ def _launch_mant(be, flat, data, tdesc, n_tiles, max_nv):
 
 
 # ---------------------------------------------------------------------------------- decode
-def decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets, backend=None):
+def decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets, backend=None, decoder=None):
     """The GPU path of :func:`kvzip_lossless.batch.decode_batch` (inputs checked there)."""
+    return prepare_decode(
+        data, offsets, plans, sets, set_idx, out, out_offsets, backend, decoder
+    ).run()
+
+
+def cuda_decoder(decoder: str | None = None) -> str:
+    """The CUDA batched decoder to use: ``decoder``, else ``$KVZIP_LOSSLESS_DECODER``, else
+    :data:`DEFAULT_DECODER` (``"l1"`` or ``"smem"``; both give the same output and flags)."""
+    name = decoder or os.environ.get("KVZIP_LOSSLESS_DECODER") or DEFAULT_DECODER
+    if name not in CUDA_DECODERS:
+        raise ValueError(f"unknown CUDA decoder {name!r} (KVZIP_LOSSLESS_DECODER): {CUDA_DECODERS}")
+    return name
+
+
+def prepare_decode(
+    data, offsets, plans, sets, set_idx, out, out_offsets, backend=None, decoder=None
+):
+    """Host work, the descriptors' upload and the flags' buffers now (on the current stream);
+    the kernels when the returned :class:`~kvzip_lossless.batch.PreparedDecode` runs.
+    ``decoder``: the CUDA kernel design (:func:`cuda_decoder`)."""
+    from kvzip_lossless.batch import PreparedDecode
+
     dev = data.device
     be = _backend(dev, backend)
     data = data[: data.numel() // 4 * 4]  # every blob lies inside (lengths, offsets: 4k)
@@ -690,6 +718,8 @@ def decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets, backend=
         tab_off, bm_off, base_off, nbk, _ = bk.slot_arrays(set_idx, slot)
     else:
         tab_off = bm_off = base_off = nbk = np.zeros(n, np.int64)
+    dec = cuda_decoder(decoder) if be == "cuda" else None
+    max_nb = int(nbk.max()) if n else 1
     nch = -(-C // LANES)
     gt0 = np.cumsum(nt) - nt
     bdesc = np.stack([offsets, length, C, rpt, nt, dir_off, ts, tab_off, bm_off, base_off,
@@ -714,20 +744,24 @@ def decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets, backend=
     cum16 = bk.cum16 if bk is not None else torch.zeros(32, dtype=torch.int16, device=dev)
     bmap = bk.bmap if bk is not None else torch.zeros(32, **i32)
     base = bk.base if bk is not None else torch.zeros(1, **i32)
-    if n:
-        if be == "cuda":
-            _cuda.batch_check(data, bdesc_d, n, bad)
-        else:
-            _bhead_kernel[(n,)](data, data.view(torch.int32), bdesc_d, bad, num_warps=1)
-    if n_items:
-        if be == "cuda":
-            _cuda.batch_decode(data, cum16, bmap, base, bdesc_d, items_d, n_items, o16, sums,
-                               expect, ecount, nexp, bad)  # fmt: skip
-        else:
-            _bdec_kernel[(n_items,)](data, data.view(torch.int16), data.view(torch.int32), tab,
-                                     bmap, base, bdesc_d, items_d, o16, sums, expect, ecount,
-                                     nexp, bad, num_warps=1)  # fmt: skip
-    if T:
-        tb = ((sums != expect) | (ecount != nexp)).to(torch.int32)
-        bad.index_add_(0, tblob_d, tb)
-    return out, bad
+
+    def launch() -> torch.Tensor:
+        if n:
+            if be == "cuda":
+                _cuda.batch_check(data, bdesc_d, n, bad)
+            else:
+                _bhead_kernel[(n,)](data, data.view(torch.int32), bdesc_d, bad, num_warps=1)
+        if n_items:
+            if be == "cuda":
+                _cuda.batch_decode(data, cum16, bmap, base, bdesc_d, items_d, n_items, o16,
+                                   sums, expect, ecount, nexp, bad, dec, max_nb)  # fmt: skip
+            else:
+                _bdec_kernel[(n_items,)](data, data.view(torch.int16), data.view(torch.int32),
+                                         tab, bmap, base, bdesc_d, items_d, o16, sums, expect,
+                                         ecount, nexp, bad, num_warps=1)  # fmt: skip
+        if T:
+            tb = ((sums != expect) | (ecount != nexp)).to(torch.int32)
+            bad.index_add_(0, tblob_d, tb)
+        return bad
+
+    return PreparedDecode(out, launch)
