@@ -111,6 +111,7 @@ def test_prepared_decode_reads_data_only_when_run_and_runs_once():
     assert bad.tolist() == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="lies outside data"):
         kl.prepare_decode_batch(data[:100], eb.offsets, eb.plans, tables=ts)
+    assert not kl.prepare_copies_nothing("cpu")  # (CUDA C decoder: -m gpu below)
 
 
 def test_cuda_decoder_is_chosen_by_argument_then_environment(monkeypatch):
@@ -234,6 +235,8 @@ def test_cuda_batch_8b_chunk_matches_cpu(decoder, monkeypatch):
     """A 256-token chunk of an 8B-shaped model (4 layers here) through the CUDA kernels, with
     each CUDA decoder design (K's 8 context buckets and V's 1 in one batch)."""
     monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", decoder)
+    # the CUDA C decoder reads its descriptors from page-locked host memory
+    assert kl.prepare_copies_nothing("cuda") == (gpu.default_backend("cuda") == "cuda")
     layers = [(kv_like(256, 8, 128, 2 * k), kv_like(256, 8, 128, 2 * k + 1)) for k in range(4)]
     ts = kl.build_kv_tables([[(k.cuda(), v.cuda()) for k, v in layers]])
     assert ts.to_bytes() == kl.build_kv_tables([layers]).to_bytes()

@@ -15,6 +15,7 @@ from kvzip_lossless.batch import (
     decode_batch,
     encode_batch,
     plan_blobs,
+    prepare_copies_nothing,
     prepare_decode_batch,
 )
 from kvzip_lossless.blob import FORMAT_VERSION, CorruptBlobError
@@ -40,5 +41,6 @@ __all__ = [
     "fit_table",
     "kv_slot",
     "plan_blobs",
+    "prepare_copies_nothing",
     "prepare_decode_batch",
 ]

@@ -101,6 +101,7 @@ def lib(device=None):
             L.kvzl_bhead_launch.argtypes = [P, P, I, P, P]
             L.kvzl_bdec_launch.argtypes = [P, P, P, P, P, P, I, P, P, P, P, P, P, P]
             L.kvzl_bdec_smem_launch.argtypes = [P, P, P, P, P, P, I, I, P, P, P, P, P, P, P]
+            L.kvzl_bfold_launch.argtypes = [P, P, P, P, P, I, P, P]
             _libs[cap] = L
         except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
             _failed[cap] = f"{type(e).__name__}: {e}"
@@ -283,3 +284,11 @@ def batch_decode(data, cum16, bmap, base, bdesc, items, n_items, out16, sums, ex
     else:
         raise ValueError(f"unknown CUDA decoder {decoder!r}: 'l1' or 'smem'")
     _check(rc, "batch decode")
+
+
+def batch_fold(sums, expect, ecount, nexp, tblob, n_tiles, bad) -> None:
+    """Tile checks into blob flags (``tblob``: each tile's blob, int32, on the device or in
+    page-locked host memory)."""
+    L = lib(bad.device)
+    a = [_ptr(t) for t in (sums, expect, ecount, nexp, tblob)]
+    _check(L.kvzl_bfold_launch(*a, n_tiles, _ptr(bad), _stream()), "batch fold")

@@ -205,9 +205,10 @@ class PreparedDecode:
     (uploaded on the stream current at :func:`prepare_decode_batch`): :meth:`run` only
     launches the kernels, on the stream current then, reading ``data`` at that point."""
 
-    def __init__(self, out: torch.Tensor, launch):
+    def __init__(self, out: torch.Tensor, launch, keep=()):
         self.out = out
         self._launch = launch
+        self._keep = keep  # host buffers the kernels read: alive as long as this object
         self._ran = False
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +217,23 @@ class PreparedDecode:
             raise RuntimeError("this prepared decode has run already: prepare it again")
         self._ran = True
         return self.out, self._launch()
+
+
+def prepare_copies_nothing(device) -> bool:
+    """True when :func:`prepare_decode_batch` for ``device`` queues no host-to-device copy:
+    the CUDA C decoder reads its descriptors from page-locked host memory (unified
+    addressing). A restore then queues its bulk copies first and prepares while they run;
+    otherwise (Triton, which uploads them) it prepares first, ahead of the bulk copies."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    from kvzip_lossless import gpu
+
+    if not gpu.available():
+        return False
+    from kvzip_lossless import gpu_batch
+
+    return gpu_batch.descriptors_in_host_memory(device)
 
 
 def prepare_decode_batch(

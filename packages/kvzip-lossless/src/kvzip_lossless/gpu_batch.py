@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 import torch
@@ -116,6 +116,32 @@ def _backend(device, backend: str | None) -> str:
     from kvzip_lossless import gpu
 
     return gpu.default_backend(device)
+
+
+def _pinned(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
+
+
+#: Page-locked host buffers that launched kernels still read, each with an event recorded
+#: after those kernels: torch's pinned allocator knows only of copies, so a buffer freed at
+#: once could be handed out again (and overwritten) before a pending kernel has read it.
+_PENDING: deque = deque()
+
+
+def _hold_until_done(buffers) -> None:
+    event = torch.cuda.Event()
+    event.record()
+    _PENDING.append((event, buffers))
+    while _PENDING and _PENDING[0][0].query():
+        _PENDING.popleft()
+
+
+def descriptors_in_host_memory(device, backend: str | None = None) -> bool:
+    """True when :func:`prepare_decode` on ``device`` leaves the descriptors in page-locked
+    host memory for the kernels to read (the CUDA C decoder): preparing then queues no
+    host-to-device copy. False when it uploads them (Triton, the CPU)."""
+    device = torch.device(device)
+    return device.type == "cuda" and _backend(device, backend) == "cuda"
 
 
 def _upload(a: np.ndarray, device) -> torch.Tensor:
@@ -732,9 +758,18 @@ def prepare_decode(
     i_tile = np.repeat(np.arange(T), t_nch)
     i_chunk = np.arange(n_items) - (np.cumsum(t_nch) - t_nch)[i_tile]
     items = np.stack([t_blob[i_tile], t_idx[i_tile], i_chunk], 1).astype(np.int64)
-    up = _upload(np.concatenate([bdesc.ravel(), items.ravel(), t_blob]), dev)
-    bdesc_d, items_d, tblob_d = torch.split(up, [bdesc.size, items.size, T])
-    items_d = items_d.to(torch.int32)
+    host_descriptors = be == "cuda" and dev.type == "cuda"
+    if host_descriptors:
+        # the CUDA kernels read the descriptors from page-locked host memory (same pointer on
+        # the device: unified addressing): no host-to-device copy to queue on a copy engine,
+        # so a restore's bulk copies can go first and the host prepares while they run
+        bdesc_d = _pinned(bdesc.ravel())
+        items_d = _pinned(items.astype(np.int32).ravel())
+        tblob_d = _pinned(t_blob.astype(np.int32))
+    else:
+        up = _upload(np.concatenate([bdesc.ravel(), items.ravel(), t_blob]), dev)
+        bdesc_d, items_d, tblob_d = torch.split(up, [bdesc.size, items.size, T])
+        items_d = items_d.to(torch.int32)
     i32 = dict(dtype=torch.int32, device=dev)
     bad = torch.zeros(n, **i32)
     tiles_buf = torch.zeros(4 * max(T, 1), **i32)
@@ -759,9 +794,14 @@ def prepare_decode(
                 _bdec_kernel[(n_items,)](data, data.view(torch.int16), data.view(torch.int32),
                                          tab, bmap, base, bdesc_d, items_d, o16, sums, expect,
                                          ecount, nexp, bad, num_warps=1)  # fmt: skip
-        if T:
+        if T and be == "cuda":
+            _cuda.batch_fold(sums, expect, ecount, nexp, tblob_d, T, bad)
+        elif T:
             tb = ((sums != expect) | (ecount != nexp)).to(torch.int32)
             bad.index_add_(0, tblob_d, tb)
+        if host_descriptors:
+            _hold_until_done((bdesc_d, items_d, tblob_d))
         return bad
 
-    return PreparedDecode(out, launch)
+    # (the prepared object holds the host descriptors until it is dropped: after its sync)
+    return PreparedDecode(out, launch, keep=(bdesc_d, items_d, tblob_d))

@@ -48,12 +48,11 @@ from kvzip_vllm.store import RECORD_ALIGN, BlockStore
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
-#: Block groups per load step: the copies of group g+1 overlap the decode of group g. Each
-#: group costs the host ~45 small device ops (its plan shift) and one decode launch per slot
-#: (60 for Llama-8B), an estimated 0.5-1 ms; a group of 32 such blocks is 58 MB of records at
-#: the synthetic data's 1.075x, ~1 ms of copy at the H200's 55 GB/s (2.30 ms per 125.8 MB,
-#: results/vllm/cuda_tier_restore.md): so groups of at least 32 blocks, at most 8 groups.
-BLOCKS_PER_GROUP, MAX_GROUPS = 32, 8
+#: Chunk groups per load step: the copies of group g+1 overlap the decode of group g, and only
+#: the last group's decode follows the last copy. Each group costs one prepare (numpy over its
+#: plans) and three launches. Measured on the H200 (results/vllm/h200_run8/, 8B shape, 256-token
+#: chunks): 16 chunks per group, at most 16 groups, restore 0.84-0.89x a raw copy.
+BLOCKS_PER_GROUP, MAX_GROUPS = 16, 16
 
 
 @dataclass
@@ -413,22 +412,25 @@ class CudaTierPipeline:
         events = []
         arena = self.store.arena.buf
         flat = out.view(-1)
+        bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
+
+        def prepare(j0, j1):
+            return kvzip_lossless.prepare_decode_batch(
+                blob_dev, offsets[j0 * S : j1 * S], all_plans[j0 * S : j1 * S],
+                tables=self.store.tables, out=flat, out_offsets=out_offsets[j0 * S : j1 * S],
+            )  # fmt: skip
+
+        # Where preparing copies nothing (the CUDA decoder reads its descriptors from
+        # page-locked host memory), the bulk copies go first and the host prepares while they
+        # run. Otherwise every group's descriptors go up first, ahead of the bulk copies on the
+        # copy engine: queued behind them, they held the whole decode until the whole copy had
+        # landed (restore = copy + decode: 1.11-1.15x a raw copy on the H200).
+        early = not kvzip_lossless.prepare_copies_nothing(self.device)
+        preps = []
         with self._on(self.copy_stream):
-            # every group's decode descriptors go up first, ahead of the bulk copies on the
-            # copy engine (queued behind them, they held every decode until the whole copy
-            # had landed: restore = copy + decode, 1.11-1.15x a raw copy on the H200)
-            preps = [
-                kvzip_lossless.prepare_decode_batch(
-                    blob_dev,
-                    offsets[j0 * S : j1 * S],
-                    all_plans[j0 * S : j1 * S],
-                    tables=self.store.tables,
-                    out=flat,
-                    out_offsets=out_offsets[j0 * S : j1 * S],
-                )  # fmt: skip
-                for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True)
-            ]
-            for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True):
+            if early:
+                preps = [prepare(j0, j1) for j0, j1 in bounds]
+            for j0, j1 in bounds:
                 j = j0
                 while j < j1:
                     k = j + 1
@@ -443,10 +445,12 @@ class CudaTierPipeline:
                     events[-1].record(self.copy_stream)
         bads = []
         with self._on(self.decode_stream):
-            for g, prep in enumerate(preps):
+            for g, (j0, j1) in enumerate(bounds):
+                if not early:
+                    preps.append(prepare(j0, j1))
                 if events:
                     self.decode_stream.wait_event(events[g])
-                bads.append(prep.run()[1])
+                bads.append(preps[g].run()[1])
             load.flags = torch.cat(bads).view(n, S).amax(1)  # per chunk, on the device
         load.out = out
         # (the descriptors were allocated on the copy stream and are read on the decode

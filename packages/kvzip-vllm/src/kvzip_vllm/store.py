@@ -29,6 +29,7 @@ import hashlib
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -125,6 +126,10 @@ class Arena:
         """Page-lock the whole arena (once; CUDA hosts). True if it is page-locked now."""
         if not self.pinned and self.capacity:
             self.pinned = self._registered = _host_register(self.buf)
+            if self._registered:  # unregistered at close() or when the arena is collected:
+                # a range left registered makes a later cudaHostRegister of memory reusing
+                # its addresses fail ("already mapped", and torch's next CUDA call raise it)
+                self._unregister = weakref.finalize(self, _host_unregister, self.buf)
             if not self.pinned:
                 logger.warning(
                     "kvzip tier: the %d-byte arena could not be page-locked (cudaHostRegister "
@@ -170,7 +175,7 @@ class Arena:
 
     def close(self) -> None:
         if self._registered:
-            _host_unregister(self.buf)
+            self._unregister()
             self._registered = self.pinned = False
 
 

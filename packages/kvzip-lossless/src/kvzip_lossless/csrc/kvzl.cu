@@ -794,6 +794,22 @@ int kvzl_bhead_launch(const void* data, const void* bdesc, int n, void* bad, voi
         (const uint8_t*)data, (const int64_t*)bdesc, n, (int32_t*)bad);
   return (int)cudaGetLastError();
 }
+// Tile checks folded into blob flags: tile i of blob tblob[i] is damaged when its checksum or
+// its escape count differs from its header's. (tblob may lie in page-locked host memory.)
+__global__ void kvzl_bfold(const uint32_t* __restrict__ sums, const uint32_t* __restrict__ expect,
+                           const int32_t* __restrict__ ecount, const int32_t* __restrict__ nexp,
+                           const int32_t* __restrict__ tblob, int T, int32_t* bad) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < T && (sums[i] != expect[i] || ecount[i] != nexp[i])) atomicOr(bad + tblob[i], 1);
+}
+int kvzl_bfold_launch(const void* sums, const void* expect, const void* ecount,
+                      const void* nexp, const void* tblob, int T, void* bad, void* stream) {
+  if (T > 0)
+    kvzl_bfold<<<(T + 255) / 256, 256, 0, (cudaStream_t)stream>>>(
+        (const uint32_t*)sums, (const uint32_t*)expect, (const int32_t*)ecount,
+        (const int32_t*)nexp, (const int32_t*)tblob, T, (int32_t*)bad);
+  return (int)cudaGetLastError();
+}
 int kvzl_bdec_smem_launch(const void* data, const void* cum16, const void* bmap,
                           const void* base, const void* bdesc, const void* items, int n_items,
                           int max_nb, void* out, void* sums, void* expect, void* ecount,
