@@ -183,6 +183,10 @@ def report(echo=False):
                 f"{t['exact']}",
             )
         ]
+    for key, t in R.get("batch", {}).get("layer", {}).items():
+        if "encode_steps_ms" in t:
+            steps = ", ".join(f"{k} {v:.2f}" for k, v in t["encode_steps_ms"].items())
+            rows += [(f"batched API, 8B layer {key}: encode call by step (ms)", steps)]
     for key, t in R.get("batch", {}).get("chunks256", {}).items():
         rows += [
             (
@@ -481,6 +485,24 @@ def nvcomp_step():
     print("nvcomp", R["nvcomp"], flush=True)
 
 
+def encode_steps(enc, iters=3) -> dict:
+    """Milliseconds between consecutive step marks of ``gpu_batch.encode_batch`` (median of
+    ``iters`` calls): setup, encode kernel, host layout (after the one sync), buffer and
+    headers, assembly kernel, mantissa kernel, escapes."""
+    per: dict[str, list[float]] = {}
+    for _ in range(iters):
+        gpu_batch.STEP_EVENTS = []
+        try:
+            enc()
+            sync()
+            marks = gpu_batch.STEP_EVENTS
+        finally:
+            gpu_batch.STEP_EVENTS = None
+        for (_, a), (name, b) in zip(marks[:-1], marks[1:], strict=True):
+            per.setdefault(name, []).append(a.elapsed_time(b))
+    return {k: float(np.median(v)) for k, v in per.items()}
+
+
 @step("batch")
 def batch_step():
     """The batched API (kvzip_lossless.encode_batch / decode_batch, spec/blob.md section 9).
@@ -494,8 +516,9 @@ def batch_step():
     res = {"tables": "the sample's calibrated tables widened to 1,024 columns (wide_tables)"}
     R["batch"] = res  # filled as it runs: a failing case keeps the ones before it
     wide = wide_tables(BIG_H * BIG_D)
-    # "cuda-smem": the CUDA encoder with the second decoder design (tables staged in shared
-    # memory), beside "cuda" (the first: table rows read through L1), on the same data
+    # "cuda-smem": the second CUDA encoder and decoder designs (tables staged in shared
+    # memory; the encoder's division by a float reciprocal), beside "cuda" (the first: table
+    # rows read through L1), on the same data
     for be in BACKENDS + (["cuda-smem"] if "cuda" in BACKENDS else []):
         cb, dec_name = ("cuda", "smem") if be == "cuda-smem" else (be, "l1")
         for kind in ("k", "v"):
@@ -503,7 +526,9 @@ def batch_step():
             slot = kl.kv_slot(1, kind)
             nbytes = x.numel() * 2
             for rpt in (RPT, 256 if not args.smoke else 8):
-                enc = functools.partial(gpu_batch.encode_batch, [x], wide, [slot], rpt, backend=cb)
+                enc = functools.partial(
+                    gpu_batch.encode_batch, [x], wide, [slot], rpt, backend=cb, encoder=dec_name
+                )
                 t_enc = timeit(enc)
                 data, offs, lens, plans = enc()
                 si = batch._set_index(plans, [wide])
@@ -531,6 +556,8 @@ def batch_step():
                     row["bytes_equal_single_blob_coder"] = ref == bytes(
                         data.cpu().numpy().tobytes()
                     )
+                if cb == "cuda":  # where the encode call's time goes (CUDA events per step)
+                    row["encode_steps_ms"] = encode_steps(enc)
                 key = f"{be}_{kind}_rows{rpt}"
                 res.setdefault("layer", {})[key] = row
                 print("batch layer", key, row, flush=True)
@@ -550,7 +577,9 @@ def batch_step():
             xs = [big[k][c * tok : (c + 1) * tok] for c in range(n_chunks) for k in keys]
             slots = [kl.kv_slot(layer, kind) for _c in range(n_chunks) for layer, kind in keys]
             nbytes = sum(x.numel() * 2 for x in xs)
-            enc = functools.partial(gpu_batch.encode_batch, xs, wide, slots, RPT, backend=cb)
+            enc = functools.partial(
+                gpu_batch.encode_batch, xs, wide, slots, RPT, backend=cb, encoder=dec_name
+            )
             t_enc = timeit(enc)
             data, offs, lens, plans = enc()
             si = batch._set_index(plans, [wide])

@@ -123,6 +123,13 @@ def test_cuda_decoder_is_chosen_by_argument_then_environment(monkeypatch):
     monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", "fast")
     with pytest.raises(ValueError, match="unknown CUDA decoder 'fast'.*'l1', 'smem'"):
         gpu_batch.cuda_decoder()
+    monkeypatch.delenv("KVZIP_LOSSLESS_ENCODER", raising=False)
+    assert gpu_batch.cuda_encoder() == gpu_batch.DEFAULT_ENCODER
+    monkeypatch.setenv("KVZIP_LOSSLESS_ENCODER", "smem")
+    assert gpu_batch.cuda_encoder() == "smem" and gpu_batch.cuda_encoder("l1") == "l1"
+    monkeypatch.setenv("KVZIP_LOSSLESS_ENCODER", "x")
+    with pytest.raises(ValueError, match="unknown CUDA encoder 'x'"):
+        gpu_batch.cuda_encoder()
 
 
 def test_batch_refuses_bad_input():
@@ -230,11 +237,14 @@ def test_triton_prepared_decode_runs_on_data_copied_after_the_prepare():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("decoder", gpu_batch.CUDA_DECODERS)
-def test_cuda_batch_8b_chunk_matches_cpu(decoder, monkeypatch):
+@pytest.mark.parametrize("design", gpu_batch.CUDA_DECODERS)
+def test_cuda_batch_8b_chunk_matches_cpu(design, monkeypatch):
     """A 256-token chunk of an 8B-shaped model (4 layers here) through the CUDA kernels, with
-    each CUDA decoder design (K's 8 context buckets and V's 1 in one batch)."""
-    monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", decoder)
+    each CUDA encoder and decoder design (K's 8 context buckets and V's 1 in one batch): the
+    CPU coder's bytes, exact values."""
+    assert gpu_batch.CUDA_ENCODERS == gpu_batch.CUDA_DECODERS
+    monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", design)
+    monkeypatch.setenv("KVZIP_LOSSLESS_ENCODER", design)
     # the CUDA C decoder reads its descriptors from page-locked host memory
     assert kl.prepare_copies_nothing("cuda") == (gpu.default_backend("cuda") == "cuda")
     layers = [(kv_like(256, 8, 128, 2 * k), kv_like(256, 8, 128, 2 * k + 1)) for k in range(4)]
@@ -259,6 +269,7 @@ def test_cuda_batch_8b_chunk_matches_cpu(decoder, monkeypatch):
     y = kv_like(300, 3, 20, 9)
     ty = kl.build_kv_tables([[(y, kv_like(300, 3, 20, 10))]])
     ey = kl.encode_batch([y.cuda()], tables=ty, slots=[0])
+    assert ey.blob(0) == kl.compress(y, tables=ty, slot=0)
     oy, by = kl.decode_batch(ey.data, ey.offsets, ey.plans, tables=ty)
     assert by.cpu().tolist() == [0]
     assert torch.equal(oy.cpu().view(torch.int16), y.view(-1).view(torch.int16))

@@ -102,6 +102,7 @@ def lib(device=None):
             L.kvzl_bdec_launch.argtypes = [P, P, P, P, P, P, I, P, P, P, P, P, P, P]
             L.kvzl_bdec_smem_launch.argtypes = [P, P, P, P, P, P, I, I, P, P, P, P, P, P, P]
             L.kvzl_bfold_launch.argtypes = [P, P, P, P, P, I, P, P]
+            L.kvzl_benc_smem_launch.argtypes = [P, P, I, P, P, P, I, P, P, P, P, P, P, LL, P]
             _libs[cap] = L
         except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
             _failed[cap] = f"{type(e).__name__}: {e}"
@@ -245,11 +246,21 @@ def encode_parts(x: torch.Tensor, table, cols: int, rpt: int, tabs) -> dict:
 
 # Batched kernels (gpu_batch.py builds their descriptors; spec/blob.md section 9).
 def batch_encode(flat, desc, n_items, tab, bmap, base, scratch, counts, states, sums, ecnt,
-                 ebuf, ecap) -> None:  # fmt: skip
+                 ebuf, ecap, encoder="l1", max_nb=1) -> None:  # fmt: skip
+    """``encoder``: ``"l1"`` (table entries read per lane through L1, integer division) or
+    ``"smem"`` (each lane's entries staged in shared memory, division by a float reciprocal
+    with one correction; ``max_nb``: the batch's largest bucket count, sizing it)."""
     L = lib(flat.device)
     ptrs = [_ptr(t) for t in (flat, desc)]
-    rest = [_ptr(t) for t in (tab, bmap, base, scratch, counts, states, sums, ecnt, ebuf)]
-    _check(L.kvzl_benc_launch(*ptrs, n_items, *rest, int(ecap), _stream()), "batch encode")
+    out = [_ptr(t) for t in (scratch, counts, states, sums, ecnt, ebuf)]
+    tabs = [_ptr(t) for t in (tab, bmap, base)]
+    if encoder == "smem":
+        rc = L.kvzl_benc_smem_launch(*ptrs, n_items, *tabs, int(max_nb), *out, int(ecap), _stream())
+    elif encoder == "l1":
+        rc = L.kvzl_benc_launch(*ptrs, n_items, *tabs, *out, int(ecap), _stream())
+    else:
+        raise ValueError(f"unknown CUDA encoder {encoder!r}: 'l1' or 'smem'")
+    _check(rc, "batch encode")
 
 
 def batch_assemble(flat, data, scratch, states, asm, n_items) -> None:

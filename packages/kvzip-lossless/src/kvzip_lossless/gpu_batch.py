@@ -48,6 +48,34 @@ HEAD_SIZE = HEAD.size  # 40
 #: shared memory first, lane-interleaved. Same output and flags.
 CUDA_DECODERS = ("l1", "smem")
 DEFAULT_DECODER = "l1"
+#: The CUDA batched encoders: ``l1`` (table entries per lane through L1, integer division; the
+#: first design) and ``smem`` (entries staged per lane in shared memory, division by a float
+#: reciprocal with one correction). Same bytes.
+CUDA_ENCODERS = ("l1", "smem")
+DEFAULT_ENCODER = "l1"
+#: A list to have :func:`encode_batch` append ``(step, torch.cuda.Event)`` marks (profiling:
+#: the benchmark reads the time between consecutive marks); None: no marks.
+STEP_EVENTS: list | None = None
+
+
+def _mark(name: str) -> None:
+    if STEP_EVENTS is not None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        STEP_EVENTS.append((name, event))
+
+
+def _choice(name, env, default, allowed, what) -> str:
+    name = name or os.environ.get(env) or default
+    if name not in allowed:
+        raise ValueError(f"unknown CUDA {what} {name!r} ({env}): {allowed}")
+    return name
+
+
+def cuda_encoder(encoder: str | None = None) -> str:
+    """The CUDA batched encoder: ``encoder``, else ``$KVZIP_LOSSLESS_ENCODER``, else
+    :data:`DEFAULT_ENCODER` (both write the same bytes)."""
+    return _choice(encoder, "KVZIP_LOSSLESS_ENCODER", DEFAULT_ENCODER, CUDA_ENCODERS, "encoder")
 
 
 # ---------------------------------------------------------------------------- table banks
@@ -501,10 +529,13 @@ if triton is not None:
 
 
 # ---------------------------------------------------------------------------------- encode
-def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=None):
-    """The GPU path of :func:`kvzip_lossless.batch.encode_batch` (its contract)."""
+def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=None, encoder=None):
+    """The GPU path of :func:`kvzip_lossless.batch.encode_batch` (its contract); ``encoder``:
+    the CUDA kernel design (:func:`cuda_encoder`)."""
     dev = tensors[0].device
     be = _backend(dev, backend)
+    enc = cuda_encoder(encoder) if be == "cuda" else None
+    _mark("start")
     n = len(tensors)
     bk = bank([tables], dev)
     slots = np.asarray(slots, np.int64)
@@ -553,8 +584,11 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     ebuf = torch.empty(ecap, dtype=torch.int64, device=dev)
     desc_d = _upload(desc.reshape(-1, ENC_W), dev)
     args_ = (flat, bk.tab, bk.bmap, bk.base, desc_d, scratch, counts, states, sums, ecnt, ebuf)
+    max_nb = int(nbk.max()) if n else 1
+    _mark("setup")
     if n_items:
-        _launch_encode(be, args_, n_items, ecap)
+        _launch_encode(be, args_, n_items, ecap, enc, max_nb)
+    _mark("encode kernel")
     host = small.cpu().numpy()  # the one synchronisation
     h_counts = host[:n_items].astype(np.int64)
     h_sums = host[n_items : n_items + T].view(np.uint32).astype(np.int64)
@@ -563,7 +597,7 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     if n_esc_all > ecap:  # more escapes than the list holds (a tensor far from its table)
         ebuf = torch.empty(n_esc_all, dtype=torch.int64, device=dev)
         small.zero_()
-        _launch_encode(be, args_[:-1] + (ebuf,), n_items, n_esc_all)
+        _launch_encode(be, args_[:-1] + (ebuf,), n_items, n_esc_all, enc, max_nb)
         small.cpu()
     # layout of every tile
     t_nw = np.bincount(i_tile, weights=h_counts, minlength=T).astype(np.int64)
@@ -611,12 +645,16 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     up = _upload(np.concatenate(parts).astype(np.int64), dev)
     up_parts = torch.split(up, sizes)
     asm_d, tdesc_d, hdr_d, hidx_d, tin_d, efirst_d, tei_d, tev_d = up_parts
+    _mark("host layout")
     data = torch.zeros(total + 8, dtype=torch.uint8, device=dev)
     if hdr.size:
         data[hidx_d] = hdr_d.to(torch.uint8)
+    _mark("buffer + headers")
     if n_items:
         _launch_assemble(be, flat, data, scratch, states, asm_d, n_items)
+        _mark("assembly kernel")
         _launch_mant(be, flat, data, tdesc_d, T, int(t_nv.max()))
+        _mark("mantissa kernel")
     E = n_esc_all
     if E:
         pos = torch.sort(ebuf[:E]).values
@@ -626,6 +664,7 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
         d32, d16 = data.view(torch.int32), data.view(torch.int16)
         d32[torch.where(ei < 0, dummy, ei + rank)] = (pos - tin_d[tile]).to(torch.int32)
         d16[torch.where(ev < 0, 2 * dummy + 2, ev + rank)] = flat[pos]
+    _mark("escapes")
     plans = np.stack(
         [lengths, numel, cols, np.full(n, rpt), nt, np.array([40 + 8 * t.dim() for t in tensors]),
          h_len, slots, np.full(n, _signed(tables.table_id))], 1,
@@ -682,11 +721,11 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
-def _launch_encode(be, a, n_items, ecap):
+def _launch_encode(be, a, n_items, ecap, encoder=None, max_nb=1):
     flat, tab, bmap, base, desc, scratch, counts, states, sums, ecnt, ebuf = a
     if be == "cuda":
         _cuda.batch_encode(flat, desc, n_items, tab, bmap, base, scratch, counts, states, sums,
-                           ecnt, ebuf, ecap)  # fmt: skip
+                           ecnt, ebuf, ecap, encoder or "l1", max_nb)  # fmt: skip
     else:
         _benc_kernel[(n_items,)](flat, tab, bmap, base, desc, scratch, counts, states, sums, ecnt,
                                  ebuf, ecap, num_warps=1)  # fmt: skip
@@ -720,10 +759,7 @@ def decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets, backend=
 def cuda_decoder(decoder: str | None = None) -> str:
     """The CUDA batched decoder to use: ``decoder``, else ``$KVZIP_LOSSLESS_DECODER``, else
     :data:`DEFAULT_DECODER` (``"l1"`` or ``"smem"``; both give the same output and flags)."""
-    name = decoder or os.environ.get("KVZIP_LOSSLESS_DECODER") or DEFAULT_DECODER
-    if name not in CUDA_DECODERS:
-        raise ValueError(f"unknown CUDA decoder {name!r} (KVZIP_LOSSLESS_DECODER): {CUDA_DECODERS}")
-    return name
+    return _choice(decoder, "KVZIP_LOSSLESS_DECODER", DEFAULT_DECODER, CUDA_DECODERS, "decoder")
 
 
 def prepare_decode(

@@ -319,6 +319,100 @@ __global__ void __launch_bounds__(128, 8) kvzl_benc(
   }
 }
 
+// Encode, second design: one warp per CTA; each lane's column's table entries staged in shared
+// memory in the lane's own bank (every entry read conflict-free, instead of one scattered L1
+// line per lane), and the state's division by the frequency by a float reciprocal with one
+// integer correction (exact: same words and states as the first design).
+__global__ void __launch_bounds__(32) kvzl_benc_smem(
+    const uint16_t* __restrict__ in, const int64_t* __restrict__ desc, int n_items,
+    const uint32_t* __restrict__ tab, const int32_t* __restrict__ bmap,
+    const int32_t* __restrict__ base, uint16_t* __restrict__ scratch, int32_t* counts,
+    uint32_t* states, uint32_t* sums, int32_t* ecnt, long long* ebuf, long long ecap) {
+  extern __shared__ uint32_t se[];  // [bucket * 32 + symbol][32 lanes]: lane l in bank l
+  const int lane = threadIdx.x & 31;
+  const int item = blockIdx.x;
+  if (item >= n_items) return;
+  const int64_t* d = desc + 12 * (int64_t)item;
+  const int64_t in_off = d[0];
+  const int rows = (int)d[1];
+  const int C = (int)d[4];
+  const int col = (int)d[2] + lane;
+  const bool active = col < C;
+  const int NB = (int)d[8];
+  const int mybm = bmap[d[6] + lane];
+  const int cb = active ? base[d[7] + col] : 0;
+  {  // this lane's column's NB x 32 entries into its own bank (consecutive reads per lane)
+    const uint32_t* g = tab + d[5] + (size_t)(active ? col : 0) * NB * 32;
+    for (int j = 0; j < NB * 32; ++j) se[j * 32 + lane] = active ? __ldg(g + j) : 1u;
+    __syncwarp();
+  }
+  const uint16_t* src = in + in_off;
+  uint16_t* sc = scratch + d[9];
+  const int64_t tile = d[10];
+  const uint32_t gt = ~((2u << lane) - 1u);
+  uint32_t x = 65536u, acc = 0;
+  int cnt = 0, ne = 0;
+  uint32_t vc = active ? src[(size_t)(rows - 1) * C + col] : 0u;
+  for (int t0 = rows - 1; t0 >= 0; t0 -= 8) {
+    uint32_t vb[8], eb[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int tt = t0 - 1 - k;
+      vb[k] = (active && tt >= 0) ? src[(size_t)tt * C + col] : 0u;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int t = t0 - k;
+      const uint32_t v = k == 0 ? vc : vb[k - 1];
+      const int cur = symbol_of(v, cb);
+      const int sp = t > 0 ? symbol_of(vb[k], cb) : 0;
+      const int bk = __shfl_sync(FULL, mybm, sp);
+      eb[k] = (active && t >= 0) ? se[(bk * 32 + cur) * 32 + lane] : 1u;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int t = t0 - k;
+      if (t < 0) continue;  // uniform over the warp
+      const uint32_t v = k == 0 ? vc : vb[k - 1];
+      if (active) {
+        const uint32_t p = (uint32_t)t * (uint32_t)C + (uint32_t)col;
+        acc += fmix32(p * 0x9E3779B1u + v);
+        if ((symbol_of(v, cb) & 15) == 0) {
+          ++ne;
+          const long long at = atomicAdd(ecnt, 1);
+          if (at < ecap) ebuf[at] = in_off + p;
+        }
+      }
+      const uint32_t e = eb[k];
+      const uint32_t f = e & 0xffffu;
+      const bool emit = active && x >= (f << 20);
+      const uint32_t m = __ballot_sync(FULL, emit);
+      if (emit) {
+        sc[cnt + __popc(m & gt)] = (uint16_t)(x & 0xffffu);
+        x >>= 16;
+      }
+      cnt += __popc(m);
+      if (active) {  // x / f by a float reciprocal: x < f << 20, so q < 2^20 and the
+        // estimate is within 1 of it (relative error < 2^-21); one correction makes it exact
+        uint32_t q = __float2uint_rz(__uint2float_rz(x) * __frcp_rn(__uint2float_rn(f)));
+        int32_t r = (int32_t)(x - q * f);
+        if (r < 0) { --q; r += (int32_t)f; }
+        else if (r >= (int32_t)f) { ++q; r -= (int32_t)f; }
+        x = (q << 12) + (uint32_t)r + (e >> 16);
+      }
+    }
+    vc = vb[7];
+  }
+  if (active) states[d[3] + col] = x;
+  acc = warp_sum_u32(acc);
+  ne = (int)warp_sum_u32((uint32_t)ne);
+  if (lane == 0) {
+    counts[item] = cnt;
+    atomicAdd(sums + tile, acc);
+    if (ne) atomicAdd(ecnt + 1 + tile, ne);
+  }
+}
+
 // Assembly: one warp per item. desc: 12 int64: tile_abs (byte), mode, C, nch, col0, rows,
 // state_off, scratch_off, count, word_dst (16-bit units), in_off, chunk.
 __global__ void kvzl_basm(const uint16_t* __restrict__ in, uint8_t* __restrict__ data,
@@ -767,6 +861,23 @@ int kvzl_benc_launch(const void* in, const void* desc, int n_items, const void* 
       (const uint16_t*)in, (const int64_t*)desc, n_items, (const uint32_t*)tab,
       (const int32_t*)bmap, (const int32_t*)base, (uint16_t*)scratch, (int32_t*)counts,
       (uint32_t*)states, (uint32_t*)sums, (int32_t*)ecnt, (long long*)ebuf, ecap);
+  return (int)cudaGetLastError();
+}
+int kvzl_benc_smem_launch(const void* in, const void* desc, int n_items, const void* tab,
+                          const void* bmap, const void* base, int max_nb, void* scratch,
+                          void* counts, void* states, void* sums, void* ecnt, void* ebuf,
+                          long long ecap, void* stream) {
+  const int smem = (max_nb < 1 ? 1 : max_nb) * 32 * 32 * 4;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kvzl_benc_smem,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+  }
+  if (n_items > 0)
+    kvzl_benc_smem<<<n_items, 32, smem, (cudaStream_t)stream>>>(
+        (const uint16_t*)in, (const int64_t*)desc, n_items, (const uint32_t*)tab,
+        (const int32_t*)bmap, (const int32_t*)base, (uint16_t*)scratch, (int32_t*)counts,
+        (uint32_t*)states, (uint32_t*)sums, (int32_t*)ecnt, (long long*)ebuf, ecap);
   return (int)cudaGetLastError();
 }
 int kvzl_basm_launch(const void* in, void* data, const void* scratch, const void* states,
