@@ -295,7 +295,8 @@ def versions() -> dict:
 
 def write(out: Path, result: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    # (appended, not with_suffix: an output named e.g. "..._budget1.5" keeps its name)
+    out.parent.joinpath(out.name + ".json").write_text(json.dumps(result, indent=1))
     lines = [
         "# kvzip-vllm tier: restore of a prefix vs a raw copy (the connector's GPU pipeline)",
         "",
@@ -331,7 +332,7 @@ def write(out: Path, result: dict) -> None:
     ]
     if result.get("skipped"):
         lines += ["", f"Not run (time limit): {result['skipped']}"]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.parent.joinpath(out.name + ".md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -415,7 +416,7 @@ def main(argv=None) -> int:
         write(args.out, result)
     result["total_s"] = round(time.perf_counter() - t_start, 1)
     write(args.out, result)
-    print(f"wrote {args.out.with_suffix('.json')} and .md ({result['total_s']} s)")
+    print(f"wrote {args.out}.json and .md ({result['total_s']} s)")
     return 0 if all(r["bit_exact"] for r in result["rows"]) else 1
 
 
