@@ -44,6 +44,9 @@ def emu(tmp_path_factory, monkeypatch_module):
     L.kvzl_bmant_launch.argtypes = [P, P, P, I, LL, P]
     L.kvzl_bhead_launch.argtypes = [P, P, I, P, P]
     L.kvzl_bdec_launch.argtypes = [P, P, P, P, P, P, I, P, P, P, P, P, P, P]
+    L.kvzl_bdec_smem_launch.argtypes = [P, P, P, P, P, P, I, I, P, P, P, P, P, P, P]
+    L.kvzl_benc_smem_launch.argtypes = [P, P, I, P, P, P, I, P, P, P, P, P, P, LL, P]
+    L.kvzl_bfold_launch.argtypes = [P, P, P, P, P, I, P, P]
     monkeypatch_module.setattr(_cuda, "lib", lambda device=None: L)
     monkeypatch_module.setattr(_cuda, "_stream", lambda: ctypes.c_void_p(0))
     return L
@@ -63,7 +66,15 @@ def _decode(buf, offs, plans, sets, xs):
     return out, bad.tolist()
 
 
-def test_cuda_kernels_same_bytes_exact_and_flags(emu):
+@pytest.fixture(params=gpu_batch.CUDA_DECODERS)
+def design(request, monkeypatch):
+    """Each CUDA encoder and decoder design (first: tables through L1; second: shared memory)."""
+    monkeypatch.setenv("KVZIP_LOSSLESS_ENCODER", request.param)
+    monkeypatch.setenv("KVZIP_LOSSLESS_DECODER", request.param)
+    return request.param
+
+
+def test_cuda_kernels_same_bytes_exact_and_flags(emu, design):
     ts = tb.table_set()
     xs, slots = tb.batch_inputs()
     ref = tb.reference(xs, ts, slots, 16)
@@ -82,7 +93,7 @@ def test_cuda_kernels_same_bytes_exact_and_flags(emu):
         ], (i, pos)
 
 
-def test_cuda_kernels_many_chunks(emu):
+def test_cuda_kernels_many_chunks(emu, design):
     """1,024 columns (32 chunks a tile), two tiles a blob, a partial last tile, an escape."""
     big = [tb.kv_like(100, 8, 128, s) for s in range(2)]
     big[1][5, 3, 7] = 3e38

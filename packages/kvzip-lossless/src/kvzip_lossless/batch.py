@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvzip_lossless._prepared import PreparedDecode
 from kvzip_lossless.blob import HEAD, MAX_COLUMNS, CorruptBlobError, parse_header
 from kvzip_lossless.codec import _check_input, compress, decode_u16
 from kvzip_lossless.tables import TableSet
@@ -198,25 +199,6 @@ def decode_batch(
     return prepare_decode_batch(
         data, offsets, plans, tables=tables, out=out, out_offsets=out_offsets
     ).run()
-
-
-class PreparedDecode:
-    """A :func:`decode_batch` whose host work is done and whose descriptors are on the device
-    (uploaded on the stream current at :func:`prepare_decode_batch`): :meth:`run` only
-    launches the kernels, on the stream current then, reading ``data`` at that point."""
-
-    def __init__(self, out: torch.Tensor, launch, keep=()):
-        self.out = out
-        self._launch = launch
-        self._keep = keep  # host buffers the kernels read: alive as long as this object
-        self._ran = False
-
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launch the decode; returns ``(out, bad)`` as :func:`decode_batch` does. Once only."""
-        if self._ran:
-            raise RuntimeError("this prepared decode has run already: prepare it again")
-        self._ran = True
-        return self.out, self._launch()
 
 
 def prepare_copies_nothing(device) -> bool:

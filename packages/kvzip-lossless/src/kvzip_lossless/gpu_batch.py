@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvzip_lossless import _cuda
+from kvzip_lossless._prepared import PreparedDecode
 from kvzip_lossless.blob import HEAD
 from kvzip_lossless.tables import MODE_SLOT, TableSet
 
@@ -768,8 +769,6 @@ def prepare_decode(
     """Host work, the descriptors' upload and the flags' buffers now (on the current stream);
     the kernels when the returned :class:`~kvzip_lossless.batch.PreparedDecode` runs.
     ``decoder``: the CUDA kernel design (:func:`cuda_decoder`)."""
-    from kvzip_lossless.batch import PreparedDecode
-
     dev = data.device
     be = _backend(dev, backend)
     data = data[: data.numel() // 4 * 4]  # every blob lies inside (lengths, offsets: 4k)
@@ -806,6 +805,8 @@ def prepare_decode(
         up = _upload(np.concatenate([bdesc.ravel(), items.ravel(), t_blob]), dev)
         bdesc_d, items_d, tblob_d = torch.split(up, [bdesc.size, items.size, T])
         items_d = items_d.to(torch.int32)
+        if be == "cuda":  # the fold kernel reads int32 blob indices
+            tblob_d = tblob_d.to(torch.int32)
     i32 = dict(dtype=torch.int32, device=dev)
     bad = torch.zeros(n, **i32)
     tiles_buf = torch.zeros(4 * max(T, 1), **i32)

@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <cmath>
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -18,11 +19,28 @@ struct dim3 { unsigned x, y, z; dim3(unsigned a = 1, unsigned b = 1, unsigned c 
 struct uint3_ { unsigned x, y, z; };
 struct uint4 { uint32_t x, y, z, w; };
 typedef void* cudaStream_t;
+typedef int cudaError_t;
+constexpr cudaError_t cudaSuccess = 0;
+enum { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+template <class K> inline cudaError_t cudaFuncSetAttribute(K, int, int) { return cudaSuccess; }
 inline int cudaGetLastError() { return 0; }
+// float conversions with the rounding the intrinsic names (IEEE float: multiply, divide round
+// to nearest on both sides)
+inline float __uint2float_rn(uint32_t x) { return (float)x; }
+inline float __uint2float_rz(uint32_t x) {
+  float f = (float)x;
+  if ((double)f > (double)x) f = std::nextafter(f, 0.0f);
+  return f;
+}
+inline uint32_t __float2uint_rz(float f) { return f <= 0.0f ? 0u : (uint32_t)f; }
+inline float __frcp_rn(float f) { return 1.0f / f; }
 struct WarpState { std::barrier<> bar{32}; uint64_t slot[32]; };
 thread_local uint3_ threadIdx, blockIdx;
 thread_local dim3 blockDim, gridDim;
 thread_local WarpState* g_warp;
+thread_local uint8_t* g_smem;  // the block's dynamic shared memory
+inline void* emu_dynamic_smem() { return g_smem; }
+inline void __syncwarp(unsigned = 0xffffffffu) { g_warp->bar.arrive_and_wait(); }
 using std::min;
 using std::max;
 template <class T> inline T emu_exchange(T v, int src) {
@@ -55,16 +73,18 @@ template <class T> inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, 
 inline uint32_t atomicAdd(uint32_t* p, uint32_t v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 inline void __syncthreads() {}
-template <class K, class... A> void emu_launch(K k, dim3 g, dim3 b, A... a) {
+template <class K, class... A> void emu_launch(K k, dim3 g, dim3 b, size_t smem, A... a) {
   for (unsigned by = 0; by < g.y; ++by)
     for (unsigned bx = 0; bx < g.x; ++bx) {
       unsigned n = b.x;
       std::vector<WarpState> warps((n + 31) / 32);
+      std::vector<uint8_t> dyn(smem + 16);
       std::vector<std::thread> ts;
       for (unsigned t = 0; t < n; ++t)
         ts.emplace_back([&, t] {
           threadIdx = {t, 0, 0}; blockIdx = {bx, by, 0}; blockDim = b; gridDim = g;
           g_warp = &warps[t / 32];
+          g_smem = dyn.data();
           k(a...);
           // a thread that returned early keeps its warp's barrier counts: drop it
           g_warp->bar.arrive_and_drop();

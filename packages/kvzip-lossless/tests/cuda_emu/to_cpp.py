@@ -1,5 +1,6 @@
-"""csrc/kvzl.cu as C++ for the CPU emulation in emu.h: each ``k<<<grid, block, 0, s>>>(...)``
-becomes ``emu_launch(k, dim3(grid), dim3(block), ...)``. Usage: to_cpp.py kvzl.cu > out.cpp"""
+"""csrc/kvzl.cu as C++ for the CPU emulation in emu.h: each ``k<<<grid, block, smem, s>>>(...)``
+becomes ``emu_launch(k, dim3(grid), dim3(block), (smem), ...)``, and ``extern __shared__ T x[];``
+the block's dynamic shared buffer. Usage: to_cpp.py kvzl.cu > out.cpp"""
 
 import re
 import sys
@@ -22,10 +23,14 @@ def convert(src: str) -> str:
         parts.append(cur)
         if src[e + 3] != "(":
             raise ValueError("unexpected launch syntax")
-        out.append(f"emu_launch({name.group(1)}, dim3({parts[0]}), dim3({parts[1]}), ")
+        smem = parts[2] if len(parts) > 2 else "0"
+        out.append(f"emu_launch({name.group(1)}, dim3({parts[0]}), dim3({parts[1]}), ({smem}), ")
         i = e + 4
     out.append(src[i:])
-    return '#include "emu.h"\n' + "".join(out).replace("#include <cuda_runtime.h>", "")
+    text = "".join(out).replace("#include <cuda_runtime.h>", "")
+    # dynamic shared memory: the block's buffer, sized by the launch's third argument
+    text = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"\1* \2 = (\1*)emu_dynamic_smem();", text)
+    return '#include "emu.h"\n' + text
 
 
 if __name__ == "__main__":
