@@ -238,13 +238,14 @@ __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v)
 // state_off, C, tab_off, bmap_off, base_off, NB, scratch_off, tile, unused. Input rows are
 // loaded 8 at a time ahead of the state updates (their table entries too: they depend on the
 // values only), so the loads of 8 rows are in flight together.
-__global__ void __launch_bounds__(128, 8) kvzl_benc(
-    const uint16_t* __restrict__ in, const int64_t* __restrict__ desc, int n_items,
+template <bool kSmem>
+__device__ __forceinline__ void benc_item(int item, const uint16_t* __restrict__ in, const int64_t* __restrict__ desc, int n_items,
     const uint32_t* __restrict__ tab, const int32_t* __restrict__ bmap,
     const int32_t* __restrict__ base, uint16_t* __restrict__ scratch, int32_t* counts,
     uint32_t* states, uint32_t* sums, int32_t* ecnt, long long* ebuf, long long ecap) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int item = blockIdx.x * (blockDim.x >> 5) + warp;
+  extern __shared__ uint32_t se[];  // kSmem: [bucket * 32 + symbol][32 lanes], lane l in bank l
+
+  const int lane = threadIdx.x & 31;
   if (item >= n_items) return;
   const int64_t* d = desc + 12 * (int64_t)item;
   const int64_t in_off = d[0];
@@ -256,94 +257,8 @@ __global__ void __launch_bounds__(128, 8) kvzl_benc(
   const int mybm = bmap[d[6] + lane];
   const int cb = active ? base[d[7] + col] : 0;
   const uint32_t* trow0 = tab + d[5] + (size_t)(active ? col : 0) * NB * 32;
-  const uint16_t* src = in + in_off;
-  uint16_t* sc = scratch + d[9];
-  const int64_t tile = d[10];
-  const uint32_t gt = ~((2u << lane) - 1u);
-  uint32_t x = 65536u, acc = 0;
-  int cnt = 0, ne = 0;
-  uint32_t vc = active ? src[(size_t)(rows - 1) * C + col] : 0u;
-  for (int t0 = rows - 1; t0 >= 0; t0 -= 8) {
-    uint32_t vb[8], eb[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int tt = t0 - 1 - k;
-      vb[k] = (active && tt >= 0) ? src[(size_t)tt * C + col] : 0u;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int t = t0 - k;
-      const uint32_t v = k == 0 ? vc : vb[k - 1];
-      const int cur = symbol_of(v, cb);
-      const int sp = t > 0 ? symbol_of(vb[k], cb) : 0;
-      const int bk = __shfl_sync(FULL, mybm, sp);
-      eb[k] = (active && t >= 0) ? __ldg(trow0 + bk * 32 + cur) : 1u;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int t = t0 - k;
-      if (t < 0) continue;  // uniform over the warp
-      const uint32_t v = k == 0 ? vc : vb[k - 1];
-      if (active) {
-        const uint32_t p = (uint32_t)t * (uint32_t)C + (uint32_t)col;
-        acc += fmix32(p * 0x9E3779B1u + v);
-        if ((symbol_of(v, cb) & 15) == 0) {
-          ++ne;
-          const long long at = atomicAdd(ecnt, 1);
-          if (at < ecap) ebuf[at] = in_off + p;
-        }
-      }
-      const uint32_t e = eb[k];
-      const uint32_t f = e & 0xffffu;
-      const bool emit = active && x >= (f << 20);
-      const uint32_t m = __ballot_sync(FULL, emit);
-      if (emit) {
-        sc[cnt + __popc(m & gt)] = (uint16_t)(x & 0xffffu);
-        x >>= 16;
-      }
-      cnt += __popc(m);
-      if (active) {
-        const uint32_t q = x / f;
-        x = (q << 12) + (x - q * f) + (e >> 16);
-      }
-    }
-    vc = vb[7];
-  }
-  if (active) states[d[3] + col] = x;
-  acc = warp_sum_u32(acc);
-  ne = (int)warp_sum_u32((uint32_t)ne);
-  if (lane == 0) {
-    counts[item] = cnt;
-    atomicAdd(sums + tile, acc);
-    if (ne) atomicAdd(ecnt + 1 + tile, ne);
-  }
-}
-
-// Encode, second design: one warp per CTA; each lane's column's table entries staged in shared
-// memory in the lane's own bank (every entry read conflict-free, instead of one scattered L1
-// line per lane), and the state's division by the frequency by a float reciprocal with one
-// integer correction (exact: same words and states as the first design).
-__global__ void __launch_bounds__(32) kvzl_benc_smem(
-    const uint16_t* __restrict__ in, const int64_t* __restrict__ desc, int n_items,
-    const uint32_t* __restrict__ tab, const int32_t* __restrict__ bmap,
-    const int32_t* __restrict__ base, uint16_t* __restrict__ scratch, int32_t* counts,
-    uint32_t* states, uint32_t* sums, int32_t* ecnt, long long* ebuf, long long ecap) {
-  extern __shared__ uint32_t se[];  // [bucket * 32 + symbol][32 lanes]: lane l in bank l
-  const int lane = threadIdx.x & 31;
-  const int item = blockIdx.x;
-  if (item >= n_items) return;
-  const int64_t* d = desc + 12 * (int64_t)item;
-  const int64_t in_off = d[0];
-  const int rows = (int)d[1];
-  const int C = (int)d[4];
-  const int col = (int)d[2] + lane;
-  const bool active = col < C;
-  const int NB = (int)d[8];
-  const int mybm = bmap[d[6] + lane];
-  const int cb = active ? base[d[7] + col] : 0;
-  {  // this lane's column's NB x 32 entries into its own bank (consecutive reads per lane)
-    const uint32_t* g = tab + d[5] + (size_t)(active ? col : 0) * NB * 32;
-    for (int j = 0; j < NB * 32; ++j) se[j * 32 + lane] = active ? __ldg(g + j) : 1u;
+  if constexpr (kSmem) {  // this lane's column's entries into its own bank (reads in order)
+    for (int j = 0; j < NB * 32; ++j) se[j * 32 + lane] = active ? __ldg(trow0 + j) : 1u;
     __syncwarp();
   }
   const uint16_t* src = in + in_off;
@@ -367,7 +282,10 @@ __global__ void __launch_bounds__(32) kvzl_benc_smem(
       const int cur = symbol_of(v, cb);
       const int sp = t > 0 ? symbol_of(vb[k], cb) : 0;
       const int bk = __shfl_sync(FULL, mybm, sp);
-      eb[k] = (active && t >= 0) ? se[(bk * 32 + cur) * 32 + lane] : 1u;
+      if constexpr (kSmem)
+        eb[k] = (active && t >= 0) ? se[(bk * 32 + cur) * 32 + lane] : 1u;
+      else
+        eb[k] = (active && t >= 0) ? __ldg(trow0 + bk * 32 + cur) : 1u;
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -392,13 +310,18 @@ __global__ void __launch_bounds__(32) kvzl_benc_smem(
         x >>= 16;
       }
       cnt += __popc(m);
-      if (active) {  // x / f by a float reciprocal: x < f << 20, so q < 2^20 and the
-        // estimate is within 1 of it (relative error < 2^-21); one correction makes it exact
-        uint32_t q = __float2uint_rz(__uint2float_rz(x) * __frcp_rn(__uint2float_rn(f)));
-        int32_t r = (int32_t)(x - q * f);
-        if (r < 0) { --q; r += (int32_t)f; }
-        else if (r >= (int32_t)f) { ++q; r -= (int32_t)f; }
-        x = (q << 12) + (uint32_t)r + (e >> 16);
+      if (active) {
+        if constexpr (kSmem) {  // x / f by a float reciprocal: x < f << 20, so q < 2^20 and
+          // the estimate is within 1 of it (relative error < 2^-21); one correction: exact
+          uint32_t q = __float2uint_rz(__uint2float_rz(x) * __frcp_rn(__uint2float_rn(f)));
+          int32_t r = (int32_t)(x - q * f);
+          if (r < 0) { --q; r += (int32_t)f; }
+          else if (r >= (int32_t)f) { ++q; r -= (int32_t)f; }
+          x = (q << 12) + (uint32_t)r + (e >> 16);
+        } else {
+          const uint32_t q = x / f;
+          x = (q << 12) + (x - q * f) + (e >> 16);
+        }
       }
     }
     vc = vb[7];
@@ -412,6 +335,26 @@ __global__ void __launch_bounds__(32) kvzl_benc_smem(
     if (ne) atomicAdd(ecnt + 1 + tile, ne);
   }
 }
+__global__ void __launch_bounds__(128, 8) kvzl_benc(
+    const uint16_t* __restrict__ in, const int64_t* __restrict__ desc, int n_items,
+    const uint32_t* __restrict__ tab, const int32_t* __restrict__ bmap,
+    const int32_t* __restrict__ base, uint16_t* __restrict__ scratch, int32_t* counts,
+    uint32_t* states, uint32_t* sums, int32_t* ecnt, long long* ebuf, long long ecap) {
+  benc_item<false>(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), in, desc, n_items, tab, bmap, base, scratch, counts, states, sums, ecnt, ebuf, ecap);
+}
+// Second design: one warp per CTA; each lane's column's table entries staged in shared memory
+// in the lane's own bank (every entry read conflict-free, instead of one scattered L1 line per
+// lane), and the state's division by the frequency by a float reciprocal with one integer
+// correction (exact: the same words and states as the first design).
+__global__ void __launch_bounds__(32) kvzl_benc_smem(
+    const uint16_t* __restrict__ in, const int64_t* __restrict__ desc, int n_items,
+    const uint32_t* __restrict__ tab, const int32_t* __restrict__ bmap,
+    const int32_t* __restrict__ base, uint16_t* __restrict__ scratch, int32_t* counts,
+    uint32_t* states, uint32_t* sums, int32_t* ecnt, long long* ebuf, long long ecap) {
+  benc_item<true>(blockIdx.x, in, desc, n_items, tab, bmap, base, scratch, counts, states, sums, ecnt, ebuf, ecap);
+}
+
+
 
 // Assembly: one warp per item. desc: 12 int64: tile_abs (byte), mode, C, nch, col0, rows,
 // state_off, scratch_off, count, word_dst (16-bit units), in_off, chunk.
@@ -509,14 +452,21 @@ __global__ void kvzl_bhead(const uint8_t* __restrict__ data, const int64_t* __re
 // loads from the context's 32 cumulative frequencies (uint16): cum[8], cum[16], cum[24] pick
 // a segment of 8, one 16-byte load holds it; words come from a 64-word window held in two
 // registers per lane (next 32 loaded ahead), read with a shuffle.
-__global__ void __launch_bounds__(128) kvzl_bdec(
-    const uint8_t* __restrict__ data, const uint16_t* __restrict__ cum16,
+// The decode of one item (blob, tile, chunk) by one warp, in two designs. kSmem false
+// (kvzl_bdec) reads each lane's column's frequency rows from global memory through L1: a
+// warp's table read touches 32 lines, one per lane. kSmem true (kvzl_bdec_smem: one warp per
+// CTA, NB x 2 KB of dynamic shared memory) first copies the item's 32 columns' rows into
+// shared memory, lane-interleaved ([bucket][entry][lane]), so each lane reads its own bank
+// pair (at most 2-way conflicts). Same bytes read, same output, same flags.
+template <bool kSmem>
+__device__ __forceinline__ void bdec_item(int item, const uint8_t* __restrict__ data, const uint16_t* __restrict__ cum16,
     const int32_t* __restrict__ bmap, const int32_t* __restrict__ base,
     const int64_t* __restrict__ bdesc, const int32_t* __restrict__ items, int n_items,
     uint16_t* __restrict__ out, uint32_t* sums, uint32_t* expect, int32_t* ecount,
     int32_t* nexp, int32_t* bad) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int item = blockIdx.x * (blockDim.x >> 5) + warp;
+  extern __shared__ uint16_t st[];
+
+  const int lane = threadIdx.x & 31;
   if (item >= n_items) return;
   const int b = items[3 * item], chunk = items[3 * item + 2];
   const int64_t t = items[3 * item + 1];
@@ -591,176 +541,7 @@ __global__ void __launch_bounds__(128) kvzl_bdec(
         const int cb = active ? base[d[9] + col] : 0;
         const int mybm = bmap[d[8] + lane];
         const uint16_t* crow0 = cum16 + d[7] + (size_t)(active ? col : 0) * NB * 32;
-        const uint16_t* W = reinterpret_cast<const uint16_t*>(T + wo) + wpre;
-        const uint8_t* mant = T + mo;
-        const uint32_t lt = (1u << lane) - 1u;
-        uint32_t ptr = 0, wb = 0;
-        uint32_t cur = lane < n_words ? W[lane] : 0u;
-        uint32_t nxt = 32u + lane < n_words ? W[32 + lane] : 0u;
-        int prev = 0, nesc = 0;
-        for (int r = 0; r < nr; ++r) {
-          const uint16_t* row = crow0 + __shfl_sync(FULL, mybm, prev) * 32;
-          const uint32_t slot = x & 4095u;
-          const uint32_t c8 = row[8], c16 = row[16], c24 = row[24];
-          const bool h16 = c16 <= slot;
-          const int seg = h16 ? (c24 <= slot ? 24 : 16) : (c8 <= slot ? 8 : 0);
-          const uint4 q = *reinterpret_cast<const uint4*>(row + seg);
-          const uint32_t cs[8] = {q.x & 0xffffu, q.x >> 16, q.y & 0xffffu, q.y >> 16,
-                                  q.z & 0xffffu, q.z >> 16, q.w & 0xffffu, q.w >> 16};
-          int j = 0;
-#pragma unroll
-          for (int k = 1; k < 8; ++k) j += cs[k] <= slot;
-          uint32_t lo = cs[0], hi = seg == 24 ? 4096u : (h16 ? c24 : (seg == 8 ? c16 : c8));
-#pragma unroll
-          for (int k = 1; k < 8; ++k) {
-            if (j == k) lo = cs[k];
-            if (j == k - 1) hi = cs[k];
-          }
-          const int s = seg + j;
-          x = (hi - lo) * (x >> 12) + slot - lo;
-          const bool need = active && x < 65536u;
-          const uint32_t m = __ballot_sync(FULL, need);
-          const uint32_t pos = ptr + __popc(m & lt);
-          const uint32_t idx = pos - wb;
-          const uint32_t w0 = __shfl_sync(FULL, cur, idx & 31u);
-          const uint32_t w1 = __shfl_sync(FULL, nxt, idx & 31u);
-          if (need) {
-            if (pos < n_words) x = (x << 16) | (idx < 32u ? w0 : w1);
-            else badv = true;
-          }
-          ptr += __popc(m);
-          if (ptr - wb >= 32u) {
-            wb += 32u;
-            cur = nxt;
-            nxt = wb + 32u + lane < n_words ? W[wb + 32u + lane] : 0u;
-          }
-          if (active) {
-            const uint32_t p = (uint32_t)r * (uint32_t)C + (uint32_t)col;
-            const uint32_t bit = p * 7u;
-            const uint32_t mw = ((uint32_t)mant[bit >> 3] << 8) | mant[(bit >> 3) + 1];
-            const uint32_t mm = (mw >> (9u - (bit & 7u))) & 127u;
-            const int es = s & 15;
-            uint32_t v =
-                ((uint32_t)(s >> 4) << 15) | ((uint32_t)((es + cb - 12) & 255) << 7) | mm;
-            if (es == 0) {  // an escape: its value from the tile's sorted list
-              ++nesc;
-              uint32_t a = 0, z = ne;
-              while (a < z) {
-                const uint32_t mid = (a + z) >> 1;
-                if (eidx[mid] < p) a = mid + 1; else z = mid;
-              }
-              if (a < ne && eidx[a] == p) v = evals[a];
-              else badv = true;
-            }
-            o[p] = (uint16_t)v;
-            acc += fmix32(p * 0x9E3779B1u + v);
-          }
-          prev = s;
-        }
-        if (active && x != 65536u) badv = true;
-        if (ptr != n_words) badv = true;
-        nesc = (int)warp_sum_u32((uint32_t)nesc);
-        if (lane == 0 && nesc) atomicAdd(ecount + g, nesc);
-      }
-    }
-  }
-  acc = warp_sum_u32(acc);
-  const bool anybad = __any_sync(FULL, badv);
-  if (lane == 0) {
-    if (acc) atomicAdd(sums + g, acc);
-    if (anybad) atomicOr(bad + b, 1);
-  }
-}
-
-
-// Decode, second design: one warp per CTA; the item's 32 columns' cumulative frequencies are
-// copied once into shared memory, lane-interleaved ([bucket][entry][lane]), so each table read
-// of a row is one shared-memory access per lane in its own bank pair (at most 2-way conflicts)
-// instead of 32 scattered L1 lines (one per lane's column), which bound the first design
-// (about 4 x 32 L1 wavefronts per row). Same bytes read, same output, same flags.
-__global__ void __launch_bounds__(32) kvzl_bdec_smem(
-    const uint8_t* __restrict__ data, const uint16_t* __restrict__ cum16,
-    const int32_t* __restrict__ bmap, const int32_t* __restrict__ base,
-    const int64_t* __restrict__ bdesc, const int32_t* __restrict__ items, int n_items,
-    uint16_t* __restrict__ out, uint32_t* sums, uint32_t* expect, int32_t* ecount,
-    int32_t* nexp, int32_t* bad) {
-  extern __shared__ uint16_t st[];  // [bucket][32 entries][32 lanes]: lane-interleaved cums
-  const int lane = threadIdx.x & 31;
-  const int item = blockIdx.x;
-  if (item >= n_items) return;
-  const int b = items[3 * item], chunk = items[3 * item + 2];
-  const int64_t t = items[3 * item + 1];
-  const int64_t* d = bdesc + 16 * (int64_t)b;
-  const int64_t off = d[0], length = d[1], rpt = d[3];
-  const int C = (int)d[2];
-  const int NB = (int)d[10];
-  const int64_t g = d[13] + t;
-  const int64_t nr64 = min(rpt, d[12] / C - t * rpt);
-  const int nr = (int)nr64;
-  const int64_t nv = nr64 * C;
-  const uint32_t* dir = reinterpret_cast<const uint32_t*>(data + off + d[5]);
-  unsigned long long pre = 0;
-  for (int64_t k = lane; k < t; k += 32) pre += dir[4 * k];
-  pre = warp_sum_u64(pre);
-  const uint32_t tlen = dir[4 * t], mode = dir[4 * t + 1] & 255u, ne = dir[4 * t + 2];
-  const int64_t rel = d[6] + (int64_t)pre;
-  const bool okt = rel + tlen <= length && (tlen & 3u) == 0u && mode <= 1u;
-  if (chunk == 0 && lane == 0) {
-    expect[g] = dir[4 * t + 3];
-    nexp[g] = mode == 1u ? (int32_t)ne : 0;
-  }
-  bool badv = !okt;
-  uint32_t acc = 0;
-  const int col = chunk * 32 + lane;
-  const bool active = col < C;
-  if (okt) {
-    const uint8_t* T = data + off + rel;
-    uint16_t* o = out + d[11] + t * rpt * C;
-    if (mode == 0u) {
-      if ((int64_t)tlen != (2 * nv + 3) / 4 * 4) {
-        badv = true;
-      } else if (active) {
-        const uint16_t* s = reinterpret_cast<const uint16_t*>(T);
-        for (int r = 0; r < nr; ++r) {
-          const uint32_t p = (uint32_t)r * (uint32_t)C + (uint32_t)col;
-          const uint32_t v = s[p];
-          o[p] = (uint16_t)v;
-          acc += fmix32(p * 0x9E3779B1u + v);
-        }
-      }
-    } else {
-      const int nch = (C + 31) / 32;
-      const uint32_t* T32 = reinterpret_cast<const uint32_t*>(T);
-      const int64_t ei = 4 * (int64_t)nch + 4 * (int64_t)C;
-      const int64_t ev = ei + 4 * (int64_t)ne;
-      const int64_t mo = ev + 2 * (int64_t)ne;
-      int64_t wo = mo + (7 * nv + 7) / 8 + 1;
-      wo += wo & 1;
-      unsigned long long tot = 0, wpre = 0;
-      if (wo <= (int64_t)tlen && (int64_t)ne <= nv)  // the fixed parts lie inside the tile
-        for (int k = lane; k < nch; k += 32) {
-          const uint32_t c = T32[k];
-          tot += c;
-          if (k < chunk) wpre += c;
-        }
-      else
-        tot = 1ull << 40;  // flagged below
-      tot = warp_sum_u64(tot);
-      wpre = warp_sum_u64(wpre);
-      if ((int64_t)((wo + 2 * (int64_t)tot + 3) / 4 * 4) != (int64_t)tlen) {
-        badv = true;
-      } else {
-        const uint32_t n_words = T32[chunk];
-        const uint32_t* eidx = reinterpret_cast<const uint32_t*>(T + ei);
-        const uint16_t* evals = reinterpret_cast<const uint16_t*>(T + ev);
-        if (chunk == 0)
-          for (uint32_t k = lane; k < ne; k += 32)
-            if (eidx[k] >= nv || (k > 0 && eidx[k] <= eidx[k - 1])) badv = true;
-        uint32_t x = active ? T32[nch + col] : 65536u;
-        if (x < 65536u) badv = true;
-        const int cb = active ? base[d[9] + col] : 0;
-        const int mybm = bmap[d[8] + lane];
-        {  // the 32 columns' rows into shared memory, read coalesced from the bank
+        if constexpr (kSmem) {  // the 32 columns' rows into shared memory, read coalesced
           const uint16_t* g0 = cum16 + d[7] + (size_t)(chunk * 32) * NB * 32;
           const int per = NB * 32, tot = 32 * per;
           for (int i = lane; i < tot; i += 32) {
@@ -777,15 +558,27 @@ __global__ void __launch_bounds__(32) kvzl_bdec_smem(
         uint32_t nxt = 32u + lane < n_words ? W[32 + lane] : 0u;
         int prev = 0, nesc = 0;
         for (int r = 0; r < nr; ++r) {
-          // lane l reads only its own column's entries: st[(bucket * 32 + k) * 32 + l]
-          const uint16_t* row = st + __shfl_sync(FULL, mybm, prev) * 1024 + lane;
+          const int bucket = __shfl_sync(FULL, mybm, prev);
           const uint32_t slot = x & 4095u;
-          const uint32_t c8 = row[8 * 32], c16 = row[16 * 32], c24 = row[24 * 32];
+          uint32_t c8, c16, c24, cs[8];
+          if constexpr (kSmem) {  // lane l reads only its column: st[(bucket*32 + k)*32 + l]
+            const uint16_t* row = st + bucket * 1024 + lane;
+            c8 = row[8 * 32], c16 = row[16 * 32], c24 = row[24 * 32];
+          } else {
+            const uint16_t* row = crow0 + bucket * 32;
+            c8 = row[8], c16 = row[16], c24 = row[24];
+          }
           const bool h16 = c16 <= slot;
           const int seg = h16 ? (c24 <= slot ? 24 : 16) : (c8 <= slot ? 8 : 0);
-          uint32_t cs[8];
+          if constexpr (kSmem) {
+            const uint16_t* row = st + bucket * 1024 + lane;
 #pragma unroll
-          for (int k = 0; k < 8; ++k) cs[k] = row[(seg + k) * 32];
+            for (int k = 0; k < 8; ++k) cs[k] = row[(seg + k) * 32];
+          } else {
+            const uint4 q = *reinterpret_cast<const uint4*>(crow0 + bucket * 32 + seg);
+            cs[0] = q.x & 0xffffu, cs[1] = q.x >> 16, cs[2] = q.y & 0xffffu, cs[3] = q.y >> 16;
+            cs[4] = q.z & 0xffffu, cs[5] = q.z >> 16, cs[6] = q.w & 0xffffu, cs[7] = q.w >> 16;
+          }
           int j = 0;
 #pragma unroll
           for (int k = 1; k < 8; ++k) j += cs[k] <= slot;
@@ -850,6 +643,26 @@ __global__ void __launch_bounds__(32) kvzl_bdec_smem(
     if (anybad) atomicOr(bad + b, 1);
   }
 }
+__global__ void __launch_bounds__(128) kvzl_bdec(
+    const uint8_t* __restrict__ data, const uint16_t* __restrict__ cum16,
+    const int32_t* __restrict__ bmap, const int32_t* __restrict__ base,
+    const int64_t* __restrict__ bdesc, const int32_t* __restrict__ items, int n_items,
+    uint16_t* __restrict__ out, uint32_t* sums, uint32_t* expect, int32_t* ecount,
+    int32_t* nexp, int32_t* bad) {
+  bdec_item<false>(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), data, cum16, bmap, base, bdesc, items, n_items, out, sums, expect, ecount, nexp, bad);
+}
+__global__ void __launch_bounds__(32) kvzl_bdec_smem(
+    const uint8_t* __restrict__ data, const uint16_t* __restrict__ cum16,
+    const int32_t* __restrict__ bmap, const int32_t* __restrict__ base,
+    const int64_t* __restrict__ bdesc, const int32_t* __restrict__ items, int n_items,
+    uint16_t* __restrict__ out, uint32_t* sums, uint32_t* expect, int32_t* ecount,
+    int32_t* nexp, int32_t* bad) {
+  bdec_item<true>(blockIdx.x, data, cum16, bmap, base, bdesc, items, n_items, out, sums, expect, ecount, nexp, bad);
+}
+
+
+
+
 
 extern "C" {
 int kvzl_benc_launch(const void* in, const void* desc, int n_items, const void* tab,
