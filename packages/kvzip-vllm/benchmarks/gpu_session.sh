@@ -80,7 +80,7 @@ codec)
   timeout 150 python3 -m pytest -q -m gpu $R/kvzip-lossless/tests/test_batch.py $R/kvzip-lossless/tests/test_gpu.py \
     2>&1 | tee $RES/codec_gpu_tests.log | tail -4
   timeout ${CODEC_LIMIT_S:-200} python3 $R/kvzip-lossless/benchmarks/bench_lossless_gpu.py --kv .carry/kv \
-    --nvcomp .carry/nvcomp --out $RES --name lossless_gpu_h200_run3 2>&1 | tee $RES/codec.log | tail -25
+    --nvcomp .carry/nvcomp --out $RES --name ${CODEC_NAME:-lossless_gpu_h200} 2>&1 | tee $RES/codec.log | tail -25
   ;;
 faults)
   env_line
