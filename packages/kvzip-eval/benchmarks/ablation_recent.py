@@ -30,6 +30,7 @@ from kvzip_eval.options import output_options
 from kvzip_eval.quality.hook import FormatCache
 
 CONTEXT = 131_072  # tokens the window's bf16 bits are amortised over
+QUERY_CHUNK = 1024  # query rows per score block (8,192 keys: 9 heads x 1024 x 8192 x 4 B)
 #: the cache and band width the attention function reads (set around each forward)
 ACTIVE: dict = {"cache": None, "recent": 0}
 
@@ -65,14 +66,18 @@ def recent_window_attention(module, query, key, value, attention_mask, scaling=N
     kq, vq, kb, vb = (_repeat(t, n_rep).float() for t in (key, value, kb, vb))
     q = query.float()
     tq, tk = q.shape[2], kq.shape[2]
-    qpos = (tk - tq + torch.arange(tq, device=q.device))[:, None]
-    kpos = torch.arange(tk, device=q.device)[None, :]
-    causal = kpos <= qpos
-    band = causal & (kpos > qpos - recent)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    s = torch.where(band, q @ kb.transpose(-1, -2), q @ kq.transpose(-1, -2)) * scale
-    p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
-    out = (p * band) @ vb + (p * (causal & ~band)) @ vq
+    kpos = torch.arange(tk, device=q.device)[None, :]
+    outs = []
+    for a in range(0, tq, QUERY_CHUNK):  # query rows in chunks: [chunk, tk] scores at a time
+        qc = q[:, :, a : a + QUERY_CHUNK]
+        qpos = (tk - tq + a + torch.arange(qc.shape[2], device=q.device))[:, None]
+        causal = kpos <= qpos
+        band = causal & (kpos > qpos - recent)
+        s = torch.where(band, qc @ kb.transpose(-1, -2), qc @ kq.transpose(-1, -2)) * scale
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+        outs.append((p * band) @ vb + (p * (causal & ~band)) @ vq)
+    out = torch.cat(outs, dim=2)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

@@ -54,6 +54,13 @@ def test_no_window_is_causal_attention_over_the_formats_kv(bench):
     torch.testing.assert_close(_run(bench, q, kb, vb, kq, vq, 0), _causal(q, kq, vq))
 
 
+def test_query_chunks_give_the_same_attention(bench, monkeypatch):
+    q, kb, vb, kq, vq = _inputs()
+    whole = _run(bench, q, kb, vb, kq, vq, 4)
+    monkeypatch.setattr(bench, "QUERY_CHUNK", 5)  # 12 rows: chunks of 5, 5, 2
+    torch.testing.assert_close(_run(bench, q, kb, vb, kq, vq, 4), whole)
+
+
 def test_a_window_as_long_as_the_sequence_is_attention_over_bf16(bench):
     q, kb, vb, kq, vq = _inputs()
     torch.testing.assert_close(_run(bench, q, kb, vb, kq, vq, 12), _causal(q, kb, vb))
