@@ -453,8 +453,8 @@ class CudaTierPipeline:
                 bads.append(preps[g].run()[1])
             load.flags = torch.cat(bads).view(n, S).amax(1)  # per chunk, on the device
         load.out = out
-        # (the descriptors were allocated on the copy stream and are read on the decode
-        # stream: held until the step's sync in wait_loads)
+        # (the prepared decodes' buffers, allocated on the copy or the decode stream and read
+        # on the decode stream: held until the step's sync in wait_loads)
         load.keep += [blob_dev, records, preps]
         load.host_s = time.perf_counter() - load.t0
 
