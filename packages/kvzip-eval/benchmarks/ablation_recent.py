@@ -5,11 +5,11 @@ enter each position's attention). A residual window keeps the last ``R`` tokens 
 in bf16 beside the quantized pages (as the sink token is kept), so the query at position ``t``
 reads keys and values ``t-R+1 .. t`` exactly and the older ones through the format. This
 script measures what that buys before any kernel is written: a transformers forward whose
-attention (``recent_window_attention``) takes, per (query, key) pair, the bf16 key and value
-inside the band and the format's outside it; every run, the reference included, goes through
-that one attention function (float32 scores and softmax), so the KL compares formats, not
-attention implementations (the ``impl_noise`` row: the same function against the model's own
-sdpa on bf16).
+attention (``kvzip_eval.quality.window.band_attention``) takes, per (query, key) pair, the
+bf16 key and value inside the band and the format's outside it; every run, the reference
+included, goes through that one attention function (float32 scores and softmax), so the KL
+compares formats, not attention implementations (the ``impl_noise`` row: the same function
+against the model's own sdpa on bf16).
 
 Bits: the window's bf16 copies are ``R x 16`` bits per element of one token, amortised over a
 131,072-token context (``R = 512``: +0.0625 bits), on top of the format's own.
@@ -27,69 +27,17 @@ import click
 import torch
 
 from kvzip_eval.options import output_options
-from kvzip_eval.quality.hook import FormatCache
+from kvzip_eval.quality.window import Windowed, band_mode
 
 CONTEXT = 131_072  # tokens the window's bf16 bits are amortised over
-QUERY_CHUNK = 1024  # query rows per score block (8,192 keys: 9 heads x 1024 x 8192 x 4 B)
-#: the cache and band width the attention function reads (set around each forward)
-ACTIVE: dict = {"cache": None, "recent": 0}
-
-
-class RecentCache(FormatCache):
-    """A FormatCache that also keeps each layer's K and V as the model produced them."""
-
-    def __init__(self, config, fmt=None):
-        super().__init__(config, fmt)
-        self.raw: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx in self.raw:
-            k0, v0 = self.raw[layer_idx]
-            key_raw, value_raw = torch.cat([k0, key_states], 2), torch.cat([v0, value_states], 2)
-        else:
-            key_raw, value_raw = key_states, value_states
-        self.raw[layer_idx] = (key_raw, value_raw)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
-def _repeat(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x if n == 1 else x.repeat_interleave(n, dim=1)
-
-
-def recent_window_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Causal attention reading K/V in bf16 for the last ``ACTIVE['recent']`` positions up to
-    each query (the band) and the format's K/V (``key``, ``value``) before it. One sequence, no
-    padding (the windows of ``token_windows``)."""
-    cache, recent = ACTIVE["cache"], ACTIVE["recent"]
-    kb, vb = cache.raw[module.layer_idx]
-    n_rep = query.shape[1] // key.shape[1]
-    kq, vq, kb, vb = (_repeat(t, n_rep).float() for t in (key, value, kb, vb))
-    q = query.float()
-    tq, tk = q.shape[2], kq.shape[2]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    kpos = torch.arange(tk, device=q.device)[None, :]
-    outs = []
-    for a in range(0, tq, QUERY_CHUNK):  # query rows in chunks: [chunk, tk] scores at a time
-        qc = q[:, :, a : a + QUERY_CHUNK]
-        qpos = (tk - tq + a + torch.arange(qc.shape[2], device=q.device))[:, None]
-        causal = kpos <= qpos
-        band = causal & (kpos > qpos - recent)
-        s = torch.where(band, qc @ kb.transpose(-1, -2), qc @ kq.transpose(-1, -2)) * scale
-        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
-        outs.append((p * band) @ vb + (p * (causal & ~band)) @ vq)
-    out = torch.cat(outs, dim=2)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 @torch.no_grad()
 def hidden(loaded, ids: torch.Tensor, fmt, recent: int) -> torch.Tensor:
-    cache = RecentCache(loaded.model.config, fmt)
-    ACTIVE.update(cache=cache, recent=recent)
-    try:
-        out = loaded.model.model(input_ids=ids, past_key_values=cache, use_cache=True)
-    finally:
-        ACTIVE.update(cache=None, recent=0)
-    return out.last_hidden_state[0]
+    """Final hidden states through ``fmt`` with its last ``recent`` tokens read in bf16."""
+    from kvzip_eval.quality.kl import final_hidden
+
+    return final_hidden(loaded, ids, Windowed(fmt, recent) if recent else fmt)[0]
 
 
 @click.command()
@@ -100,8 +48,6 @@ def hidden(loaded, ids: torch.Tensor, fmt, recent: int) -> torch.Tensor:
 @output_options
 def main(formats, recent, windows, length, json_path, report_dir):
     """Mean KL vs bf16 of each format with the last R tokens read in bf16 (held-out text)."""
-    from transformers import AttentionInterface
-
     from kvzip_eval.calibrate.shipped import shipped_calibration
     from kvzip_eval.corpus import token_windows
     from kvzip_eval.model import load_model
@@ -119,23 +65,17 @@ def main(formats, recent, windows, length, json_path, report_dir):
     if calib is None:
         raise click.ClickException(f"no shipped calibration for {info.name} ({info.identity})")
     fmts = {n: get_format(n, calibration=calib) for n in names}
-    AttentionInterface.register("kvzip_recent", recent_window_attention)
     wins = token_windows(loaded.tokenizer, windows, length, split="eval")
     runs = [(n, r) for n in names for r in widths]
     kl = {run: [] for run in runs}
     agree = {run: [] for run in runs}
     noise, noise_agree = [], []
-    config = loaded.model.config
     for w, ids in enumerate(wins):
         ids = ids.unsqueeze(0).to(loaded.model.device)
-        config._attn_implementation = "sdpa"
         h_sdpa = hidden(loaded, ids, None, 0)
-        config._attn_implementation = "kvzip_recent"
-        try:
+        with band_mode(loaded.model):
             h_ref = hidden(loaded, ids, None, 0)
             hs = {run: hidden(loaded, ids, fmts[run[0]], run[1]) for run in runs}
-        finally:
-            config._attn_implementation = "sdpa"
         got = kl_positions_many(loaded, h_ref, {**hs, "sdpa": h_sdpa})
         for run in runs:
             kl[run].append(got[run][0])

@@ -65,6 +65,7 @@ def resolve_formats(
     """
     from kvzip_eval.calibrate.shipped import shipped_calibration
     from kvzip_eval.model import cache_dir
+    from kvzip_eval.quality import window
     from kvzip_formats import FormatError, get_format, list_formats
 
     known = list_formats()
@@ -76,18 +77,24 @@ def resolve_formats(
     calib = calib if shipped is None else shipped
     out, skipped = {}, []
     for name in names:
-        if name not in known:
+        try:
+            base, recent = window.split_name(name)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--formats") from e
+        if base not in known:
             raise click.BadParameter(
-                f"unknown format {name!r}; registered: {', '.join(known)}", param_hint="--formats"
+                f"unknown format {base!r}; registered: {', '.join(known)} (each may take a "
+                "residual window of N bf16 tokens as NAME+rN, e.g. 4bit+r128)",
+                param_hint="--formats",
             )
         try:
-            fmt = get_format(name, calibration=calib)
+            fmt = get_format(base, calibration=calib)
         except (FormatError, OSError) as e:
-            raise click.UsageError(f"format {name!r} could not be set up: {e}") from e
+            raise click.UsageError(f"format {base!r} could not be set up: {e}") from e
         if getattr(fmt, "needs_calibration", False):
             if calib is None and auto_calibrate is not None:
                 calib = auto_calibrate()
-                fmt = get_format(name, calibration=calib)
+                fmt = get_format(base, calibration=calib)
             if calib is None:
                 if explicit:
                     raise click.UsageError(
@@ -104,7 +111,7 @@ def resolve_formats(
                     f"{made_for.get('name')!r} (identity {made_for.get('identity')}), not for "
                     f"{info.name} (identity {info.identity}); run `kvzip calibrate` for it"
                 )
-        out[name] = fmt
+        out[name] = window.Windowed(fmt, recent) if recent else fmt
     if shipped is not None and any(getattr(f, "needs_calibration", False) for f in out.values()):
         click.echo(
             f"note: using the calibration shipped for {info.name} ({shipped}); "
@@ -126,7 +133,10 @@ def resolve_formats(
 @model_option
 @device_option
 @click.option(
-    "--formats", default=None, help="Comma-separated formats (default: every registered one)."
+    "--formats",
+    default=None,
+    help="Comma-separated formats (default: every registered one); NAME+rN reads the last N "
+    "tokens up to each query in bf16 (a residual window, measured only: not served in vLLM).",
 )
 @click.option("--quick", "preset", flag_value="quick", help="About a minute: for tests and checks.")
 @click.option("--full", "preset", flag_value="full", help="The settings of the published numbers.")

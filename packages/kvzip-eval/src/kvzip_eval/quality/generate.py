@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from kvzip_eval.quality import window
 from kvzip_eval.quality.hook import FormatCache
 
 #: Prompts are left-padded to the next multiple of this many tokens (one shape per bucket).
@@ -118,20 +119,21 @@ def generate(
                 pad=pads,
                 probes={k: probes[k] for k in exact} if probes else None,
             )
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                past_key_values=cache,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=0,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=pad_id,
-                # a row that ends is fed pads while the others go on: no effect on them
-                eos_token_id=sorted(eos_ids) or None,
-            )
+            with window.reading(cache):
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=0,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    pad_token_id=pad_id,
+                    # a row that ends is fed pads while the others go on: no effect on them
+                    eos_token_id=sorted(eos_ids) or None,
+                )
             exact &= cache.exact
             for i, row in zip(idx, out[:, w:].tolist(), strict=False):
                 cut = next((j for j, t in enumerate(row) if t in eos_ids), len(row))

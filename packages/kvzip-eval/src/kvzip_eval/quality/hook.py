@@ -8,6 +8,9 @@ and the current token's own K/V are read back from the cache too. Prefill and de
 the same path, which an attention-function hook (which sees the whole cache at every step)
 would not give for free.
 
+A ``Windowed`` format (``quality.window``) also keeps each layer's K and V as produced, for
+the attention function that reads the last ``R`` of them in bf16.
+
 Left-padded batches pass ``pad`` (left pads per row): cache index ``i`` of row ``b`` holds
 absolute position ``i - pad[b]``; pad slots are masked out by attention and left as they are.
 
@@ -33,7 +36,10 @@ from kvzip_formats import KVFormat
 def position_free(fmt) -> bool:
     """True when ``fmt.roundtrip`` is the base one: every token row on its own
     (``roundtrip_rows``), the first ``sink_tokens`` positions of a sequence read exactly."""
-    return type(fmt).roundtrip is KVFormat.roundtrip
+    from kvzip_eval.quality.window import Windowed
+
+    inner = fmt.format if isinstance(fmt, Windowed) else fmt
+    return type(inner).roundtrip is KVFormat.roundtrip
 
 
 class FormatCache(DynamicCache):
@@ -46,7 +52,14 @@ class FormatCache(DynamicCache):
         probes: dict | None = None,
     ):
         super().__init__(config=config)
-        self.fmt = fmt
+        from kvzip_eval.quality.window import Windowed
+
+        #: a residual window (``Windowed``): the last ``recent`` tokens up to each query are
+        #: read in bf16 from ``raw`` (by ``window.band_attention``), the rest through the format
+        self.recent = fmt.recent if isinstance(fmt, Windowed) else 0
+        self.fmt = fmt.format if isinstance(fmt, Windowed) else fmt
+        #: per layer, K and V as the model produced them (kept only with a window)
+        self.raw: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pad = list(pad) if pad is not None else None
         self.probes = dict(probes or {})
         #: names of the probes that were bit-exact on every K/V seen so far
@@ -54,6 +67,12 @@ class FormatCache(DynamicCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         start = self.get_seq_length(layer_idx)
+        if self.recent:
+            k0, v0 = self.raw.get(layer_idx, (None, None))
+            self.raw[layer_idx] = (
+                key_states if k0 is None else torch.cat([k0, key_states], 2),
+                value_states if v0 is None else torch.cat([v0, value_states], 2),
+            )
         key_states = self._apply(key_states, "k", layer_idx, start)
         value_states = self._apply(value_states, "v", layer_idx, start)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from kvzip_eval.quality import window
 from kvzip_eval.quality.hook import FormatCache
 
 #: Positions per logits chunk: 512 x 49,152 float32 = 100 MB per tensor.
@@ -43,7 +44,8 @@ class KLStats:
 def final_hidden(loaded, ids: torch.Tensor, fmt=None, probes=None) -> tuple[torch.Tensor, set]:
     """Final-norm hidden states ``[T, hidden]`` of one window ``ids [1, T]`` through ``fmt``."""
     cache = FormatCache(loaded.model.config, fmt, probes=probes)
-    out = loaded.model.model(input_ids=ids, past_key_values=cache, use_cache=True)
+    with window.reading(cache):
+        out = loaded.model.model(input_ids=ids, past_key_values=cache, use_cache=True)
     return out.last_hidden_state[0], cache.exact
 
 

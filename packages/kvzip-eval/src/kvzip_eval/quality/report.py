@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvzip_eval.quality import window
 from kvzip_eval.results import markdown_table, provenance_markdown
 
 
@@ -130,9 +131,17 @@ _LEGEND = {
 
 
 def legend(result: dict) -> list[str]:
-    """One line per column group of the run's summary table."""
+    """One line per column group of the run's summary table (and the residual window's)."""
     cols = summary_columns(result)
-    return [text for key, text in _LEGEND.items() if key in cols]
+    lines = [text for key, text in _LEGEND.items() if key in cols]
+    if any(window.split_name(n)[1] for n in result.get("formats", {})):
+        lines.append(
+            "NAME+rN: the format with the last N tokens up to each query read in bf16 (a "
+            "residual window, its bf16 copies counted in bits); measured here, not yet served "
+            "by kvzip's vLLM backend. With one in the run, every run (bf16 included) used "
+            "one float32 attention function"
+        )
+    return lines
 
 
 def frontier(result: dict) -> tuple[list[str], list[tuple[str, str]]]:

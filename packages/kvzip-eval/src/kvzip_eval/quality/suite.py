@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from kvzip_eval.corpus import token_windows
 from kvzip_eval.quality import kl as kl_mod
-from kvzip_eval.quality import retrieval, stats, words
+from kvzip_eval.quality import retrieval, stats, window, words
 from kvzip_eval.quality.generate import generate
 
 
@@ -259,6 +259,24 @@ def run_suite(
     """Measure every format; returns the ``formats`` section of the JSON and the settings used."""
     s = settings.resolved(loaded.info.max_context)
     check_formats(loaded, formats)
+    # a residual window in the run: every run, the reference included, through one attention
+    # function (window.band_attention) so the KL compares formats, not implementations
+    banded = window.any_windowed(formats)
+    with window.band_mode(loaded.model, banded):
+        result = _measure(loaded, formats, s, text_file, prompts_file, progress)
+    result["attention"] = ATTENTION_BAND if banded else ATTENTION_MODEL
+    return result, s
+
+
+#: What the ``attention`` field of a run says.
+ATTENTION_MODEL = "the model's own (sdpa)"
+ATTENTION_BAND = (
+    "kvzip_eval.quality.window.band_attention (float32) for every run, the reference included:"
+    " a residual-window format (+rN) is in the run"
+)
+
+
+def _measure(loaded, formats: dict, s: Settings, text_file, prompts_file, progress) -> dict:
     t = {}
     t0 = time.perf_counter()
     wins = token_windows(
@@ -324,7 +342,7 @@ def run_suite(
         "prompts": prompts,
         "timings_s": {k: round(v, 1) for k, v in t.items()},
     }
-    return {"formats": out, **extra}, s
+    return {"formats": out, **extra}
 
 
 def settings_dict(s: Settings) -> dict:
