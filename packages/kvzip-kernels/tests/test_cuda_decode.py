@@ -43,22 +43,29 @@ VARIANTS = tuple(_cuda.VARIANTS)  # every design is checked on the same case
 COMPACT = ["4bit", "3.5bit", "3bit"]
 
 
-def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0):
+def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, recent=0):
     (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, block_size, lens, seed, "cuda")
-    sk = None
+    sk = win = None
+    g = torch.Generator().manual_seed(9)
     if sinks:
-        g = torch.Generator().manual_seed(9)
         sk = tuple(
             (torch.randn(len(lens), 1, hkv, d, generator=g) * 2).bfloat16() for _ in range(2)
         )
-    ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=block_size, sinks=sk)
+    if recent:
+        win = tuple(
+            (torch.randn(len(lens), recent, hkv, d, generator=g) * 2).bfloat16() for _ in range(2)
+        )
+    ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=block_size, sinks=sk, recent=win)
     plain = ref_paged_decode(
-        fmt, q, kc, vc, bt, sl, block_size=block_size, sinks=sk, compute_dtype=torch.bfloat16
-    )
+        fmt, q, kc, vc, bt, sl, block_size=block_size, sinks=sk, recent=win,
+        compute_dtype=torch.bfloat16,
+    )  # fmt: skip
     tol = 2 * _rel(plain, ref) + 1e-3
     kw = dict(block_size=block_size)
     if sk is not None:
         kw["sinks"] = tuple(t.cuda() for t in sk)
+    if win is not None:
+        kw["recent"] = tuple(t.cuda() for t in win)
     cfg = config or DecodeConfig()
     tri = paged_decode(fmt, *dev, backend="triton", config=cfg, **kw)
     err = _rel(tri.float().cpu(), ref)
@@ -94,6 +101,17 @@ def test_cuda_compact_sinks(name, hq, hkv, d):
     sequence is all sink."""
     _check(name, hq, hkv, d, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True)
     _check(name, hq, hkv, d, 16, [2000], None, sinks=True)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("name", COMPACT)
+def test_cuda_compact_residual_window(name):
+    """A residual window of 128 bf16 tokens (spec/residual_window.md): the CUDA kernel stops at
+    the window (or at the sinks for a sequence shorter than it) and the window is merged."""
+    _check(name, 8, 2, 128, 16, [300, 100, 1], DecodeConfig(block_n=16, num_splits=2),
+           sinks=True, recent=128)  # fmt: skip
+    _check(name, 32, 8, 128, 16, [4099, 8192], None, sinks=True, recent=128)
 
 
 def _one_allocation(kc, vc):

@@ -224,3 +224,66 @@ def _check_sinks(name, hq, hkv, d, device):
 def test_gpu_compact_head_dim_64_long_context(name):
     """The compiled kernels at SmolLM2's shape with the default config, long lengths."""
     check(name, 9, 3, 64, 16, [4099, 1000, 37], "cuda", seed=5)
+
+
+@pytest.mark.parametrize(
+    ("name", "lens", "r", "sinks"),
+    [
+        ("4bit", [37, 1, 20], 16, True),  # a window past the sinks; all sink; window = rest
+        ("3bit", [70, 5], 8, False),  # no sinks: a sequence shorter than its window
+        ("3.5bit", [33], 32, True),
+    ],
+)
+def test_compact_residual_window(name, lens, r, sinks, device):
+    """The last R tokens read from their bf16 copies (spec/residual_window.md), right-aligned
+    and merged with the sinks by log-sum-exp; the kernels stop at the window."""
+    hq, hkv, d = 8, 2, 128
+    (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, 16, lens, 4, device)
+    g = torch.Generator().manual_seed(11)
+    b = len(lens)
+    sk = tuple((torch.randn(b, 1, hkv, d, generator=g) * 2).bfloat16() for _ in range(2))
+    sk = sk if sinks else None
+    win = tuple((torch.randn(b, r, hkv, d, generator=g) * 2).bfloat16() for _ in range(2))
+    ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, sinks=sk, recent=win)
+    plain = ref_paged_decode(
+        fmt, q, kc, vc, bt, sl, block_size=16, sinks=sk, recent=win, compute_dtype=torch.bfloat16
+    )
+    out = paged_decode(
+        fmt,
+        *dev,
+        block_size=16,
+        config=DecodeConfig(block_n=16, num_splits=2),
+        sinks=None if sk is None else tuple(t.to(device) for t in sk),
+        recent=tuple(t.to(device) for t in win),
+    )
+    err, tol = _rel(out, ref), 2 * _rel(plain, ref) + 1e-3
+    assert err <= tol, f"{name} with a window of {r}: {err:.2e} > {tol:.2e}"
+    without = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, sinks=sk)
+    assert _rel(without, ref) > 10 * tol  # the window changes the answer
+
+
+def test_residual_window_reference_reads_the_window_right_aligned():
+    """The reference with a window equal to the rows' own decoded values gives the plain
+    result; a window only touches the last R positions (a query equal on the others)."""
+    (fmt, q, kc, vc, bt, sl), _ = make_case("4bit", 4, 1, 128, 16, [40], 2, "cpu")
+    from kvzip_formats.ops.cache_write import PagedLayout, gather_rows
+
+    lay_k, lay_v = (PagedLayout.of(fmt, 128, 16, kd) for kd in "kv")
+    k = fmt.decode(gather_rows(kc, lay_k, bt[0], 40, "k"), kind="k", layer=0, head_dim=128)
+    v = fmt.decode(gather_rows(vc, lay_v, bt[0], 40, "v"), kind="v", layer=0, head_dim=128)
+    own = (k[None, -8:], v[None, -8:])  # [1, 8, 1, 128]: the last 8 rows as they decode
+    plain = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16)
+    same = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, recent=own)
+    torch.testing.assert_close(same, plain, rtol=0, atol=0)
+    with pytest.raises(FormatError, match="recent"):
+        ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, recent=(own[0], own[1][:, :4]))
+
+
+def test_residual_window_is_refused_for_formats_without_one(device):
+    with pytest.raises(FormatError, match="recent= .*compact formats"):
+        paged_decode(
+            "int4",
+            *make_case("int4", 4, 1, 64, 16, [5], 0, device)[1],
+            block_size=16,
+            recent=tuple(torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16) for _ in range(2)),
+        )

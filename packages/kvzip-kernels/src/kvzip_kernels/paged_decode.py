@@ -16,6 +16,7 @@ import triton
 
 from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops import check_decode_inputs
+from kvzip_formats.ops.paged_decode import check_window
 from kvzip_kernels._decode_codebook import _codebook_split_kernel
 from kvzip_kernels._decode_kernels import _fp8_split_kernel, _int4_split_kernel, _merge_kernel
 from kvzip_kernels._device_consts import codebook_lut, fold_q, on_device, transform_consts, unfold_o
@@ -76,6 +77,7 @@ def paged_decode(
     config: DecodeConfig | None = None,
     block_stride: int | None = None,
     sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    recent: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Decode attention for one new token per sequence.
@@ -89,6 +91,11 @@ def paged_decode(
     ``kv[:, 0]`` / ``kv[:, 1]`` (see ``check_strided_cache``). ``sinks``: for the compact
     formats, the bf16 copies ``(k, v)`` ``[batch, n_sink, num_kv_heads, head_dim]`` of each
     sequence's first tokens, attended instead of their rows (spec/4bit.md sections 6 and 8).
+    ``recent``: for the compact formats, a residual window (spec/residual_window.md): the bf16
+    copies ``(k, v)`` ``[batch, R, num_kv_heads, head_dim]`` of each sequence's last ``R``
+    tokens, right-aligned (entry ``j`` is position ``seq_lens[b] - R + j``; entries before the
+    sinks are ignored), attended instead of their rows: the kernels read the rows up to
+    ``max(seq_lens - R, n_sink)`` and the window is merged with the sinks by log-sum-exp.
     ``backend``: ``"auto"`` (default; or the ``KVZIP_KERNELS_BACKEND`` environment variable)
     runs the CUDA C++ split kernel (``_cuda.py``: int4, int4-rot, 4bit, 3.5bit, 3bit; at most 8
     query heads per KV head; ``config.cuda_variant`` picks its design) on sm_90 where it builds,
@@ -176,6 +183,13 @@ def paged_decode(
     post = None
     if sinks is not None:
         _check_sinks(sinks, spec, q, k_cache.shape[1])
+    if recent is not None:
+        if spec.family != "codebook":
+            raise FormatError(
+                "recent= (a residual window) is for the compact formats (4bit, 3.5bit, 3bit); "
+                f"format {f.name!r} reads every token from its rows"
+            )
+        check_window(recent, "recent", q, k_cache.shape[1])
     from kvzip_kernels import _cuda
 
     use_cuda = _cuda.choose(backend, f.name, spec, g, q.device) == "cuda"
@@ -220,6 +234,7 @@ def paged_decode(
             common,
             sinks,
             geometry if use_cuda else None,
+            recent,
         )
     elif use_cuda:  # int4, int4-rot
         q = q.contiguous()
@@ -314,6 +329,7 @@ def _codebook_launch(
     common,
     sinks=None,
     cuda_geometry=None,
+    recent=None,
 ):
     """The compact formats: fold the calibrated transforms into q and the output.
 
@@ -324,9 +340,25 @@ def _codebook_launch(
     output merges their exact bf16 K/V by log-sum-exp; then ``q . mean_k`` no longer cancels
     and shifts the rows' log-sum-exp (spec/4bit.md section 6). Returns the fp16 ``q'`` and the
     output transform. ``cuda_geometry``: run the CUDA split kernel (``_cuda.split``) instead.
+    With ``recent`` (a residual window) the kernels stop at each sequence's window, which is
+    merged like the sinks.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
+    n_sink = 0 if sinks is None else sinks[0].shape[1]
+    extra, valid = sinks, None
+    if recent is not None:  # rows end where the window starts (never inside the sinks)
+        r = recent[0].shape[1]
+        start = seq_lens.to(torch.int64) - r  # [b]: the window's first position
+        seq_lens = torch.clamp(start, min=n_sink).minimum(seq_lens.to(torch.int64))
+        seq_lens = seq_lens.to(torch.int32)
+        pos = start[:, None] + torch.arange(r, device=q.device)[None, :]  # [b, R]
+        valid = pos >= n_sink
+        if sinks is not None:
+            extra = tuple(torch.cat([s, w], 1) for s, w in zip(sinks, recent, strict=True))
+            valid = torch.cat([torch.ones(b, n_sink, dtype=torch.bool, device=q.device), valid], 1)
+        else:
+            extra = recent
     tk, tv = f.transform_of("k", layer), f.transform_of("v", layer)
     dev = q.device
     # constants on the device once (a per-call upload from host memory waits for the stream:
@@ -340,7 +372,7 @@ def _codebook_launch(
         lut = _cuda.level_table(spec, dev)
         _cuda.split(
             f.name, q16, qs, lut, k_cache, v_cache, block_table, seq_lens, o_part, lse,
-            scale * LOG2E, skip=0 if sinks is None else sinks[0].shape[1], **cuda_geometry,
+            scale * LOG2E, skip=n_sink, **cuda_geometry,
         )  # fmt: skip
     else:
         _codebook_triton(
@@ -350,12 +382,14 @@ def _codebook_launch(
     interpret = common["INTERPRET"]
 
     def post(y, out):  # [b, hq, d] float32 in the transformed domain -> bf16 ``out``
-        if sinks is None:
+        if extra is None:
             unfold_o(y, bvt, mean_v, out, hkv, interpret)
             return
         o = torch.einsum("bhge,hed->bhgd", y.view(b, hkv, hq // hkv, d), bvt)
         o = o + mean_v[None, :, None, :]
-        o = _merge_sinks(o, q, sinks, lse.view(b, hkv, hq // hkv, splits), mean_k, scale)
+        o = _merge_sinks(
+            o, q, extra, lse.view(b, hkv, hq // hkv, splits), mean_k, scale, valid=valid
+        )
         out.copy_(o.reshape(b, hq, d))
 
     return q16, post
@@ -402,9 +436,10 @@ def _codebook_triton(
     )
 
 
-def _merge_sinks(o, q, sinks, lse, mean_k, scale):
+def _merge_sinks(o, q, sinks, lse, mean_k, scale, valid=None):
     """Merge attention over the rows (``o`` ``[b, hkv, g, d]``, log-sum-exp per split ``lse``,
-    base 2, scores without ``q . mean_k``) with attention over the bf16 sink tokens."""
+    base 2, scores without ``q . mean_k``) with attention over the bf16 tokens ``sinks``
+    (the sinks, then a residual window; ``valid`` ``[b, n]``: which of them to attend)."""
     b, hkv, g, d = o.shape
     qf = q.float().view(b, hkv, g, d)
     ln2 = 0.6931471805599453
@@ -412,6 +447,8 @@ def _merge_sinks(o, q, sinks, lse, mean_k, scale):
     lse_rows = lse_rows + torch.einsum("bhgd,hd->bhg", qf, mean_k) * scale * LOG2E
     ks, vs = sinks[0].float(), sinks[1].float()  # [b, n, hkv, d]
     s_sink = torch.einsum("bhgd,bnhd->bhgn", qf, ks) * scale * LOG2E
+    if valid is not None:
+        s_sink = s_sink.masked_fill(~valid[:, None, None, :], float("-inf"))
     top = torch.maximum(lse_rows, s_sink.amax(-1))
     w_rows = torch.exp2(lse_rows - top)  # 0 where a sequence is all sinks (lse -inf)
     w_sink = torch.exp2(s_sink - top[..., None])
@@ -425,25 +462,4 @@ def _check_sinks(sinks, spec, q, num_kv_heads) -> None:
         raise FormatError(
             "sinks= is for the compact formats (bf16 sink tokens); this format has none"
         )
-    b, _, d = q.shape
-    if not (isinstance(sinks, tuple) and len(sinks) == 2):
-        raise FormatError(
-            "sinks must be a tuple (k, v) of [batch, n_sink, num_kv_heads, head_dim] tensors"
-        )
-    for name, t in zip(("k", "v"), sinks, strict=True):
-        if (
-            not isinstance(t, torch.Tensor)
-            or t.dim() != 4
-            or t.shape[0] != b
-            or t.shape[2:] != (num_kv_heads, d)
-            or t.device != q.device
-        ):
-            raise FormatError(
-                f"sinks {name} must be [batch={b}, n_sink, num_kv_heads={num_kv_heads}, "
-                f"head_dim={d}] on {q.device}, got {getattr(t, 'shape', t)}"
-            )
-    if sinks[0].shape != sinks[1].shape or sinks[0].shape[1] < 1:
-        raise FormatError(
-            f"sinks k {tuple(sinks[0].shape)} and v {tuple(sinks[1].shape)} must "
-            "match and hold >= 1 token"
-        )
+    check_window(sinks, "sinks", q, num_kv_heads)

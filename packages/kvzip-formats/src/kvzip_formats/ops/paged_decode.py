@@ -68,6 +68,7 @@ def paged_decode(
     sm_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
     sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    recent: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention, ``[batch, num_q_heads, head_dim]`` in ``compute_dtype``.
 
@@ -75,8 +76,13 @@ def paged_decode(
     torch does it in bf16 (K, V, q, scores, probabilities and output rounded to bf16), whose
     error against the reference sets a kernel's earned tolerance. ``sinks``: the bf16 copies
     ``(k, v)``, each ``[batch, n_sink, num_kv_heads, head_dim]``, of each sequence's first
-    ``n_sink`` tokens, read instead of their rows (spec/4bit.md section 8).
+    ``n_sink`` tokens, read instead of their rows (spec/4bit.md section 8). ``recent``: a
+    residual window (spec/residual_window.md), the bf16 copies ``(k, v)``, each ``[batch, R,
+    num_kv_heads, head_dim]``, of each sequence's last ``R`` tokens, right-aligned (entry ``j``
+    is position ``seq_lens[b] - R + j``), read instead of their rows; entries at positions
+    before the sinks (or before 0) are ignored.
     """
+    check_window(recent, "recent", q, k_cache.shape[1])
     lay = PagedLayout.of(fmt, q.shape[-1], block_size, "k")
     v_lay = PagedLayout.of(fmt, q.shape[-1], block_size, "v")
     check_decode_inputs(q, k_cache, v_cache, block_table, seq_lens, lay, v_lay)
@@ -100,6 +106,13 @@ def paged_decode(
                 sinks[0][i, :j].float().to(k.device),
                 sinks[1][i, :j].float().to(v.device),
             )
+        if recent is not None:
+            r = recent[0].shape[1]
+            lo = max(n - r, 0 if sinks is None else min(n, sinks[0].shape[1]))
+            k[lo:], v[lo:] = (
+                recent[0][i, r - (n - lo) :].float().to(k.device),
+                recent[1][i, r - (n - lo) :].float().to(v.device),
+            )
         k = k.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
         v = v.cpu().to(compute_dtype).repeat_interleave(hq // hkv, dim=1)
         qi = q[i].cpu().to(compute_dtype)
@@ -107,3 +120,31 @@ def paged_decode(
         p = torch.softmax(s, dim=-1)
         out[i] = torch.einsum("hn,nhd->hd", p, v)
     return out
+
+
+def check_window(t, name: str, q: torch.Tensor, num_kv_heads: int) -> None:
+    """``t``: None or bf16 copies ``(k, v)`` ``[batch, n, num_kv_heads, head_dim]`` (sinks, or a
+    residual window) on ``q``'s device; raises FormatError naming ``name``."""
+    if t is None:
+        return
+    b, _, d = q.shape
+    if not (isinstance(t, tuple) and len(t) == 2):
+        raise FormatError(
+            f"{name} must be a tuple (k, v) of [batch, n, num_kv_heads, head_dim] tensors"
+        )
+    for part, x in zip(("k", "v"), t, strict=True):
+        if (
+            not isinstance(x, torch.Tensor)
+            or x.dim() != 4
+            or x.shape[0] != b
+            or x.shape[2:] != (num_kv_heads, d)
+            or x.device != q.device
+        ):
+            raise FormatError(
+                f"{name} {part} must be [batch={b}, n, num_kv_heads={num_kv_heads}, "
+                f"head_dim={d}] on {q.device}, got {getattr(x, 'shape', x)}"
+            )
+    if t[0].shape != t[1].shape or t[0].shape[1] < 1:
+        raise FormatError(
+            f"{name} k {tuple(t[0].shape)} and v {tuple(t[1].shape)} must match and hold >= 1 token"
+        )
