@@ -67,6 +67,13 @@ def parse():
         help="our configs to compare, e.g. 64/4/2,128/8/3 "
         "(block_n/num_warps/num_stages[/split_tokens]); the first is the default",
     )
+    p.add_argument(
+        "--recent",
+        type=int,
+        default=0,
+        help="also time each compact format with its sink token (<fmt>+s) and with the sink "
+        "and a residual window of this many bf16 tokens (<fmt>+rR; spec/residual_window.md)",
+    )
     p.add_argument("--time-budget-s", type=float, default=480)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -83,7 +90,7 @@ def parse():
 
 def fmt_of(key: str) -> str:
     """The kvzip format of a result key: ours-<fmt>[@cfg], cuda-<variant>-<fmt>[@cfg]."""
-    key = key.split("@")[0]
+    key = key.split("@")[0].split("+")[0]
     if key.startswith("ours-"):
         return key.removeprefix("ours-")
     if key.startswith("cuda-"):
@@ -382,8 +389,23 @@ def main():
                     for v_ in (a.cuda_variants if b_ == "cuda" else [None])
                     for c_ in configs
                 ]
+                # with --recent, the compact formats also with their sink (+s) and with the
+                # sink and a residual window (+rR): the window's cost is +rR against +s
+                bf = functools.partial(torch.randn, device=dev, generator=gen, dtype=torch.bfloat16)
+                sink = (bf(B, 1, hkv, d), bf(B, 1, hkv, d))
+                extras = [("", {})]
+                if a.recent:
+                    win = (bf(B, a.recent, hkv, d), bf(B, a.recent, hkv, d))
+                    extras += [
+                        ("+s", dict(sinks=sink)),
+                        (f"+r{a.recent}", dict(sinks=sink, recent=win)),
+                    ]
                 for name, (fmt, _, (kp, vp)) in pools.items():
-                    for backend, variant, (label, cfg) in runs:
+                    for (backend, variant, (label, cfg)), (tail, ex_kw) in (
+                        (r, e) for r in runs for e in extras
+                    ):
+                        if tail and not name[0].isdigit():
+                            continue  # sinks and windows: the compact formats only
                         if variant is not None:
                             cfg = dataclasses.replace(cfg, cuda_variant=variant)
                         o = torch.empty_like(q)
@@ -400,9 +422,10 @@ def main():
                             out=o,
                             config=cfg,
                             backend=backend,
+                            **ex_kw,
                         )
                         prefix = "ours" if backend == "triton" else f"cuda-{variant}"
-                        key = f"{prefix}-{name}" + ("" if len(configs) == 1 else f"@{label}")
+                        key = f"{prefix}-{name}{tail}" + ("" if len(configs) == 1 else f"@{label}")
                         try:
                             res[key] = bench(torch, fn, a.iters, a.warmup)[0]
                         except FormatError as ex:  # a format without a (CUDA) decode kernel
