@@ -14,8 +14,9 @@ bf16 reference included, so a KL compares formats, not attention implementations
 function against the model's own sdpa differs by a KL of about 0.002 on SmolLM2 in bf16
 (``results/quality/ablation_recent_8k``), the size of the effect measured.
 
-This is a measurement of the lever, not a served format: the vLLM backend and the paged
-kernels do not keep a window (the report says so beside every ``+r`` row).
+This is a measurement of the lever, not a served format: the paged decode kernels read a
+window (``kvzip_kernels.paged_decode(recent=...)``, spec/residual_window.md), but kvzip-vllm's
+backend does not keep one yet (the report says so beside every ``+r`` row).
 """
 
 from __future__ import annotations
