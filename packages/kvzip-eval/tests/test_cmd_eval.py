@@ -259,3 +259,25 @@ def test_default_preset_is_sized_for_a_first_look():
     # formats apart at this size are left to --full
     assert d.prompts == 0 and d.retrieval_samples == 0
     assert d.kl_windows * d.kl_length == 2048
+
+
+@pytest.mark.slow  # end to end: runs the command on the model
+def test_a_residual_window_format_end_to_end(loaded, tmp_path):
+    """``int4+r16`` beside ``int4`` through KL, words and retrieval: the window's bf16 copies
+    are in its bits, every run (bf16 included) used the band attention, the window brings the
+    format closer to bf16, and the report says the window is measured, not served."""
+    out = tmp_path / "w.json"
+    res = CliRunner().invoke(
+        command,
+        [*TINY, "--formats", "int4,int4+r16", "--json", str(out), "--report", str(tmp_path / "r")],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    f = data["formats"]
+    assert f["int4+r16"]["bits"] == pytest.approx(f["int4"]["bits"] + 16 * 16 / 131072, abs=1e-4)
+    assert "band_attention" in data["attention"]
+    assert f["int4+r16"]["kl_mean"] < f["int4"]["kl_mean"]
+    assert f["int4+r16"]["words_changed"] is not None and f["int4+r16"]["retrieval"]
+    assert "not yet served" in (tmp_path / "r" / "report.md").read_text()
+    res = CliRunner().invoke(command, [*TINY, "--formats", "int4+r0"])
+    assert res.exit_code == 2 and "N >= 1" in res.output
