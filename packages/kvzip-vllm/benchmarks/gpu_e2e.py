@@ -4,6 +4,10 @@
     python gpu_e2e.py tier    --out DIR [--context 32768] [--block-size 16]
     python gpu_e2e.py compact --out DIR [--format 4bit]
 
+Both take ``--tp N`` (vLLM's tensor_parallel_size; the tier's stats and the checker's counts
+are then per rank, merged by ``_ranks``: the weakest rank's counts, every rank under
+``ranks``).
+
 ``tier``: Llama-3.1-8B shape (dummy weights) with ``KvzipConnector`` (wrapped by
 ``kvzip_gpu_verify.VerifyingKvzipConnector``, which keeps a device copy of every stored
 block and compares every restored block with it, bit for bit). A ``--context``-token prompt
@@ -87,6 +91,26 @@ def _read(path: Path) -> dict:
         return {}
 
 
+#: set by main(): the tensor-parallel size (the tier's files are per rank above 1)
+TP = 1
+
+
+def _ranks(path: Path) -> dict:
+    """A tier file (stats or the checker's counts) of every rank, merged: at TP = 1 the file
+    itself; above, ``<name>.rank<r>.json`` of each rank under ``ranks``, with the counts the
+    scenario waits on and asserts as the weakest rank's (``blocks_held``, ``tokens_restored``,
+    ``checked``, ``equal``: min) or the sum (``differ``, ``load_errors``, bytes)."""
+    if TP == 1:
+        return _read(path)
+    per = [_read(path.with_suffix(f".rank{r}{path.suffix}")) for r in range(TP)]
+    out: dict = {"ranks": per}
+    for key in ("blocks_held", "tokens_restored", "checked", "equal", "stored_copies"):
+        out[key] = min((p.get(key, 0) for p in per), default=0)
+    for key in ("differ", "load_errors", "raw_bytes_held", "bytes_held"):
+        out[key] = sum(p.get(key, 0) for p in per)
+    return out
+
+
 def tier(args) -> dict:
     import torch
     import vllm
@@ -109,6 +133,7 @@ def tier(args) -> dict:
         block_size=bs,
         max_model_len=ctx + 64,
         max_num_seqs=8,
+        tensor_parallel_size=args.tp,
         gpu_memory_utilization=args.gpu_mem,
         enable_prefix_caching=True,
         enforce_eager=args.eager,
@@ -143,28 +168,29 @@ def tier(args) -> dict:
     want_blocks = 2 * (ctx // args.chunk_tokens)
     t = time.perf_counter()
     while time.perf_counter() - t < args.store_deadline_s:
-        s = _read(stats)
+        s = _ranks(stats)
         if s.get("blocks_held", 0) >= want_blocks:
             break
         _timed(llm, other, 1)  # steps carry the worker's store reports to the scheduler
         time.sleep(0.2)
     store_s = time.perf_counter() - t
-    held = _read(stats).get("blocks_held", 0)
+    held = _ranks(stats).get("blocks_held", 0)
     _timed(llm, other, 1)  # one more step: the scheduler learns of the last stores
     _, local = _timed(llm, p, args.gen)  # local prefix-cache hit: the reference output
-    restored_before = _read(stats).get("tokens_restored", 0)
+    restored_before = _ranks(stats).get("tokens_restored", 0)
     llm.reset_prefix_cache()
     t_restore_first, _ = _timed(llm, p, 1)  # the first restore also builds the decode path
-    tokens_restored = _read(stats).get("tokens_restored", 0) - restored_before
+    tokens_restored = _ranks(stats).get("tokens_restored", 0) - restored_before
     llm.reset_prefix_cache()
     t_restore, _ = _timed(llm, p, 1)
     llm.reset_prefix_cache()
     _, again = _timed(llm, p, args.gen)
-    s = _read(stats)
-    v = _read(verify)
+    s = _ranks(stats)
+    v = _ranks(verify)
     raw = s.get("raw_bytes_held", 0)
     res = {
         "scenario": "tier",
+        "tensor_parallel_size": args.tp,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
@@ -218,6 +244,7 @@ def compact(args) -> dict:
             attention_backend="CUSTOM",
             max_model_len=max(lens) + args.gen + 16,
             max_num_seqs=len(ps),
+            tensor_parallel_size=args.tp,
             # vLLM 0.26's in-process engine keeps its memory after `del llm` (measured on the
             # H200: the second engine found 69.6 of 139.8 GiB free and refused 0.5), so the
             # two engines of this one process each take at most 0.4
@@ -246,6 +273,7 @@ def compact(args) -> dict:
     return {
         "scenario": "compact",
         "format": args.format,
+        "tensor_parallel_size": args.tp,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
@@ -283,7 +311,10 @@ def main() -> None:
     p.add_argument("--format", default="4bit")
     p.add_argument("--lengths", default="100,1000,5000,20000")
     p.add_argument("--shape", choices=("small", "8b"), default="small")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = p.parse_args()
+    global TP
+    TP = args.tp
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     root = Path(tempfile.mkdtemp(prefix="gpu-e2e-"))

@@ -11,6 +11,8 @@
 #   gpu_session.sh codec     # bench_lossless_gpu.py beside nvCOMP (.carry/kv, .carry/nvcomp carried)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race
 #   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval (second model piece carried)
+#   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
+#   gpu_session.sh tp2serving  # nvidia-h200-x2: bench_serving.py --tp 2, fp8 and 4bit at 32k (not yet run)
 set -uo pipefail
 stage=${1:?stage}
 # KVZIP_TREE: a snapshot of the checkout to run (the working tree may be edited meanwhile)
@@ -90,6 +92,23 @@ quality)
   env_line
   timeout 560 python3 $R/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \
     --calibration /tmp/smollm2/calibration --out $RES --deadline-s 480 2>&1 | tail -20
+  ;;
+tp2)
+  env_line
+  # nvidia-h200-x2 only: the tier and the compact backend at tensor_parallel_size 2 (NVLink
+  # multicast stays off, also in the processes vLLM starts), then capacity and decode at 32k
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  mkdir -p /tmp/smollm2
+  timeout ${TP_TIER_LIMIT_S:-420} python3 $R/kvzip-vllm/benchmarks/gpu_e2e.py tier --tp 2 --out $RES 2>&1 \
+    | tee $RES/tp2_tier.log | grep RESULT | cut -c1-600
+  timeout 200 python3 $R/kvzip-vllm/benchmarks/gpu_e2e.py compact --tp 2 --format 4bit --out $RES 2>&1 \
+    | tee $RES/tp2_compact.log | grep RESULT | cut -c1-600
+  ;;
+tp2serving)
+  env_line
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  python3 $R/kvzip-vllm/benchmarks/bench_serving.py --out $RES --tp 2 --formats fp8,4bit \
+    --contexts 32768 --deadline-s ${DEADLINE:-540} --stage-timeout-s 240 2>&1 | tail -12
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

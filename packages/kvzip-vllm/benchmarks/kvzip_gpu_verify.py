@@ -3,7 +3,8 @@
 On the worker it keeps a device copy of every block it is asked to store, as the forward
 computed it, and after every load compares each restored block of the paged cache with that
 copy, bit for bit (``torch.equal`` on the raw bf16). The counts go to ``KVZIP_VERIFY_PATH``
-(JSON). Diagnostic only: the copies cost as much GPU memory as the blocks stored.
+(JSON; ``verify.rank<r>.json`` per rank under tensor parallelism). Diagnostic only: the copies
+cost as much GPU memory as the blocks stored.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class VerifyingKvzipConnector(KvzipConnector):
         self._v_copies: dict[bytes, list[torch.Tensor]] = {}
         self._v_counts = {"stored_copies": 0, "checked": 0, "equal": 0, "differ": 0}
         self._v_path = os.environ.get("KVZIP_VERIFY_PATH")
+        worker = getattr(self, "worker", None)  # worker side: one file per rank under TP
+        if self._v_path and worker is not None and worker.world > 1:
+            root, ext = os.path.splitext(self._v_path)
+            self._v_path = f"{root}.rank{worker.rank}{ext}"
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
