@@ -265,7 +265,7 @@ def test_default_preset_is_sized_for_a_first_look():
 def test_a_residual_window_format_end_to_end(loaded, tmp_path):
     """``int4+r16`` beside ``int4`` through KL, words and retrieval: the window's bf16 copies
     are in its bits, every run (bf16 included) used the band attention, the window brings the
-    format closer to bf16, and the report says the window is measured, not served."""
+    format closer to bf16, and the report says where it is served."""
     out = tmp_path / "w.json"
     res = CliRunner().invoke(
         command,
@@ -278,6 +278,6 @@ def test_a_residual_window_format_end_to_end(loaded, tmp_path):
     assert "band_attention" in data["attention"]
     assert f["int4+r16"]["kl_mean"] < f["int4"]["kl_mean"]
     assert f["int4+r16"]["words_changed"] is not None and f["int4+r16"]["retrieval"]
-    assert "not yet served" in (tmp_path / "r" / "report.md").read_text()
+    assert "not yet run in vLLM on a GPU" in (tmp_path / "r" / "report.md").read_text()
     res = CliRunner().invoke(command, [*TINY, "--formats", "int4+r0"])
     assert res.exit_code == 2 and "N >= 1" in res.output

@@ -287,3 +287,35 @@ def test_residual_window_is_refused_for_formats_without_one(device):
             block_size=16,
             recent=tuple(torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16) for _ in range(2)),
         )
+
+
+def test_residual_window_from_a_start_reads_the_rows_before_it(device):
+    """``recent_from``: a window that holds only its later positions (a slot filled since a
+    prefix-cache hit); the earlier ones come from the rows, in the reference and the kernels."""
+    hq, hkv, d, r = 8, 2, 128, 16
+    (fmt, q, kc, vc, bt, sl), dev = make_case("4bit", hq, hkv, d, 16, [60, 40, 3], 6, device)
+    g = torch.Generator().manual_seed(12)
+    sk = tuple((torch.randn(3, 1, hkv, d, generator=g) * 2).bfloat16() for _ in range(2))
+    win = tuple((torch.randn(3, r, hkv, d, generator=g) * 2).bfloat16() for _ in range(2))
+    start = torch.tensor([50, 0, 2])  # mid-window; the whole window; inside a short sequence
+    kw = dict(block_size=16, sinks=sk, recent=win)
+    ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, recent_from=start, **kw)
+    plain = ref_paged_decode(
+        fmt, q, kc, vc, bt, sl, recent_from=start, compute_dtype=torch.bfloat16, **kw
+    )
+    out = paged_decode(
+        fmt,
+        *dev,
+        block_size=16,
+        config=DecodeConfig(block_n=16, num_splits=2),
+        sinks=tuple(t.to(device) for t in sk),
+        recent=tuple(t.to(device) for t in win),
+        recent_from=start.to(torch.int32).to(device),
+    )
+    err, tol = _rel(out, ref), 2 * _rel(plain, ref) + 1e-3
+    assert err <= tol, f"recent_from: {err:.2e} > {tol:.2e}"
+    whole = ref_paged_decode(fmt, q, kc, vc, bt, sl, **kw)
+    assert _rel(whole[:1], ref[:1]) > 10 * tol  # sequence 0 read 6 rows instead of bf16
+    torch.testing.assert_close(whole[1:2], ref[1:2], rtol=0, atol=0)  # from 0: the same
+    with pytest.raises(FormatError, match="recent_from"):
+        paged_decode(fmt, *dev, block_size=16, recent_from=start.to(device))

@@ -220,6 +220,7 @@ def test_page_vllm_sizes_is_the_page_the_backend_uses(name, bs, monkeypatch):
     kv_heads, d, heads = 8, 128, 32
     fmt = _synthetic(name, kv_heads, d)
     monkeypatch.setattr(backend, "_active_format", lambda: fmt)
+    monkeypatch.setattr(backend, "_active_window", lambda: (0, 32768))
     spec = compat.layer_spec(  # customize_spec (0.32/0.33) or the 0.26 shim's spec
         backend.KvzipAttentionBackend,
         FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=d, dtype=torch.bfloat16),

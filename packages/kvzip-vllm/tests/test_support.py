@@ -205,6 +205,7 @@ def test_spec_shim_gives_kvzip_layers_the_compact_page(monkeypatch):
 
     fmt = kvzip_formats.get_format("int4")
     monkeypatch.setattr(backend, "_active_format", lambda: fmt)
+    monkeypatch.setattr(backend, "_active_window", lambda: (0, 32768))
     monkeypatch.setattr(compat, "has_spec_api", lambda: False)
 
     class Layer:  # the attributes 0.26's Attention.get_kv_cache_spec reads, and its result

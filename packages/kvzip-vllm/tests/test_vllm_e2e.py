@@ -117,11 +117,12 @@ def test_connector_evicts_and_never_serves_a_wrong_prefix(tmp_path):
 
 # ------------------------------------------------------------------------------ backend
 @cache
-def _backend(tmp: Path, fmt: str | None) -> dict:
+def _backend(tmp: Path, fmt: str | None, extra_env: tuple = ()) -> dict:
     out = tmp / f"backend-{fmt or 'bf16'}.json"
-    env = {"KVZIP_KV_FORMAT": fmt} if fmt else {}
-    if fmt and _calibration(fmt):
-        env["KVZIP_CALIBRATION"] = _calibration(fmt)
+    env = {"KVZIP_KV_FORMAT": fmt, **dict(extra_env)} if fmt else {}
+    base = fmt.split("+")[0] if fmt else None  # a residual window's NAME+rN
+    if base and _calibration(base):
+        env["KVZIP_CALIBRATION"] = _calibration(base)
     _run([str(HERE / "vllm_scenarios.py"), "backend", "--out", str(out)], env=env)
     return json.loads(out.read_text())
 
@@ -140,6 +141,29 @@ def test_backend_capacity_and_generation(tmp_path_factory):
     ref = _eval_words_changed(fmt, tmp)
     # Few prompts: allow the spread of a per-prompt share over 2 prompts around eval's figure.
     assert abs(wc["words_changed"] - ref) <= 0.35, (wc, ref)
+
+
+@pytest.mark.slow
+def test_backend_with_a_residual_window(tmp_path_factory):
+    """``4bit+r64`` (the last 64 tokens in bf16, spec/residual_window.md): the window's slots
+    come out of the reported capacity (the reserve), generation runs through it, and its
+    output is at least as close to bf16's as the format's without the window."""
+    from kvzip_eval.quality.words import summarize
+
+    tmp = tmp_path_factory.getbasetemp()
+    fmt = _format_name()
+    if fmt != "4bit":
+        pytest.skip("the residual window is for the compact formats")
+    base, plain = _backend(tmp, None), _backend(tmp, fmt)
+    win = _backend(tmp, f"{fmt}+r64", (("KVZIP_WINDOW_SLOT_TOKENS", "1024"),))
+    assert win["kv_cache_memory_bytes"] == base["kv_cache_memory_bytes"]
+    assert plain["capacity_tokens"] > win["capacity_tokens"] >= 0.8 * plain["capacity_tokens"]
+    assert all(len(t) > 0 for t in win["token_ids"])
+
+    def words(r):
+        return summarize(base["texts"], r["texts"], base["token_ids"], r["token_ids"])
+
+    assert words(win)["words_changed"] <= words(plain)["words_changed"], (words(win), words(plain))
 
 
 def _eval_words_changed(fmt: str, tmp: Path) -> float:

@@ -136,7 +136,7 @@ def resolve_formats(
     "--formats",
     default=None,
     help="Comma-separated formats (default: every registered one); NAME+rN reads the last N "
-    "tokens up to each query in bf16 (a residual window, measured only: not served in vLLM).",
+    "tokens up to each query in bf16 (a residual window; kvzip-vllm: KVZIP_KV_FORMAT=NAME+rN).",
 )
 @click.option("--quick", "preset", flag_value="quick", help="About a minute: for tests and checks.")
 @click.option("--full", "preset", flag_value="full", help="The settings of the published numbers.")

@@ -78,6 +78,7 @@ def paged_decode(
     block_stride: int | None = None,
     sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
     recent: tuple[torch.Tensor, torch.Tensor] | None = None,
+    recent_from: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Decode attention for one new token per sequence.
@@ -96,6 +97,8 @@ def paged_decode(
     tokens, right-aligned (entry ``j`` is position ``seq_lens[b] - R + j``; entries before the
     sinks are ignored), attended instead of their rows: the kernels read the rows up to
     ``max(seq_lens - R, n_sink)`` and the window is merged with the sinks by log-sum-exp.
+    ``recent_from`` (int ``[batch]``, on the device): the window holds only positions from
+    there on; the rows before it are read (the row end moves there, never past the sequence).
     ``backend``: ``"auto"`` (default; or the ``KVZIP_KERNELS_BACKEND`` environment variable)
     runs the CUDA C++ split kernel (``_cuda.py``: int4, int4-rot, 4bit, 3.5bit, 3bit; at most 8
     query heads per KV head; ``config.cuda_variant`` picks its design) on sm_90 where it builds,
@@ -190,6 +193,19 @@ def paged_decode(
                 f"format {f.name!r} reads every token from its rows"
             )
         check_window(recent, "recent", q, k_cache.shape[1])
+        if recent_from is not None and (
+            not isinstance(recent_from, torch.Tensor)
+            or recent_from.shape != (q.shape[0],)
+            or recent_from.device != q.device
+            or recent_from.is_floating_point()
+        ):
+            raise FormatError(
+                f"recent_from must be an integer tensor [batch={q.shape[0]}] on {q.device}, got "
+                f"{getattr(recent_from, 'dtype', type(recent_from))} "
+                f"{tuple(getattr(recent_from, 'shape', ()))}"
+            )
+    elif recent_from is not None:
+        raise FormatError("recent_from= needs recent= (the window it starts)")
     from kvzip_kernels import _cuda
 
     use_cuda = _cuda.choose(backend, f.name, spec, g, q.device) == "cuda"
@@ -235,6 +251,7 @@ def paged_decode(
             sinks,
             geometry if use_cuda else None,
             recent,
+            recent_from,
         )
     elif use_cuda:  # int4, int4-rot
         q = q.contiguous()
@@ -330,6 +347,7 @@ def _codebook_launch(
     sinks=None,
     cuda_geometry=None,
     recent=None,
+    recent_from=None,
 ):
     """The compact formats: fold the calibrated transforms into q and the output.
 
@@ -349,11 +367,13 @@ def _codebook_launch(
     extra, valid = sinks, None
     if recent is not None:  # rows end where the window starts (never inside the sinks)
         r = recent[0].shape[1]
-        start = seq_lens.to(torch.int64) - r  # [b]: the window's first position
-        seq_lens = torch.clamp(start, min=n_sink).minimum(seq_lens.to(torch.int64))
-        seq_lens = seq_lens.to(torch.int32)
+        full = seq_lens.to(torch.int64)
+        start = full - r  # [b]: the first position the window tensor holds
+        end = start if recent_from is None else torch.maximum(start, recent_from.to(torch.int64))
+        end = torch.clamp(end, min=n_sink).minimum(full)  # the rows stop here
+        seq_lens = end.to(torch.int32)
         pos = start[:, None] + torch.arange(r, device=q.device)[None, :]  # [b, R]
-        valid = pos >= n_sink
+        valid = pos >= end[:, None]
         if sinks is not None:
             extra = tuple(torch.cat([s, w], 1) for s, w in zip(sinks, recent, strict=True))
             valid = torch.cat([torch.ones(b, n_sink, dtype=torch.bool, device=q.device), valid], 1)

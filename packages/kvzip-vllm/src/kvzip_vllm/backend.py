@@ -5,7 +5,8 @@ format's ``token_head_bytes`` for K and for V plus the sink pool's reserve, inst
 ``2 * head_size`` bf16 values (``customize_spec`` on 0.32/0.33, the layer spec shim on 0.26:
 ``compat``). vLLM sizes the cache from it, so the same memory holds more tokens (int4 at head
 size 64: 36 + 36 bytes against 256, 3.56x), and the capacity it reports is the capacity used:
-the backend allocates nothing else but the sink pool's index vectors.
+the backend allocates nothing else but the sink pool's index vectors (and, with a residual
+window, ``window.WindowPool``'s host lists: the rings are a reserve of every block, too).
 
 Per layer vLLM hands the backend a ``[num_blocks, num_kv_heads, block_size, content_bytes]``
 uint8 view and only ever addresses whole blocks of it. The compute on it lives in
@@ -51,6 +52,7 @@ from kvzip_vllm.paged import (
     sink_plan,
 )
 from kvzip_vllm.settings import backend_settings, load_format
+from kvzip_vllm.window import StepWindow, WindowPool, plan_window
 
 #: vLLM's decoder layer names: ``model.layers.<index>.self_attn.attn`` (the index picks the
 #: layer's calibration).
@@ -73,6 +75,13 @@ def layer_index(name: str) -> int:
 def _active_format():
     s = backend_settings()
     return load_format(s.kv_format, s.calibration)
+
+
+def _active_window() -> tuple[int, int]:
+    """The residual window of ``KVZIP_KV_FORMAT`` (``NAME+rN``): (N, tokens per slot); N = 0
+    without one."""
+    s = backend_settings()
+    return s.recent, s.window_slot_tokens
 
 
 #: Formats bound to one rank's slice of a calibration: (format, calibration, heads) -> format.
@@ -135,6 +144,19 @@ def sink_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> SinkPool:
     return pool
 
 
+#: One residual-window pool per cache geometry and device (shared by every layer).
+_WINDOW_POOLS: dict[tuple, WindowPool] = {}
+
+
+def window_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> WindowPool:
+    key = (str(kv_cache.device), kv_cache.shape[0], paged.window_blocks_per_slot)
+    pool = _WINDOW_POOLS.get(key)
+    if pool is None:
+        _WINDOW_POOLS.clear()
+        pool = _WINDOW_POOLS[key] = paged.new_window_pool(kv_cache)
+    return pool
+
+
 #: ``kv_connector_extra_config`` key that lets a connector run beside the compact backend:
 #: only for connectors that load no real KV (benchmarks filling the cache with placeholder
 #: blocks), whose sequences may read another sequence's stale bf16 sinks.
@@ -170,7 +192,7 @@ class KvzipAttentionBackend(AttentionBackend):
     @staticmethod
     def kvzip_content_bytes(head_size: int, block_size: int) -> int:
         """Bytes per token and KV head (uint8): what vLLM sizes the cache by (``compat``)."""
-        return content_bytes(_active_format(), head_size, block_size)
+        return content_bytes(_active_format(), head_size, block_size, *_active_window())
 
     @staticmethod
     def get_name() -> str:
@@ -206,6 +228,8 @@ class KvzipAttentionMetadata:
     sink_fresh: list[int] = field(default_factory=list)
     sink_rows: list[tuple[int, int, int]] = field(default_factory=list)
     sinks: StepSinks | None = None
+    # a residual window's plan (``window.plan_window``), taken by the step's first layer
+    window: StepWindow | None = None
 
 
 class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
@@ -243,6 +267,10 @@ class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
 
 
 class KvzipAttentionImpl(AttentionImpl):
+    #: a residual window (``KVZIP_KV_FORMAT=NAME+rN``): its tokens and tokens of cache per slot
+    recent: int = 0
+    window_slot_tokens: int = 32768
+
     def __init__(
         self,
         num_heads: int,
@@ -305,6 +333,7 @@ class KvzipAttentionImpl(AttentionImpl):
             _active_format(), cfg.model_config, cfg.parallel_config, num_kv_heads
         )
         self.block_size = cfg.cache_config.block_size
+        self.recent, self.window_slot_tokens = _active_window()
         self._layer_index: dict[str, int] = {}
 
     @cached_property
@@ -325,6 +354,8 @@ class KvzipAttentionImpl(AttentionImpl):
             kernels=False if cpu else None,
             prefill="reference" if cpu else None,  # None: the workspace for CUDA tensors
             varlen=None if cpu else compat.flash_attn_varlen(),
+            recent=self.recent,
+            window_slot_tokens=self.window_slot_tokens,
         )
 
     def _layer(self, layer) -> int:
@@ -342,6 +373,21 @@ class KvzipAttentionImpl(AttentionImpl):
             pool = sink_pool(self.paged, kv_cache)
             meta.sinks = plan_step(pool, meta.block_table[:, 0], meta.sink_fresh, meta.sink_rows)
         return meta.sinks
+
+    def _window(self, meta: KvzipAttentionMetadata, kv_cache) -> StepWindow | None:
+        """The step's window plan (a residual window only): the first layer plans it."""
+        if not self.paged.recent:
+            return None
+        if meta.window is None:
+            meta.window = plan_window(
+                window_pool(self.paged, kv_cache),
+                self.paged.recent,
+                meta.query_start_loc_cpu.tolist(),
+                meta.seq_lens_cpu.tolist(),
+                meta.block_table,
+                self.block_size,
+            )
+        return meta.window
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         idx = self._layer(layer)
@@ -380,5 +426,8 @@ class KvzipAttentionImpl(AttentionImpl):
             layer=self._layer(layer),
             out=output[:n],
             sinks=self._sinks(m, kv_cache),
+            window=self._window(m, kv_cache),
+            key=key[:n] if key is not None else None,
+            value=value[:n] if value is not None else None,
         )
         return output

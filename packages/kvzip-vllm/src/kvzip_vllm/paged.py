@@ -63,6 +63,7 @@ import torch
 
 from kvzip_formats import FormatError
 from kvzip_formats.ops import PagedLayout, gather_rows
+from kvzip_vllm.window import DEFAULT_SLOT_TOKENS, StepWindow, WindowPool, window_reserve_bytes
 
 logger = logging.getLogger("vllm.kvzip.paged")
 
@@ -100,11 +101,18 @@ def sink_reserve_bytes(sink_tokens: int, head_size: int) -> int:
     return -(-4 * sink_tokens * head_size // SINK_SLOT_TOKENS) if sink_tokens else 0
 
 
-def content_bytes(fmt, head_size: int, block_size: int) -> int:
+def content_bytes(
+    fmt, head_size: int, block_size: int, recent: int = 0, slot_tokens: int = DEFAULT_SLOT_TOKENS
+) -> int:
     """The cache's last dimension: K's and V's bytes per token and KV head plus the sink
-    pool's reserve (what the backend tells vLLM one token of one KV head takes)."""
+    pool's reserve and a residual window's (``window.py``): what the backend tells vLLM one
+    token of one KV head takes."""
     rows = sum(PagedLayout.of(fmt, head_size, block_size, k).token_head_bytes for k in "kv")
-    return rows + sink_reserve_bytes(int(fmt.sink_tokens), head_size)
+    return (
+        rows
+        + sink_reserve_bytes(int(fmt.sink_tokens), head_size)
+        + window_reserve_bytes(recent, head_size, slot_tokens)
+    )
 
 
 class SinkPool:
@@ -292,6 +300,8 @@ class PagedAttention:
         kernels: bool | None = None,
         prefill: str | None = None,
         varlen: VarlenAttention | None = None,
+        recent: int = 0,
+        window_slot_tokens: int = DEFAULT_SLOT_TOKENS,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -322,6 +332,23 @@ class PagedAttention:
                     f"whole number of blocks' reserves ({self.reserve} bytes per token)"
                 )
             self.blocks_per_slot = slot // (block_size * self.reserve)
+        # a residual window (window.py): the last `recent` tokens in bf16, in slots made of
+        # every block's second reserve
+        self.recent = int(recent)
+        self.window_reserve = window_reserve_bytes(self.recent, head_size, window_slot_tokens)
+        self.window_blocks_per_slot = 0
+        if self.recent:
+            if not self.sink_tokens:
+                raise ValueError("a residual window is for the compact formats (with sinks)")
+            wslot = 4 * self.recent * head_size  # per KV head: bf16 K and V of `recent` tokens
+            if wslot % (block_size * self.window_reserve):
+                raise ValueError(
+                    f"block_size {block_size}, window of {self.recent} tokens, "
+                    f"{window_slot_tokens} tokens per slot: a window slot ({wslot} bytes per KV "
+                    f"head) is not a whole number of blocks' reserves ({self.window_reserve} "
+                    "bytes per token); supported: powers of two"
+                )
+            self.window_blocks_per_slot = wslot // (block_size * self.window_reserve)
 
     # -- layout -----------------------------------------------------------------------
     @property
@@ -331,8 +358,8 @@ class PagedAttention:
 
     @property
     def content_bytes(self) -> int:
-        """The cache's last dimension: the rows plus the sink reserve."""
-        return self.token_head_bytes + self.reserve
+        """The cache's last dimension: the rows plus the sink and window reserves."""
+        return self.token_head_bytes + self.reserve + self.window_reserve
 
     @property
     def block_bytes(self) -> int:
@@ -405,6 +432,82 @@ class PagedAttention:
             (n, r, area), (r * stride, stride, 1), kv_cache.storage_offset() + rows
         )
         return raw.view(torch.bfloat16)
+
+    # -- residual window (window.py) --------------------------------------------------
+    def num_window_slots(self, num_blocks: int) -> int:
+        return num_blocks // self.window_blocks_per_slot if self.recent else 0
+
+    def new_window_pool(self, kv_cache: torch.Tensor) -> WindowPool | None:
+        if not self.recent:
+            return None
+        return WindowPool(self.num_window_slots(kv_cache.shape[0]))
+
+    def window_store(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The window slots in ``kv_cache``: bf16 ``[num_slots, blocks_per_slot, elems]`` over
+        the blocks' window reserves (a slot's values, in order, are its ring ``[recent, 2,
+        num_kv_heads, head_size]``)."""
+        self._check(kv_cache)
+        r, nb = self.window_blocks_per_slot, kv_cache.shape[0]
+        n = self.num_window_slots(nb)
+        stride = self._block_stride(kv_cache)
+        hb = self.num_kv_heads * self.block_size
+        area = hb * self.window_reserve
+        start = hb * (self.token_head_bytes + self.reserve)
+        raw = kv_cache.as_strided(
+            (n, r, area), (r * stride, stride, 1), kv_cache.storage_offset() + start
+        )
+        return raw.view(torch.bfloat16)
+
+    def rings(self, kv_cache, slots: torch.Tensor) -> torch.Tensor:
+        """The rings of ``slots`` ``[b]``: bf16 ``[b, recent, 2, num_kv_heads, head_size]``."""
+        g = self.geometry
+        got = self.window_store(kv_cache)[slots]
+        return got.view(len(slots), self.recent, 2, g.num_kv_heads, g.head_size)
+
+    def write_window(self, key, value, kv_cache, win: StepWindow) -> None:
+        """The step's last ``recent`` new tokens of each sequence with a slot into its ring."""
+        if not win.w_rows.numel():
+            return
+        g = self.geometry
+        store = self.window_store(kv_cache)
+        per = store.shape[2]  # values per block's reserve
+        e = 2 * g.num_kv_heads * g.head_size  # values per ring entry
+        rows = win.w_rows.to(key.device)
+        kv = torch.stack(
+            (key[rows].reshape(-1, g.num_kv_heads, g.head_size),
+             value[rows].reshape(-1, g.num_kv_heads, g.head_size)), 1,
+        ).to(torch.bfloat16).reshape(len(rows), e)  # fmt: skip
+        f = win.w_ring.to(key.device)[:, None] * e + torch.arange(e, device=key.device)[None, :]
+        slot = win.w_slots.to(key.device)[:, None].expand_as(f)
+        store[slot, f // per, f % per] = kv
+
+    def window_kv(self, kv_cache, win: StepWindow, fresh_k, fresh_v):
+        """For a decode step (one new token per sequence, ``fresh_k``/``fresh_v`` ``[b,
+        num_kv_heads, head_size]``): the bf16 window ``(k, v)`` ``[b, recent + 1, num_kv_heads,
+        head_size]`` right-aligned (the ring's ``ctx - recent .. ctx - 1``, then the new
+        token) and where it is held from (``recent_from`` ``[b]``, int32)."""
+        r = self.recent
+        ring = self.rings(kv_cache, win.slots)
+        pos = win.ctx[:, None] - r + torch.arange(r, device=win.ctx.device)[None, :]
+        idx = torch.remainder(pos, r).to(ring.device)
+        got = torch.gather(ring, 1, idx[:, :, None, None, None].expand_as(ring))
+        k = torch.cat((got[:, :, 0], fresh_k[:, None].to(torch.bfloat16)), 1)
+        v = torch.cat((got[:, :, 1], fresh_v[:, None].to(torch.bfloat16)), 1)
+        start = torch.where(win.has, win.valid_from, win.ctx)
+        return (k, v), start.to(torch.int32).to(k.device)
+
+    def place_window(self, x, kind: str, kv_cache, win: StepWindow, j: int, fresh, base=0):
+        """Sequence ``j`` of ``win``: its ring's positions ``max(ctx - recent, valid_from,
+        sink_tokens) .. ctx - 1`` and its new tokens (``fresh`` ``[q, num_kv_heads,
+        head_size]``) written over its decoded rows in ``x`` (from row ``base``)."""
+        c = win.ctx_host[j]
+        lo = max(c - self.recent, win.valid_from_host[j], self.sink_tokens)
+        if win.has_host[j] and lo < c:
+            ring = self.rings(kv_cache, win.slots[j : j + 1])[0, :, 0 if kind == "k" else 1]
+            pos = torch.arange(lo, c, device=ring.device)
+            x[base + lo : base + c] = ring[pos % self.recent].to(x.dtype).to(x.device)
+        q = fresh.shape[0]
+        x[base + c : base + c + q] = fresh.to(torch.bfloat16).to(x.dtype).to(x.device)
 
     def _slots(self, kv_cache, slots: torch.Tensor) -> torch.Tensor:
         g = self.geometry
@@ -540,13 +643,45 @@ class PagedAttention:
         layer: int,
         out,
         sinks: StepSinks | None = None,
+        window: StepWindow | None = None,
+        key=None,
+        value=None,
     ) -> torch.Tensor:
         """Causal attention of the new tokens ``query`` ``[num_tokens, num_heads * head_size]``
         (or ``[num_tokens, num_heads, head_size]``) over the cache into ``out`` (same rows).
         Requests with one new token go to the decode kernel where it runs, the rest (prefill
-        chunks) to the prefill workspace (CUDA) or the reference path."""
+        chunks) to the prefill workspace (CUDA) or the reference path. With a residual window
+        (``window``, the step's plan; ``key``/``value``: the step's new K and V) the window and
+        the new tokens are read in bf16, and the step's last tokens then go into the rings."""
         if self.sink_tokens and sinks is None:
             raise ValueError("attend: a format with sink tokens needs the step's StepSinks")
+        if self.recent and (window is None or key is None or value is None):
+            raise ValueError("attend: a residual window needs the step's StepWindow, key, value")
+        self._attend(
+            query,
+            kv_cache,
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            layer=layer,
+            out=out,
+            sinks=sinks,
+            window=window,
+            key=key,
+            value=value,
+        )
+        if self.recent:
+            self.write_window(key, value, kv_cache, window)
+        return out
+
+    def _fresh(self, x, rows) -> torch.Tensor:
+        return x[rows].reshape(-1, self.num_kv_heads, self.head_size)
+
+    def _attend(
+        self, query, kv_cache, *, query_start_loc_cpu, seq_lens_cpu, seq_lens, block_table,
+        layer, out, sinks, window, key, value,
+    ):  # fmt: skip
         qsl = query_start_loc_cpu.tolist()
         qlen = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
         lens = seq_lens_cpu.tolist()
@@ -555,6 +690,13 @@ class PagedAttention:
         one = [i for i, n in enumerate(qlen) if n == 1 and lens[i] >= self.sink_tokens]
         if one and self.use_kernels(kv_cache.device):
             if len(one) == len(qlen):  # a decode-only batch: no gather
+                rec = None
+                if window is not None:
+                    n1 = len(one)
+                    rec = self.window_kv(
+                        kv_cache, window, self._fresh(key, slice(0, n1)),
+                        self._fresh(value, slice(0, n1)),
+                    )  # fmt: skip
                 self.decode_kernels(
                     query[: len(one)],
                     kv_cache,
@@ -564,10 +706,17 @@ class PagedAttention:
                     layer=layer,
                     out=out[: len(one)],
                     sinks=sinks,
+                    recent=rec,
                 )
                 return out
             rows = torch.tensor([qsl[i] for i in one], device=query.device)
             idx = torch.tensor(one, device=block_table.device)
+            rec = None
+            if window is not None:
+                sel = window.select(idx.to(window.slots.device))
+                rec = self.window_kv(
+                    kv_cache, sel, self._fresh(key, rows), self._fresh(value, rows)
+                )
             got = self.decode_kernels(
                 query[rows],
                 kv_cache,
@@ -576,6 +725,7 @@ class PagedAttention:
                 max_seq_len=int(seq_lens_cpu[one].max()),
                 layer=layer,
                 sinks=sinks.select(idx.to(sinks.slots.device)) if sinks is not None else None,
+                recent=rec,
             )
             out[rows] = got.reshape(len(one), *out.shape[1:]).to(out.dtype)
             rest = sorted(set(range(len(qlen))) - set(one))
@@ -592,6 +742,9 @@ class PagedAttention:
                 out=out,
                 requests=rest,
                 sinks=sinks,
+                window=window,
+                key=key,
+                value=value,
             )
         elif rest:
             self.attend_reference(
@@ -604,6 +757,9 @@ class PagedAttention:
                 out=out,
                 requests=rest,
                 sinks=sinks,
+                window=window,
+                key=key,
+                value=value,
             )
         return out
 
@@ -618,10 +774,12 @@ class PagedAttention:
         layer: int,
         out=None,
         sinks: StepSinks | None = None,
+        recent=None,
     ) -> torch.Tensor:
         """kvzip-kernels' decode for one new token per sequence: ``query`` ``[batch, ...]``;
         returns ``[batch, num_heads, head_size]`` (``out``'s storage where it is bf16). Every
-        sequence must hold at least ``sink_tokens`` tokens (``attend`` sees to it)."""
+        sequence must hold at least ``sink_tokens`` tokens (``attend`` sees to it). ``recent``:
+        ``((k, v), recent_from)`` of a residual window (``window_kv``)."""
         import kvzip_kernels
 
         PATH_CALLS["decode_kernels"] += 1
@@ -644,12 +802,17 @@ class PagedAttention:
             out=target,
             block_stride=k_pages.stride(0),
             sinks=self.sinks_of(kv_cache, sinks, layer=layer) if self.sink_tokens else None,
+            recent=None if recent is None else recent[0],
+            recent_from=None if recent is None else recent[1],
         )
         if out is not None and target is None:
             out.copy_(res.reshape(out.shape))
         return res
 
-    def workspace(self, kv_cache, block_table, lens, requests, *, layer: int, sinks=None):
+    def workspace(
+        self, kv_cache, block_table, lens, requests, *, layer: int, sinks=None, window=None,
+        fresh=None,
+    ):  # fmt: skip
         """The cached K and V of the sequences ``requests`` decoded into one packed bf16
         workspace ``[sum of their lengths, num_kv_heads, head_size]`` each (sinks in place),
         and the sequences' start offsets in it (a host list, ``len(requests) + 1``)."""
@@ -681,18 +844,33 @@ class PagedAttention:
                 p = torch.tensor([b for _, b in src], device=sk.device)
                 out[0][dst] = sk[j, p].to(out[0].device)
                 out[1][dst] = sv[j, p].to(out[1].device)
+        if window is not None:  # fresh: per request its new tokens' (k, v)
+            for j, i in enumerate(requests):
+                for x, kind, new in zip(out, "kv", fresh[j], strict=True):
+                    self.place_window(x, kind, kv_cache, window, i, new, base=cu[j])
         return out[0], out[1], cu
 
     def attend_workspace(
-        self, query, kv_cache, qsl, lens, block_table, *, layer: int, out, requests, sinks=None
-    ) -> torch.Tensor:
+        self, query, kv_cache, qsl, lens, block_table, *, layer: int, out, requests, sinks=None,
+        window=None, key=None, value=None,
+    ) -> torch.Tensor:  # fmt: skip
         """Prefill chunks: the sequences' pages decoded into a bf16 workspace, then one
         variable-length causal attention (``varlen``, or ``sdpa_varlen``) over it."""
         g = self.geometry
         reqs = [i for i in requests if qsl[i + 1] > qsl[i]]
         if not reqs:
             return out
-        k, v, cu_k = self.workspace(kv_cache, block_table, lens, reqs, layer=layer, sinks=sinks)
+        fresh = None
+        if window is not None:
+            fresh = [
+                (self._fresh(key, slice(qsl[i], qsl[i + 1])),
+                 self._fresh(value, slice(qsl[i], qsl[i + 1])))
+                for i in reqs
+            ]  # fmt: skip
+        k, v, cu_k = self.workspace(
+            kv_cache, block_table, lens, reqs, layer=layer, sinks=sinks, window=window,
+            fresh=fresh,
+        )  # fmt: skip
         rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in reqs]).to(query.device)
         q = query[rows].reshape(-1, g.num_heads, g.head_size).to(torch.bfloat16)
         cu_q = [0]
@@ -731,9 +909,13 @@ class PagedAttention:
         out,
         requests=None,
         sinks=None,
+        window=None,
+        key=None,
+        value=None,
     ) -> torch.Tensor:
         """float32 attention over the format's decode of every cached token (sinks from the
-        pool), per request; ``qsl``: the query start offsets ``[batch + 1]`` (a list)."""
+        pool; a residual window's tokens and the new ones in bf16), per request; ``qsl``: the
+        query start offsets ``[batch + 1]`` (a list)."""
         PATH_CALLS["attend_reference"] += 1
         g = self.geometry
         k_pages, v_pages = self.pages(kv_cache)
@@ -748,6 +930,9 @@ class PagedAttention:
                 continue
             k = self.gather(k_pages, block_table[i], seq_len, "k", layer, sk, i)
             v = self.gather(v_pages, block_table[i], seq_len, "v", layer, sv, i)
+            if window is not None:
+                self.place_window(k, "k", kv_cache, window, i, self._fresh(key, slice(qs, qe)))
+                self.place_window(v, "v", kv_cache, window, i, self._fresh(value, slice(qs, qe)))
             q = query[qs:qe].reshape(qe - qs, g.num_heads, g.head_size).float()
             k = k.repeat_interleave(rep, dim=1)  # [n, hq, d]
             v = v.repeat_interleave(rep, dim=1)

@@ -20,12 +20,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENV_FORMAT = "KVZIP_KV_FORMAT"
 ENV_CALIBRATION = "KVZIP_CALIBRATION"
+#: tokens of cache per residual-window slot (``window.py``; a format spelled ``NAME+rN``)
+ENV_WINDOW_SLOT_TOKENS = "KVZIP_WINDOW_SLOT_TOKENS"
 
 
 @dataclass(frozen=True)
 class BackendSettings:
-    kv_format: str
+    kv_format: str  # the format's name, without a residual window's ``+rN``
     calibration: str | None
+    recent: int = 0  # a residual window of this many bf16 tokens (``NAME+rN``)
+    window_slot_tokens: int = 32768
 
 
 def backend_enabled() -> bool:
@@ -49,7 +53,22 @@ def backend_settings(vllm_config=None) -> BackendSettings:
     calibration = kvzip.get("calibration", calibration)
     if not name:
         raise ValueError(f"kvzip-vllm: set {ENV_FORMAT} (e.g. {ENV_FORMAT}=4bit) for the backend")
-    return BackendSettings(name, calibration)
+    from kvzip_formats.window import split_name
+
+    base, recent = split_name(name)
+    raw = os.environ.get(ENV_WINDOW_SLOT_TOKENS, "").strip() or kvzip.get("window_slot_tokens")
+    slot_tokens = 32768
+    if raw not in (None, ""):
+        try:
+            slot_tokens = int(raw)
+        except ValueError:
+            slot_tokens = 0
+        if slot_tokens < 1 or slot_tokens & (slot_tokens - 1):
+            raise ValueError(
+                f"kvzip-vllm: {ENV_WINDOW_SLOT_TOKENS}={raw!r}; supported: a power of two "
+                "(tokens of cache per residual-window slot, e.g. 32768)"
+            )
+    return BackendSettings(base, calibration, recent, slot_tokens)
 
 
 @lru_cache(maxsize=8)

