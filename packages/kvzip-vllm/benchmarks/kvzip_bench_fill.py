@@ -97,6 +97,9 @@ class KvzipBenchFill(KVConnectorBase_V1):
             block_size=bs,
             scale=d**-0.5,
             kernels=False,
+            # the cache's layout includes a residual window's reserve (KVZIP_KV_FORMAT=NAME+rN)
+            recent=s.recent,
+            window_slot_tokens=s.window_slot_tokens,
         )
         # a scratch cache with room for one sink slot; the template is its block 1, written
         # as the first block of a sequence (position 0 is a sink token)
