@@ -49,7 +49,9 @@ checks)
 serving)
   env_line
   echo "KVZIP_KERNELS_BACKEND=$KVZIP_KERNELS_BACKEND"
+  # SERVING_FORMATS: e.g. fp8,4bit,4bit+r128 (a residual window); default every format
   python3 $R/kvzip-vllm/benchmarks/bench_serving.py --out $RES --prefill-max-context 32768 \
+    ${SERVING_FORMATS:+--formats $SERVING_FORMATS} \
     --deadline-s ${DEADLINE:-570} --stage-timeout-s 150 2>&1 | tail -25
   ;;
 e2e)
