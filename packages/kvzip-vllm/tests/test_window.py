@@ -66,9 +66,9 @@ def _expected(p, q, ks, vs, ctx, valid_from):
 class Run:
     """Sequences stepped through one cache; raw K/V kept per sequence for the expectation."""
 
-    def __init__(self, p: PagedAttention, num_blocks=64, seed=0):
-        self.p, self.g = p, torch.Generator().manual_seed(seed)
-        self.cache = p.new_cache(num_blocks)
+    def __init__(self, p: PagedAttention, num_blocks=64, seed=0, device="cpu"):
+        self.p, self.g, self.dev = p, torch.Generator().manual_seed(seed), device
+        self.cache = p.new_cache(num_blocks, device)
         self.sinks = p.new_pool(self.cache)
         self.windows = p.new_window_pool(self.cache)
         self.free = list(torch.randperm(num_blocks, generator=self.g).tolist())
@@ -112,15 +112,19 @@ class Run:
             for t in range(lens[i] - batch[nm], lens[i]):
                 slots.append(self.tables[nm][t // BS] * BS + t % BS)
         fresh, rows = sink_plan(qsl, lens, p.sink_tokens)
-        st = plan_step(self.sinks, bt[:, 0], fresh, rows)
-        win = plan_window(self.windows, R, qsl, lens, bt, BS)
-        p.write(key, value, self.cache, torch.tensor(slots), layer=0, sinks=st)
-        out = torch.empty(query.shape[0], HQ * D, dtype=torch.bfloat16)
+        dev = self.dev
+        bt_d, kd, vd = bt.to(dev), key.to(dev), value.to(dev)
+        st = plan_step(self.sinks, bt_d[:, 0], fresh, rows)
+        win = plan_window(self.windows, R, qsl, lens, bt_d, BS)
+        p.write(kd, vd, self.cache, torch.tensor(slots, device=dev), layer=0, sinks=st)
+        out_d = torch.empty(query.shape[0], HQ * D, dtype=torch.bfloat16, device=dev)
         p.attend(
-            query, self.cache, query_start_loc_cpu=torch.tensor(qsl),
-            seq_lens_cpu=torch.tensor(lens), seq_lens=torch.tensor(lens, dtype=torch.int32),
-            block_table=bt, layer=0, out=out, sinks=st, window=win, key=key, value=value,
+            query.to(dev), self.cache, query_start_loc_cpu=torch.tensor(qsl),
+            seq_lens_cpu=torch.tensor(lens),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_table=bt_d,
+            layer=0, out=out_d, sinks=st, window=win, key=kd, value=vd,
         )  # fmt: skip
+        out = out_d.cpu()
         res = {}
         for i, nm in enumerate(names):
             k_all, v_all = self.kv[nm]
@@ -137,11 +141,13 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def _close(res, tol):
-    """Within ``tol`` of the expectation, and 5x that away from reading no window at all."""
+def _close(res, tol, contrast=True):
+    """Within ``tol`` of the expectation, and (``contrast``) 5x that away from reading no
+    window at all (a sequence whose window holds a few positions yet is close to both)."""
     got, want, _, plain = res
     assert _rel(got, want) <= tol, f"relative error {_rel(got, want):.2e} > {tol:.2e}"
-    assert _rel(got, plain) > 5 * tol, "no closer to the window than to no window"
+    if contrast:
+        assert _rel(got, plain) > 5 * tol, "no closer to the window than to no window"
 
 
 def test_reserve_and_slot_geometry():
@@ -179,13 +185,30 @@ def test_prefill_chunks_then_decode_read_the_window_and_the_new_tokens(path):
     assert torch.equal(ring[pos % R, 0], k_all[pos])
 
 
-@pytest.mark.skipif(not triton_runs(torch.device("cpu")), reason="Triton interpreter unavailable")
-def test_decode_kernels_read_the_window():
-    p = _paged(kernels=True, prefill="reference")
-    run = Run(p, seed=3)
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_decode_kernels_and_the_workspace_read_the_window(device):
+    """The kernels' decode (``recent=``, ``recent_from=``) and the prefill workspace, with a
+    prefix hit among them; on CUDA the real kernels (``gpu``), on the CPU their twin."""
+    if not triton_runs(torch.device(device)):
+        pytest.skip(f"Triton does not run on {device}")
+    p = _paged(kernels=True, prefill="workspace")
+    run = Run(p, seed=3, device=device)
     run.step({"a": 50})
+    run.share("b", "a", 2)
+    _close(run.step({"a": 1, "b": 5})["a"], 1e-2)
     for _ in range(3):
-        _close(run.step({"a": 1})["a"], 1e-2)
+        res = run.step({"a": 1, "b": 1})
+        _close(res["a"], 1e-2)
+        _close(res["b"], 1e-2, contrast=False)  # b's window: its own 6-8 tokens so far
 
 
 def test_a_prefix_hit_reads_the_hits_window_from_the_rows_until_its_own_fills():
@@ -194,8 +217,8 @@ def test_a_prefix_hit_reads_the_hits_window_from_the_rows_until_its_own_fills():
     run.step({"a": 48})
     run.share("b", "a", 2)  # b starts with a's first 32 tokens cached
     res = run.step({"a": 1, "b": 3})
-    for nm in ("a", "b"):
-        _close(res[nm], 4e-3)
+    _close(res["a"], 4e-3)
+    _close(res["b"], 4e-3, contrast=False)  # b holds only its 3 new tokens
     win = res["b"][2]
     assert win.valid_from_host == [0, 32]  # a: its slot since its start; b: from its new tokens
     assert run.windows.misses == 1
