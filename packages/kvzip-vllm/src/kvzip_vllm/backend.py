@@ -130,31 +130,26 @@ def rank_format(fmt, model_config, parallel_config, num_kv_heads: int, rank: int
     return part
 
 
-#: One sink pool per cache geometry and device (shared by every layer of the model).
-_POOLS: dict[tuple, SinkPool] = {}
+#: One sink pool and one residual-window pool per cache geometry and device (each shared by
+#: every layer of the model): kind -> (key, pool).
+_POOLS: dict[str, tuple[tuple, object]] = {}
+
+
+def _pool(kind: str, kv_cache: torch.Tensor, per_slot: int, make):
+    key = (str(kv_cache.device), kv_cache.shape[0], per_slot)
+    held = _POOLS.get(kind)
+    if held is None or held[0] != key:
+        # a new cache (vLLM's minimal profiling cache, then the real one): a new pool
+        held = _POOLS[kind] = (key, make(kv_cache))
+    return held[1]
 
 
 def sink_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> SinkPool:
-    key = (str(kv_cache.device), kv_cache.shape[0], paged.blocks_per_slot)
-    pool = _POOLS.get(key)
-    if pool is None:
-        # a new cache (vLLM's minimal profiling cache, then the real one): drop the old pools
-        _POOLS.clear()
-        pool = _POOLS[key] = paged.new_pool(kv_cache)
-    return pool
-
-
-#: One residual-window pool per cache geometry and device (shared by every layer).
-_WINDOW_POOLS: dict[tuple, WindowPool] = {}
+    return _pool("sinks", kv_cache, paged.blocks_per_slot, paged.new_pool)
 
 
 def window_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> WindowPool:
-    key = (str(kv_cache.device), kv_cache.shape[0], paged.window_blocks_per_slot)
-    pool = _WINDOW_POOLS.get(key)
-    if pool is None:
-        _WINDOW_POOLS.clear()
-        pool = _WINDOW_POOLS[key] = paged.new_window_pool(kv_cache)
-    return pool
+    return _pool("window", kv_cache, paged.window_blocks_per_slot, paged.new_window_pool)
 
 
 #: ``kv_connector_extra_config`` key that lets a connector run beside the compact backend:
