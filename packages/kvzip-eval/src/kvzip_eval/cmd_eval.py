@@ -375,6 +375,10 @@ def next_steps(preset: str | None, device: str, model_path) -> list[str]:
     lines.append(
         "  kvzip eval --formats 4bit,int4    only some formats; kvzip eval --help for every option"
     )
+    lines.append(
+        "  kvzip eval --formats 4bit,4bit+r128  with a residual window: the last 128 tokens in "
+        "bf16 (KVZIP_KV_FORMAT=4bit+r128 in vLLM)"
+    )
     return lines
 
 
