@@ -11,6 +11,7 @@
 #   gpu_session.sh codec     # bench_lossless_gpu.py beside nvCOMP (.carry/kv, .carry/nvcomp carried)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race
 #   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval (second model piece carried)
+#   gpu_session.sh window    # the residual window's GPU tests (then serving with SERVING_FORMATS=fp8,4bit,4bit+r128)
 #   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
 #   gpu_session.sh tp2serving  # nvidia-h200-x2: bench_serving.py --tp 2, fp8 and 4bit at 32k (not yet run)
 set -uo pipefail
@@ -94,6 +95,13 @@ quality)
   env_line
   timeout 560 python3 $R/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \
     --calibration /tmp/smollm2/calibration --out $RES --deadline-s 480 2>&1 | tail -20
+  ;;
+window)
+  env_line
+  # the residual window's GPU paths (kernels' decode, FlashAttention workspace), no vLLM engine;
+  # then SERVING_FORMATS=fp8,4bit,4bit+r128 gpu_session.sh serving for capacity and speed
+  timeout ${WINDOW_LIMIT_S:-240} python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_window.py \
+    $R/kvzip-kernels/tests/test_cuda_decode.py -k "window" 2>&1 | tee $RES/window_gpu_tests.log | tail -4
   ;;
 tp2)
   env_line
