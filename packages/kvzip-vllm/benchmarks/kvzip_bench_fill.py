@@ -110,7 +110,7 @@ class KvzipBenchFill(KVConnectorBase_V1):
         slots = torch.arange(bs, device=cache.device) + bs
         sinks = None
         if pa.sink_tokens:
-            from kvzip_vllm.paged import plan_step, sink_plan
+            from kvzip_vllm.sinks import plan_step, sink_plan
 
             fresh, rows = sink_plan([0, bs], [bs], pa.sink_tokens)
             first = torch.tensor([1], device=cache.device)

@@ -43,15 +43,9 @@ from vllm.v1.attention.backend import (
 )
 
 from kvzip_vllm import compat, support
-from kvzip_vllm.paged import (
-    PagedAttention,
-    SinkPool,
-    StepSinks,
-    content_bytes,
-    plan_step,
-    sink_plan,
-)
+from kvzip_vllm.paged import PagedAttention, content_bytes
 from kvzip_vllm.settings import backend_settings, load_format
+from kvzip_vllm.sinks import SinkPool, StepSinks, plan_step, sink_plan
 from kvzip_vllm.window import StepWindow, WindowPool, plan_window
 
 #: vLLM's decoder layer names: ``model.layers.<index>.self_attn.attn`` (the index picks the

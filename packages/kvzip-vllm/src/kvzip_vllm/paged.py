@@ -20,8 +20,9 @@ positions of every sequence are also kept in bf16. Only a sequence's first block
 they are kept per sequence, not per block: every block reserves ``reserve`` bytes per token
 and KV head (``sink_reserve_bytes``: 2 at head size 128, one sink token), and the reserves of
 ``blocks_per_slot`` consecutive blocks form one slot of ``sink_tokens x 2 x H x d`` bf16, one
-slot per ``SINK_SLOT_TOKENS`` tokens of cache. The reserve is part of the bytes per token the
-backend declares, so vLLM sizes and reports the cache with the sinks in it, and the backend
+slot per ``SINK_SLOT_TOKENS`` tokens of cache (the pool and the step's plan: ``sinks.py``).
+The reserve is part of the bytes per token the backend declares, so vLLM sizes and reports
+the cache with the sinks in it, and the backend
 allocates nothing beside vLLM's tensor but a ``SinkPool``'s three index vectors (one per model,
 shared by every layer: 8 bytes per block and 16 per slot). The ``SinkPool`` maps a first block
 to its slot; a slot is given to a new sequence's first block (its first chunk) from the slots
@@ -63,6 +64,14 @@ import torch
 
 from kvzip_formats import FormatError
 from kvzip_formats.ops import PagedLayout, gather_rows
+from kvzip_vllm.sinks import (  # noqa: F401  (re-exported: the tests import them from here)
+    SINK_SLOT_TOKENS,
+    SinkPool,
+    StepSinks,
+    plan_step,
+    sink_plan,
+    sink_reserve_bytes,
+)
 from kvzip_vllm.window import DEFAULT_SLOT_TOKENS, StepWindow, WindowPool, window_reserve_bytes
 
 logger = logging.getLogger("vllm.kvzip.paged")
@@ -91,16 +100,6 @@ class Geometry:
     block_size: int
 
 
-#: One sink slot per this many tokens of cache: the reserve per token and KV head is
-#: ``4 * sink_tokens * head_size / SINK_SLOT_TOKENS`` bytes (bf16 K and V), rounded up.
-SINK_SLOT_TOKENS = 256
-
-
-def sink_reserve_bytes(sink_tokens: int, head_size: int) -> int:
-    """Bytes per token and KV head that every block reserves for the sink pool."""
-    return -(-4 * sink_tokens * head_size // SINK_SLOT_TOKENS) if sink_tokens else 0
-
-
 def content_bytes(
     fmt, head_size: int, block_size: int, recent: int = 0, slot_tokens: int = DEFAULT_SLOT_TOKENS
 ) -> int:
@@ -112,139 +111,6 @@ def content_bytes(
         rows
         + sink_reserve_bytes(int(fmt.sink_tokens), head_size)
         + window_reserve_bytes(recent, head_size, slot_tokens)
-    )
-
-
-class SinkPool:
-    """Which sink slot holds the sinks of each first block: one pool per model (every layer's
-    cache has the same blocks and slots), on the cache's device.
-
-    ``slot_of_block[b]``: the slot last given to block ``b`` (-1: none); ``owner[j]``: the
-    block slot ``j`` was last given to (a block's slot is valid while it still owns it);
-    ``last_used[j]``: the step that last read or wrote it. Nothing here reads the device.
-    """
-
-    def __init__(self, num_blocks: int, num_slots: int, device) -> None:
-        if num_slots < 1:
-            raise ValueError(
-                f"a cache of {num_blocks} blocks has no sink slot (one per {SINK_SLOT_TOKENS} "
-                "tokens); give vLLM more KV cache memory"
-            )
-        self.num_blocks, self.num_slots = num_blocks, num_slots
-        self.slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
-        self.owner = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
-        self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.step = 0
-        self.assigned = 0  # slots given out so far
-
-    @property
-    def index_bytes(self) -> int:
-        """Device bytes the pool's index vectors take (the only memory beside vLLM's cache)."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.slot_of_block, self.owner, self.last_used)
-        )
-
-    @property
-    def may_miss(self) -> bool:
-        """Whether a first block may have lost its slot (more slots given than exist)."""
-        return self.assigned > self.num_slots
-
-    def begin_step(self, first_blocks: torch.Tensor, fresh: Sequence[int]):
-        """Mark the slots of this step's sequences (first blocks ``[batch]``) as used and give
-        the ``fresh`` ones (indices into the batch: sequences whose first chunk this is) the
-        least recently used slots. Returns ``(slots, valid)`` ``[batch]`` on the device."""
-        self.step += 1
-        first = first_blocks.to(torch.int64)
-        slot = self.slot_of_block[first]
-        safe = slot.clamp_min(0)
-        valid = (slot >= 0) & (self.owner[safe] == first)
-        self.last_used.scatter_reduce_(0, safe, torch.where(valid, self.step, 0), "amax")
-        if fresh:
-            if len(fresh) > self.num_slots:
-                raise ValueError(
-                    f"{len(fresh)} new sequences in one step but the cache has {self.num_slots} "
-                    f"sink slots (one per {SINK_SLOT_TOKENS} tokens); lower max_num_seqs or "
-                    "give vLLM more KV cache memory"
-                )
-            idx = torch.tensor(list(fresh), dtype=torch.int64, device=first.device)
-            blocks = first[idx]
-            victims = torch.topk(self.last_used, len(fresh), largest=False).indices
-            self.slot_of_block[blocks] = victims
-            self.owner[victims] = blocks
-            self.last_used[victims] = self.step
-            slot = slot.clone()
-            slot[idx] = victims
-            valid = valid.clone()
-            valid[idx] = True
-            self.assigned += len(fresh)
-        return slot.clamp_min(0), valid
-
-
-@dataclass
-class StepSinks:
-    """One step's sink plan, shared by every layer: per sequence its slot, whether the slot
-    still holds its sinks, its first block; and the new tokens at sink positions: their row in
-    the step's key/value, the position, and (``write_req``) the sequences they belong to."""
-
-    slots: torch.Tensor  # [batch] int64
-    valid: torch.Tensor  # [batch] bool
-    first: torch.Tensor  # [batch] int64
-    may_miss: bool
-    rows: torch.Tensor  # [m] int64: row in key/value
-    row_req: torch.Tensor  # [m] int64: index into write_req
-    pos: torch.Tensor  # [m] int64: position < sink_tokens
-    write_req: torch.Tensor  # [u] int64: sequences (batch index) that write sinks
-
-    def select(self, idx: torch.Tensor) -> StepSinks:
-        """The read side for the sequences ``idx`` (no writes)."""
-        none = self.rows[:0]
-        return StepSinks(
-            self.slots[idx],
-            self.valid[idx],
-            self.first[idx],
-            self.may_miss,
-            none,
-            none,
-            none,
-            none,
-        )
-
-
-def sink_plan(qsl: Sequence[int], seq_lens: Sequence[int], sink_tokens: int):
-    """From a step's query start offsets ``[batch + 1]`` and sequence lengths (host lists):
-    the sequences whose first chunk this is, and every new token at a position
-    ``< sink_tokens`` as ``(row, sequence, position)``."""
-    fresh, rows = [], []
-    for i, n in enumerate(seq_lens):
-        q = qsl[i + 1] - qsl[i]
-        ctx = n - q
-        if q and ctx == 0:
-            fresh.append(i)
-        for p in range(ctx, min(sink_tokens, n)):
-            rows.append((qsl[i] + p - ctx, i, p))
-    return fresh, rows
-
-
-def plan_step(pool: SinkPool, first_blocks, fresh, rows) -> StepSinks:
-    """The step's ``StepSinks``: slots from ``pool`` (``fresh`` get new ones) and the sink
-    writes ``rows`` (``(row, sequence, position)``, from ``sink_plan``)."""
-    slots, valid = pool.begin_step(first_blocks, fresh)
-    dev = slots.device
-    seqs = sorted({r[1] for r in rows})
-    local = {q: j for j, q in enumerate(seqs)}
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.int64, device=dev)
-
-    return StepSinks(
-        slots,
-        valid,
-        first_blocks.to(torch.int64),
-        pool.may_miss,
-        t([r[0] for r in rows]),
-        t([local[r[1]] for r in rows]),
-        t([r[2] for r in rows]),
-        t(seqs),
     )
 
 
@@ -496,18 +362,22 @@ class PagedAttention:
         start = torch.where(win.has, win.valid_from, win.ctx)
         return (k, v), start.to(torch.int32).to(k.device)
 
-    def place_window(self, x, kind: str, kv_cache, win: StepWindow, j: int, fresh, base=0):
+    def place_window(self, k, v, kv_cache, win: StepWindow, j: int, fresh_k, fresh_v, base=0):
         """Sequence ``j`` of ``win``: its ring's positions ``max(ctx - recent, valid_from,
-        sink_tokens) .. ctx - 1`` and its new tokens (``fresh`` ``[q, num_kv_heads,
-        head_size]``) written over its decoded rows in ``x`` (from row ``base``)."""
+        sink_tokens) .. ctx - 1`` and its new tokens (``fresh_k``/``fresh_v`` ``[q,
+        num_kv_heads, head_size]``) written over its decoded rows in ``k`` and ``v`` (from row
+        ``base``)."""
         c = win.ctx_host[j]
         lo = max(c - self.recent, win.valid_from_host[j], self.sink_tokens)
+        ring = None
         if win.has_host[j] and lo < c:
-            ring = self.rings(kv_cache, win.slots[j : j + 1])[0, :, 0 if kind == "k" else 1]
-            pos = torch.arange(lo, c, device=ring.device)
-            x[base + lo : base + c] = ring[pos % self.recent].to(x.dtype).to(x.device)
-        q = fresh.shape[0]
-        x[base + c : base + c + q] = fresh.to(torch.bfloat16).to(x.dtype).to(x.device)
+            ring = self.rings(kv_cache, win.slots[j : j + 1])[0]
+            pos = torch.arange(lo, c, device=ring.device) % self.recent
+        q = fresh_k.shape[0]
+        for part, (x, fresh) in enumerate(((k, fresh_k), (v, fresh_v))):
+            if ring is not None:
+                x[base + lo : base + c] = ring[pos, part].to(x.dtype).to(x.device)
+            x[base + c : base + c + q] = fresh.to(torch.bfloat16).to(x.dtype).to(x.device)
 
     def _slots(self, kv_cache, slots: torch.Tensor) -> torch.Tensor:
         g = self.geometry
@@ -846,8 +716,7 @@ class PagedAttention:
                 out[1][dst] = sv[j, p].to(out[1].device)
         if window is not None:  # fresh: per request its new tokens' (k, v)
             for j, i in enumerate(requests):
-                for x, kind, new in zip(out, "kv", fresh[j], strict=True):
-                    self.place_window(x, kind, kv_cache, window, i, new, base=cu[j])
+                self.place_window(out[0], out[1], kv_cache, window, i, *fresh[j], base=cu[j])
         return out[0], out[1], cu
 
     def attend_workspace(
@@ -931,8 +800,10 @@ class PagedAttention:
             k = self.gather(k_pages, block_table[i], seq_len, "k", layer, sk, i)
             v = self.gather(v_pages, block_table[i], seq_len, "v", layer, sv, i)
             if window is not None:
-                self.place_window(k, "k", kv_cache, window, i, self._fresh(key, slice(qs, qe)))
-                self.place_window(v, "v", kv_cache, window, i, self._fresh(value, slice(qs, qe)))
+                rows = slice(qs, qe)
+                self.place_window(
+                    k, v, kv_cache, window, i, self._fresh(key, rows), self._fresh(value, rows)
+                )
             q = query[qs:qe].reshape(qe - qs, g.num_heads, g.head_size).float()
             k = k.repeat_interleave(rep, dim=1)  # [n, hq, d]
             v = v.repeat_interleave(rep, dim=1)

@@ -101,7 +101,7 @@ class WindowPool:
 class StepWindow:
     """One step's window plan, shared by every layer (device tensors, ``[batch]``): each
     sequence's slot (clamped to 0 where it has none), whether it has one, where its window
-    starts being held (``valid_from``), its cached and total lengths; and the ring writes after
+    starts being held (``valid_from``), its cached length; and the ring writes after
     attention: the step's token rows, their slot and ring index."""
 
     recent: int
@@ -109,7 +109,6 @@ class StepWindow:
     has: torch.Tensor  # [b] bool
     valid_from: torch.Tensor  # [b] int64
     ctx: torch.Tensor  # [b] int64
-    seq_lens: torch.Tensor  # [b] int64
     ctx_host: list[int]
     valid_from_host: list[int]
     has_host: list[bool]
@@ -127,7 +126,6 @@ class StepWindow:
             self.has[idx],
             self.valid_from[idx],
             self.ctx[idx],
-            self.seq_lens[idx],
             [self.ctx_host[i] for i in ih],
             [self.valid_from_host[i] for i in ih],
             [self.has_host[i] for i in ih],
@@ -176,7 +174,6 @@ def plan_window(
         t([s >= 0 for s in slots], torch.bool),
         t(starts),
         t(ctx),
-        t(list(seq_lens)),
         ctx,
         starts,
         [s >= 0 for s in slots],
