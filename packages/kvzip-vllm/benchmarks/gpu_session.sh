@@ -100,8 +100,16 @@ window)
   env_line
   # the residual window's GPU paths (kernels' decode, FlashAttention workspace), no vLLM engine;
   # then SERVING_FORMATS=fp8,4bit,4bit+r128 gpu_session.sh serving for capacity and speed
-  timeout ${WINDOW_LIMIT_S:-240} python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_window.py \
-    $R/kvzip-kernels/tests/test_cuda_decode.py -k "window" 2>&1 | tee $RES/window_gpu_tests.log | tail -4
+  env -u KVZIP_KERNELS_BACKEND PYTHONPATH=$PYTHONPATH:$R/kvzip-kernels/tests timeout ${WINDOW_LIMIT_S:-240} \
+    python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_window.py \
+    $R/kvzip-kernels/tests/test_cuda_decode.py -k "window or sink" 2>&1 | tee $RES/window_gpu_tests.log | tail -4
+  if [ "${PIPESTATUS[0]}" = 0 ]; then echo auto >/tmp/kvzip_kernels_backend; fi
+  export KVZIP_KERNELS_BACKEND=$(cat /tmp/kvzip_kernels_backend 2>/dev/null || echo triton)
+  echo "decode path for vLLM: $KVZIP_KERNELS_BACKEND"
+  # the backend in vLLM with the window (tiny shape, beside fp8): capacity, graphs, its paths
+  KVZIP_GPU_SHAPE=tiny timeout ${WINDOW_BACKEND_LIMIT_S:-240} python3 -m pytest -q -m gpu \
+    "$R/kvzip-vllm/tests/test_vllm_e2e.py::test_backend_on_cuda_capacity_graphs_and_kernel_paths[4bit+r128]" \
+    2>&1 | tee $RES/window_backend_on_cuda.log | tail -4
   ;;
 tp2)
   env_line

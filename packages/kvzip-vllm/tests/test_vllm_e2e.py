@@ -206,25 +206,28 @@ def _gpu_backend(tmp: Path, fmt: str) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_NO_CUDA, reason="needs a CUDA GPU (vLLM 0.26 on the H200)")
-@pytest.mark.parametrize("fmt", ["int4", "4bit", "3.5bit", "3bit"])
+@pytest.mark.parametrize("fmt", ["int4", "4bit", "3.5bit", "3bit", "4bit+r128"])
 def test_backend_on_cuda_capacity_graphs_and_kernel_paths(fmt, tmp_path_factory):
     """vLLM on CUDA with the compact backend: its reported KV capacity against fp8's in the
-    same memory is what the bytes per token predict (sinks and metadata counted) and meets
-    the issue's goal; generation runs with CUDA graphs (PIECEWISE: attention between the
-    graphs); prefill chunks run the bf16 workspace with vLLM's FlashAttention, decode steps
-    kvzip-kernels' decode, never the torch reference."""
+    same memory is what the bytes per token predict (sinks, a residual window's reserve and
+    metadata counted) and meets the issue's goal; generation runs with CUDA graphs
+    (PIECEWISE: attention between the graphs); prefill chunks run the bf16 workspace with
+    vLLM's FlashAttention, decode steps kvzip-kernels' decode, never the torch reference;
+    with a window (``+rN``), decode and prefill both read it and the steps write its rings."""
     import kvzip_formats
+    from kvzip_formats.window import split_name
     from kvzip_kernels.testing import synthetic_calibration
     from kvzip_vllm.paged import content_bytes
 
     tmp = tmp_path_factory.getbasetemp()
     base, comp = _gpu_backend(tmp, "fp8"), _gpu_backend(tmp, fmt)
     ratio = comp["capacity_tokens"] / base["capacity_tokens"]
-    cal = synthetic_calibration(8, 128) if fmt != "int4" else None
-    per_token = content_bytes(kvzip_formats.get_format(fmt, calibration=cal), 128, 16)
+    name, recent = split_name(fmt)
+    cal = synthetic_calibration(8, 128) if name != "int4" else None
+    per_token = content_bytes(kvzip_formats.get_format(name, calibration=cal), 128, 16, recent)
     predicted = 2 * 128 / per_token  # fp8: 2 x 128 bytes per token and KV head
     assert ratio >= 0.97 * predicted, (fmt, ratio, predicted)
-    if fmt in CAPACITY_GOALS:
+    if fmt in CAPACITY_GOALS:  # the plain formats' goals; a window's reserve is on top of them
         assert ratio >= CAPACITY_GOALS[fmt], (fmt, ratio)
     assert "PIECEWISE" in comp["cudagraph_mode"], comp["cudagraph_mode"]
     assert comp["all_generated"]
@@ -232,3 +235,6 @@ def test_backend_on_cuda_capacity_graphs_and_kernel_paths(fmt, tmp_path_factory)
     assert calls.get("prefill_workspace", 0) > 0 and calls.get("varlen:flash_attn_varlen", 0) > 0
     assert calls.get("decode_kernels", 0) > 0 and calls.get("write_kernels", 0) > 0
     assert not calls.get("attend_reference") and not calls.get("write_reference"), calls
+    if recent:
+        assert calls.get("decode_kernels_window", 0) > 0 and calls.get("workspace_window", 0) > 0
+        assert calls.get("window_write", 0) > 0, calls

@@ -334,6 +334,7 @@ class PagedAttention:
         """The step's last ``recent`` new tokens of each sequence with a slot into its ring."""
         if not win.w_rows.numel():
             return
+        PATH_CALLS["window_write"] += 1
         g = self.geometry
         store = self.window_store(kv_cache)
         per = store.shape[2]  # values per block's reserve
@@ -653,6 +654,8 @@ class PagedAttention:
         import kvzip_kernels
 
         PATH_CALLS["decode_kernels"] += 1
+        if recent is not None:
+            PATH_CALLS["decode_kernels_window"] += 1
         b, g = query.shape[0], self.geometry
         k_pages, v_pages = self.pages(kv_cache)
         target = None
@@ -715,6 +718,7 @@ class PagedAttention:
                 out[0][dst] = sk[j, p].to(out[0].device)
                 out[1][dst] = sv[j, p].to(out[1].device)
         if window is not None:  # fresh: per request its new tokens' (k, v)
+            PATH_CALLS["workspace_window"] += 1
             for j, i in enumerate(requests):
                 self.place_window(out[0], out[1], kv_cache, window, i, *fresh[j], base=cu[j])
         return out[0], out[1], cu
