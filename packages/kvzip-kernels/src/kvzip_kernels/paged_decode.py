@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,13 @@ from kvzip_kernels._decode_codebook import _codebook_split_kernel
 from kvzip_kernels._decode_kernels import _fp8_split_kernel, _int4_split_kernel, _merge_kernel
 from kvzip_kernels._device_consts import codebook_lut, fold_q, on_device, transform_consts, unfold_o
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
+from kvzip_kernels._merge_extra import merge_extra
 
 LOG2E = 1.4426950408889634
+
+#: Calls of :func:`paged_decode` by ``"format:backend"`` (``"4bit:cuda"``, ``"4bit:triton"``):
+#: which kernels a run (a serving benchmark, say) used, ``auto`` having chosen per call.
+CALLS: Counter[str] = Counter()
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,7 @@ def paged_decode(
     from kvzip_kernels import _cuda
 
     use_cuda = _cuda.choose(backend, f.name, spec, g, q.device) == "cuda"
+    CALLS[f"{f.name}:{'cuda' if use_cuda else 'triton'}"] += 1
     geometry = dict(
         num_kv_heads=hkv,
         k_page_bytes=spec.layout.page_bytes,
@@ -364,21 +371,13 @@ def _codebook_launch(
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     n_sink = 0 if sinks is None else sinks[0].shape[1]
-    extra, valid = sinks, None
+    full = end = None
     if recent is not None:  # rows end where the window starts (never inside the sinks)
-        r = recent[0].shape[1]
-        full = seq_lens.to(torch.int64)
-        start = full - r  # [b]: the first position the window tensor holds
-        end = start if recent_from is None else torch.maximum(start, recent_from.to(torch.int64))
+        full = seq_lens.to(torch.int32)
+        start = full - recent[0].shape[1]  # [b]: the first position the window tensor holds
+        end = start if recent_from is None else torch.maximum(start, recent_from.to(torch.int32))
         end = torch.clamp(end, min=n_sink).minimum(full)  # the rows stop here
-        seq_lens = end.to(torch.int32)
-        pos = start[:, None] + torch.arange(r, device=q.device)[None, :]  # [b, R]
-        valid = pos >= end[:, None]
-        if sinks is not None:
-            extra = tuple(torch.cat([s, w], 1) for s, w in zip(sinks, recent, strict=True))
-            valid = torch.cat([torch.ones(b, n_sink, dtype=torch.bool, device=q.device), valid], 1)
-        else:
-            extra = recent
+        seq_lens = end
     tk, tv = f.transform_of("k", layer), f.transform_of("v", layer)
     dev = q.device
     # constants on the device once (a per-call upload from host memory waits for the stream:
@@ -402,15 +401,14 @@ def _codebook_launch(
     interpret = common["INTERPRET"]
 
     def post(y, out):  # [b, hq, d] float32 in the transformed domain -> bf16 ``out``
-        if extra is None:
+        if sinks is None and recent is None:
             unfold_o(y, bvt, mean_v, out, hkv, interpret)
             return
-        o = torch.einsum("bhge,hed->bhgd", y.view(b, hkv, hq // hkv, d), bvt)
-        o = o + mean_v[None, :, None, :]
-        o = _merge_sinks(
-            o, q, extra, lse.view(b, hkv, hq // hkv, splits), mean_k, scale, valid=valid
-        )
-        out.copy_(o.reshape(b, hq, d))
+        # the rows merged with the bf16 sinks and window in one kernel (_merge_extra.py)
+        merge_extra(
+            y, lse, bvt, mean_v, mean_k, q, sinks, recent, full, end, out, scale * LOG2E,
+            splits, interpret,
+        )  # fmt: skip
 
     return q16, post
 
@@ -454,27 +452,6 @@ def _codebook_triton(
         **consts,
         **common,
     )
-
-
-def _merge_sinks(o, q, sinks, lse, mean_k, scale, valid=None):
-    """Merge attention over the rows (``o`` ``[b, hkv, g, d]``, log-sum-exp per split ``lse``,
-    base 2, scores without ``q . mean_k``) with attention over the bf16 tokens ``sinks``
-    (the sinks, then a residual window; ``valid`` ``[b, n]``: which of them to attend)."""
-    b, hkv, g, d = o.shape
-    qf = q.float().view(b, hkv, g, d)
-    ln2 = 0.6931471805599453
-    lse_rows = torch.logsumexp(lse * ln2, dim=-1) / ln2  # [b, hkv, g]
-    lse_rows = lse_rows + torch.einsum("bhgd,hd->bhg", qf, mean_k) * scale * LOG2E
-    ks, vs = sinks[0].float(), sinks[1].float()  # [b, n, hkv, d]
-    s_sink = torch.einsum("bhgd,bnhd->bhgn", qf, ks) * scale * LOG2E
-    if valid is not None:
-        s_sink = s_sink.masked_fill(~valid[:, None, None, :], float("-inf"))
-    top = torch.maximum(lse_rows, s_sink.amax(-1))
-    w_rows = torch.exp2(lse_rows - top)  # 0 where a sequence is all sinks (lse -inf)
-    w_sink = torch.exp2(s_sink - top[..., None])
-    num = torch.where(w_rows[..., None] > 0, o, 0.0) * w_rows[..., None]
-    num = num + torch.einsum("bhgn,bnhd->bhgd", w_sink, vs)
-    return num / (w_rows + w_sink.sum(-1))[..., None]
 
 
 def _check_sinks(sinks, spec, q, num_kv_heads) -> None:
