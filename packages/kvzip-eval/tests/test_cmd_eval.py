@@ -278,6 +278,6 @@ def test_a_residual_window_format_end_to_end(loaded, tmp_path):
     assert "band_attention" in data["attention"]
     assert f["int4+r16"]["kl_mean"] < f["int4"]["kl_mean"]
     assert f["int4+r16"]["words_changed"] is not None and f["int4+r16"]["retrieval"]
-    assert "not yet run in vLLM on a GPU" in (tmp_path / "r" / "report.md").read_text()
+    assert "KVZIP_KV_FORMAT=4bit+r128" in (tmp_path / "r" / "report.md").read_text()
     res = CliRunner().invoke(command, [*TINY, "--formats", "int4+r0"])
     assert res.exit_code == 2 and "N >= 1" in res.output

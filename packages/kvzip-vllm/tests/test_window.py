@@ -13,8 +13,10 @@ its own and reads the hit's window from the rows until its own tokens fill it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -261,3 +263,50 @@ def test_settings_read_the_window_from_the_format_name(monkeypatch):
             kvzip_formats.get_format("int4"), num_heads=4, num_kv_heads=2, head_size=64,
             block_size=16, scale=0.125, recent=16,
         )  # fmt: skip
+
+
+GOLDEN = Path(__file__).parent / "golden" / "window" / "vectors.json"
+
+
+def golden_state() -> dict:
+    """The bytes a fixed run leaves in the cache (spec/residual_window.md section 5): two
+    sequences, prefill chunks then decodes, through the reference path. The window's region
+    (every block's window reserve) as the sha256 of its bytes, and the rings' slots and first
+    positions (the rows are the format's, frozen by its own golden vectors)."""
+    import hashlib
+
+    p = _paged(kernels=False)
+    run = Run(p, num_blocks=64, seed=3)
+    for batch in ({"a": 40}, {"a": 20, "b": 7}, {"a": 1, "b": 30}, {"a": 1, "b": 1}):
+        res = run.step(batch)
+    win = res["a"][2]
+    region = p.window_store(run.cache).contiguous().view(torch.int16).numpy().tobytes()
+    return {
+        "config": dict(
+            format="4bit",
+            hq=HQ,
+            hkv=HKV,
+            head_dim=D,
+            block_size=BS,
+            recent=R,
+            slot_tokens=SLOT_TOKENS,
+            num_blocks=64,
+            seed=3,
+        ),  # fmt: skip
+        "slots": [int(s) for s in win.slots.tolist()],
+        "valid_from": list(win.valid_from_host),
+        "window_region_sha256": hashlib.sha256(region).hexdigest(),
+    }
+
+
+def test_the_windows_bytes_are_the_frozen_golden_ones():
+    """A change here is a change to the bytes vLLM's cache holds: bump the spec's version and
+    regenerate (``tests/golden/window/make_golden.py``)."""
+    want = json.loads(GOLDEN.read_text())
+    got = golden_state()
+    assert got["config"] == want["config"]
+    assert got["slots"] == want["slots"] and got["valid_from"] == want["valid_from"]
+    assert got["window_region_sha256"] == want["window_region_sha256"], (
+        "the window's ring bytes changed (spec/residual_window.md version "
+        f"{want['spec_version']}): a new version of the spec, then make_golden.py"
+    )

