@@ -1,8 +1,10 @@
 """paged_decode kernels vs the float32 reference on the dequantised cache.
 
-Earned tolerance (style.md): the kernel's relative L2 error against the float32 reference must
+Earned tolerance: the kernel's relative L2 error against the float32 reference must
 be at most twice that of plain torch doing the same attention in bf16, plus 1e-3.
 """
+
+import functools
 
 import pytest
 import torch
@@ -319,3 +321,55 @@ def test_residual_window_from_a_start_reads_the_rows_before_it(device):
     torch.testing.assert_close(whole[1:2], ref[1:2], rtol=0, atol=0)  # from 0: the same
     with pytest.raises(FormatError, match="recent_from"):
         paged_decode(fmt, *dev, block_size=16, recent_from=start.to(device))
+
+
+def _ring_store(slots: int, blocks: int, per: int, device):
+    """A strided bf16 ring store as a server lays one out: each slot's values through
+    ``blocks`` consecutive blocks, ``per`` values each, at an offset inside a wider block."""
+    buf = torch.zeros(slots * blocks, per + 24, dtype=torch.bfloat16, device=device)
+    return buf[:, 8 : 8 + per].view(slots, blocks, per)
+
+
+def test_a_ring_reads_the_same_window_as_a_window_tensor(device):
+    """``recent=Ring(...)``: the window read where the rings keep it (entry ``p mod R``, the
+    step's token last) gives the same output, bit for bit, as the window passed as a tensor;
+    ``ring_write`` puts K and V where the ring reads them."""
+    from kvzip_kernels import Ring, ring_write
+
+    hq, hkv, d, r = 8, 2, 128, 16
+    lens = [37, 20, 1]
+    (fmt, q, kc, vc, bt, sl), dev = make_case("4bit", hq, hkv, d, 16, lens, 7, device)
+    g = torch.Generator().manual_seed(13)
+    b = len(lens)
+    sk = tuple((torch.randn(b, 1, hkv, d, generator=g) * 2).bfloat16().to(device) for _ in "kv")
+    win = tuple((torch.randn(b, r + 1, hkv, d, generator=g) * 2).bfloat16() for _ in "kv")
+    kw = dict(block_size=16, config=DecodeConfig(block_n=16, num_splits=2), sinks=sk)
+    want = paged_decode(fmt, *dev, recent=tuple(t.to(device) for t in win), **kw)
+    # the same window in rings (slot i + 1: not the identity), written by ring_write
+    per = 48  # not a divisor of head_dim: entries straddle blocks
+    store = _ring_store(b + 1, -(-r * 2 * hkv * d // per), per, device)
+    rows, slot, idx = [], [], []
+    toks_k, toks_v = [], []
+    for i, n in enumerate(lens):
+        for j in range(r):
+            pos = n - (r + 1) + j
+            if pos >= 0:
+                rows.append(len(rows))
+                slot.append(i + 1)
+                idx.append(pos % r)
+                toks_k.append(win[0][i, j])
+                toks_v.append(win[1][i, j])
+    t64 = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+    ring_write(
+        store, torch.stack(toks_k).to(device), torch.stack(toks_v).to(device), t64(rows),
+        t64(slot), t64(idx),
+    )  # fmt: skip
+    full = torch.tensor(lens, dtype=torch.int32)
+    row_end = (full - (r + 1)).clamp(min=1).minimum(full).to(device)
+    ring = Ring(store, t64([i + 1 for i in range(b)]), win[0][:, r].to(device),
+                win[1][:, r].to(device), r, row_end)  # fmt: skip
+    got = paged_decode(fmt, *dev, recent=ring, **kw)
+    assert torch.equal(got, want)
+    with pytest.raises(FormatError, match="row_end"):
+        bad = Ring(ring.store, ring.slots, ring.fresh_k, ring.fresh_v, r, row_end.long())
+        paged_decode(fmt, *dev, recent=bad, **kw)

@@ -377,7 +377,7 @@ def _rel(a, b):
 
 def _check_close(got, want, plain, lens, what: str, record=None) -> None:
     """Per sequence: relative L2 error of the kernel <= 2x plain bf16 torch's + 1e-4
-    (flash-attention's rule, style.md). Measured on the CPU twin, kernel/plain per sequence of
+    (flash-attention's rule). Measured on the CPU twin, kernel/plain per sequence of
     6, 16 and 35 tokens: int4 3.4e-3/5.1e-3, 4.7e-3/4.7e-3, 4.7e-3/1.0e-2; fp8 1.5e-3/4.0e-3,
     1.7e-3/2.4e-3, 1.6e-3/5.4e-3; 4bit 1.8e-3/3.9e-3, 1.7e-3/6.9e-3, 1.7e-3/7.6e-3; 3.5bit
     1.7e-3/4.6e-3, 1.7e-3/5.5e-3, 1.8e-3/7.5e-3 (the bound sits 2x above the worst, int4 at

@@ -268,14 +268,15 @@ def test_settings_read_the_window_from_the_format_name(monkeypatch):
 GOLDEN = Path(__file__).parent / "golden" / "window" / "vectors.json"
 
 
-def golden_state() -> dict:
+def golden_state(kernels: bool = False) -> dict:
     """The bytes a fixed run leaves in the cache (spec/residual_window.md section 5): two
     sequences, prefill chunks then decodes, through the reference path. The window's region
     (every block's window reserve) as the sha256 of its bytes, and the rings' slots and first
-    positions (the rows are the format's, frozen by its own golden vectors)."""
+    positions (the rows are the format's, frozen by its own golden vectors). ``kernels``: the
+    rings written by ``kvzip_kernels.ring_write`` (and the decode through the kernels)."""
     import hashlib
 
-    p = _paged(kernels=False)
+    p = _paged(kernels=kernels)
     run = Run(p, num_blocks=64, seed=3)
     for batch in ({"a": 40}, {"a": 20, "b": 7}, {"a": 1, "b": 30}, {"a": 1, "b": 1}):
         res = run.step(batch)
@@ -299,11 +300,15 @@ def golden_state() -> dict:
     }
 
 
-def test_the_windows_bytes_are_the_frozen_golden_ones():
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_the_windows_bytes_are_the_frozen_golden_ones(kernels):
     """A change here is a change to the bytes vLLM's cache holds: bump the spec's version and
-    regenerate (``tests/golden/window/make_golden.py``)."""
+    regenerate (``tests/golden/window/make_golden.py``). The kernels' ring writes (the CUDA
+    path; on the CPU under Triton's interpreter) leave the same bytes as the torch ones."""
+    if kernels and not triton_runs(torch.device("cpu")):
+        pytest.skip("Triton does not run on the CPU here")
     want = json.loads(GOLDEN.read_text())
-    got = golden_state()
+    got = golden_state(kernels)
     assert got["config"] == want["config"]
     assert got["slots"] == want["slots"] and got["valid_from"] == want["valid_from"]
     assert got["window_region_sha256"] == want["window_region_sha256"], (

@@ -16,6 +16,8 @@ sinked ``4bit`` call took 1,279 us against 322 us without sinks
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,71 @@ def _attend_chunk(q16, kx, vx, ok, m_i, l_i, acc, qk_scale, INTERPRET: tl.conste
     return m_new, l_i * alpha + tl.sum(p, 1), pv
 
 
+@triton.jit
+def _ring_offsets(ri, c, h, num_kv_heads, ring_s1, ring_per, D: tl.constexpr):
+    """Element offsets, from its slot's first value, of ring entry ``ri`` (``[N]``), kind ``c``
+    (0: K, 1: V), KV head ``h``: the entry's ``D`` values at ``((ri * 2 + c) * num_kv_heads +
+    h) * D`` of the slot's values, which run through consecutive blocks' reserves of
+    ``ring_per`` values each (32-bit: ``ring_write`` and ``merge_extra`` check a slot fits)."""
+    d = tl.arange(0, D)
+    f = ((ri * 2 + c) * num_kv_heads + h.to(tl.int32))[:, None] * D + d[None, :]
+    return (f // ring_per) * ring_s1 + f % ring_per
+
+
+@triton.jit
+def _ring_chunk(
+    ring_ptr, slot_ptr, fk_ptr, fv_ptr, bi, h, nn, start, ok, n_win, num_kv_heads, ring_s0,
+    ring_s1, ring_per, fk_sb, fk_sh, fv_sb, fv_sh, D: tl.constexpr,
+):  # fmt: skip
+    """A chunk of window entries ``nn`` read where the backend keeps them: entry ``j < R``
+    (``R = n_win - 1``) at position ``start + j`` from the sequence's ring, entry ``R`` the
+    step's own token from ``fk``/``fv`` ``[b, H, D]``."""
+    r = n_win - 1
+    d = tl.arange(0, D)
+    base = ring_ptr + tl.load(slot_ptr + bi).to(tl.int64) * ring_s0
+    ri = (tl.where(ok, start + nn, 0) % r).to(tl.int32)
+    in_ring = (ok & (nn < r))[:, None]
+    kx = tl.load(
+        base + _ring_offsets(ri, 0, h, num_kv_heads, ring_s1, ring_per, D),
+        mask=in_ring,
+        other=0.0,
+    )
+    vx = tl.load(
+        base + _ring_offsets(ri, 1, h, num_kv_heads, ring_s1, ring_per, D),
+        mask=in_ring,
+        other=0.0,
+    )
+    new = ((nn == r) & ok)[:, None]
+    fk = tl.load(fk_ptr + bi * fk_sb + h * fk_sh + d)
+    fv = tl.load(fv_ptr + bi * fv_sb + h * fv_sh + d)
+    kx = tl.where(new, fk[None, :], kx)
+    vx = tl.where(new, fv[None, :], vx)
+    return kx, vx
+
+
+@triton.jit
+def _ring_write_kernel(
+    ring_ptr, key_ptr, value_ptr, rows_ptr, slots_ptr, idx_ptr, num_kv_heads, ring_s0, ring_s1,
+    ring_per, k_sr, k_sh, v_sr, v_sh, H_P: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Token ``i`` of the step (row ``rows[i]`` of ``key``/``value`` ``[tokens, H, D]``) into
+    ring entry ``idx[i]`` of slot ``slots[i]``."""
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    ri = tl.load(idx_ptr + i)
+    hh = tl.arange(0, H_P)
+    d = tl.arange(0, D)
+    m = (hh < num_kv_heads)[:, None]
+    base = ring_ptr + slot * ring_s0
+    f = ((ri.to(tl.int32) * 2) * num_kv_heads + hh)[:, None] * D + d[None, :]  # K's values
+    x = tl.load(key_ptr + row * k_sr + hh[:, None] * k_sh + d[None, :], mask=m, other=0.0)
+    tl.store(base + (f // ring_per) * ring_s1 + f % ring_per, x, mask=m)
+    f += num_kv_heads * D  # V's
+    x = tl.load(value_ptr + row * v_sr + hh[:, None] * v_sh + d[None, :], mask=m, other=0.0)
+    tl.store(base + (f // ring_per) * ring_s1 + f % ring_per, x, mask=m)
+
+
 # n_sink and n_win stay runtime values: specialized to 1 (one sink, no window), ptxas built a
 # kernel of 32 registers and a 7 KB stack (sm_90, Triton 3.6): 830 us a call in serving on the
 # H200 (batch 103, 32k) against 268 us for the same kernel with a window
@@ -66,7 +133,9 @@ def _merge_extra_kernel(
     sk_ptr,
     sv_ptr,  # sinks [b, n_sink, H, D] bf16 (strided)
     wk_ptr,
-    wv_ptr,  # window [b, R, H, D] bf16 (strided), right-aligned at full_ptr
+    wv_ptr,  # window [b, R, H, D] bf16 (strided), right-aligned at full_ptr; RING: the new token
+    ring_ptr,  # RING: the backend's ring store, bf16, slot s at s * ring_s0
+    slot_ptr,  # RING: [b] int64, each sequence's ring
     full_ptr,  # [b] int32: the sequences' lengths (the window's last entry is full - 1)
     end_ptr,  # [b] int32: where the rows stop (window entries before it are not attended)
     out_ptr,  # [b, hq, D] bf16
@@ -89,6 +158,9 @@ def _merge_extra_kernel(
     wv_sb,
     wv_sn,
     wv_sh,
+    ring_s0,
+    ring_s1,
+    ring_per,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     D: tl.constexpr,
@@ -96,6 +168,7 @@ def _merge_extra_kernel(
     S_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    RING: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -154,19 +227,74 @@ def _merge_extra_kernel(
         for n0 in range(0, n_win, BLOCK_N):
             nn = n0 + n
             ok = (nn < n_win) & (start + nn >= end)
-            kx = tl.load(
-                wk_ptr + bi * wk_sb + nn[:, None] * wk_sn + h * wk_sh + d[None, :],
-                mask=ok[:, None],
-                other=0.0,
-            )
-            vx = tl.load(
-                wv_ptr + bi * wv_sb + nn[:, None] * wv_sn + h * wv_sh + d[None, :],
-                mask=ok[:, None],
-                other=0.0,
-            )
+            if RING:  # entries 0 .. R - 1 from the ring (position p at p mod R), then the new one
+                kx, vx = _ring_chunk(
+                    ring_ptr, slot_ptr, wk_ptr, wv_ptr, bi, h, nn, start, ok, n_win,
+                    num_kv_heads, ring_s0, ring_s1, ring_per, wk_sb, wk_sh, wv_sb, wv_sh, D,
+                )  # fmt: skip
+            else:
+                kx = tl.load(
+                    wk_ptr + bi * wk_sb + nn[:, None] * wk_sn + h * wk_sh + d[None, :],
+                    mask=ok[:, None],
+                    other=0.0,
+                )
+                vx = tl.load(
+                    wv_ptr + bi * wv_sb + nn[:, None] * wv_sn + h * wv_sh + d[None, :],
+                    mask=ok[:, None],
+                    other=0.0,
+                )
             m_i, l_i, acc = _attend_chunk(q16, kx, vx, ok, m_i, l_i, acc, qk_scale, INTERPRET)
     res = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * D + d[None, :], _to_bf16(res, INTERPRET), mask=mm[:, None])
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A residual window read where a server keeps it (kvzip-vllm's rings), for
+    ``paged_decode(recent=Ring(...))``: no gather into a window tensor first.
+
+    ``store``: bf16 ``[num_slots, blocks, per]`` (strided; unit stride in the last dim), a
+    slot's values in order being its ring ``[recent, 2 (K, V), num_kv_heads, head_dim]``
+    (position ``p`` at entry ``p mod recent``); ``slots`` ``[batch]`` int64; ``fresh_k`` /
+    ``fresh_v`` ``[batch, num_kv_heads, head_dim]`` bf16 (unit stride in head_dim): the step's
+    own tokens, the window's last entry; ``row_end`` ``[batch]`` int32: where each sequence's
+    rows stop (its window, from there to its last token, is read in bf16). The window holds
+    ``recent + 1`` entries: positions ``seq_len - recent - 1 .. seq_len - 1``."""
+
+    store: torch.Tensor
+    slots: torch.Tensor
+    fresh_k: torch.Tensor
+    fresh_v: torch.Tensor
+    recent: int
+    row_end: torch.Tensor
+
+
+def _check_ring_store(store: torch.Tensor) -> None:
+    """The kernels address a slot's values with 32-bit offsets from its first one."""
+    if store.stride(2) != 1:
+        raise ValueError("a ring store needs unit stride in its last dimension")
+    if (store.shape[1] - 1) * store.stride(1) + store.shape[2] >= 2**31:
+        raise ValueError(
+            f"a ring slot spans {store.shape[1]} blocks of stride {store.stride(1)}: over 2^31 "
+            "values from its first (fewer tokens per slot, KVZIP_WINDOW_SLOT_TOKENS)"
+        )
+
+
+def ring_write(ring: torch.Tensor, key, value, rows, slots, idx) -> None:
+    """Token ``i``'s K and V (row ``rows[i]`` of ``key``/``value`` ``[tokens, H, D]``) into
+    entry ``idx[i]`` of slot ``slots[i]`` of the ring store ``ring`` (as :class:`Ring`'s)."""
+    m = rows.numel()
+    if not m:
+        return
+    h, d = key.shape[1], key.shape[2]
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError("ring_write: key and value need unit stride in head_dim")
+    _check_ring_store(ring)
+    _ring_write_kernel[(m,)](
+        ring, key, value, rows, slots, idx, h, ring.stride(0), ring.stride(1), ring.shape[2],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        H_P=triton.next_power_of_2(h), D=d, num_warps=4,
+    )  # fmt: skip
 
 
 def merge_extra(
@@ -177,7 +305,7 @@ def merge_extra(
     mean_k: torch.Tensor,
     q: torch.Tensor,
     sinks: tuple[torch.Tensor, torch.Tensor] | None,
-    window: tuple[torch.Tensor, torch.Tensor] | None,
+    window: tuple[torch.Tensor, torch.Tensor] | Ring | None,
     full: torch.Tensor | None,
     end: torch.Tensor | None,
     out: torch.Tensor,
@@ -188,20 +316,33 @@ def merge_extra(
     """``out`` bf16 ``[b, hq, d]``: the rows' output (``y`` float32 ``[b, hq, d]`` in the
     transformed domain, ``lse`` ``[b * hq * num_splits]``) merged with attention over the bf16
     ``sinks`` ``(k, v)`` ``[b, n, H, d]`` and a right-aligned ``window`` ``[b, R, H, d]``
-    (entry ``j`` at position ``full - R + j``, attended where that is ``>= end``)."""
+    (entry ``j`` at position ``full - R + j``, attended where that is ``>= end``), or a
+    :class:`Ring` (``R + 1`` entries)."""
     b, hq, d = out.shape
     hkv = bvt.shape[0]
     g = hq // hkv
     if sinks is None and window is None:
         raise ValueError("merge_extra: no bf16 tokens (sinks or a window) to merge")
-    sk, sv = sinks if sinks is not None else window  # placeholders with n_sink = 0
-    wk, wv = window if window is not None else sinks
+    ring = window if isinstance(window, Ring) else None
+    pair = (ring.fresh_k, ring.fresh_v) if ring is not None else window
+    sk, sv = sinks if sinks is not None else pair  # placeholders with n_sink = 0
+    wk, wv = pair if pair is not None else sinks
     for t in (sk, sv, wk, wv, q):
         if t.stride(-1) != 1:
             raise ValueError("merge_extra: bf16 tokens and q need unit stride in head_dim")
     if window is not None and (full is None or end is None):
         raise ValueError("merge_extra: a window needs full= and end=")
     idx = full if full is not None else torch.empty(1, dtype=torch.int32, device=out.device)
+    if ring is not None:
+        n_win, store, slots = ring.recent + 1, ring.store, ring.slots
+        _check_ring_store(store)
+        ring_strides = (store.stride(0), store.stride(1), store.shape[2])
+        # the new tokens [b, H, d] as [b, 1, H, d]: strides (batch, entry (unused), head)
+        w_strides = [wk.stride(0), 0, wk.stride(1), wv.stride(0), 0, wv.stride(1)]
+    else:
+        n_win = 0 if window is None else wk.shape[1]
+        store, slots, ring_strides = wk, idx, (0, 0, 1)
+        w_strides = [*(wk.stride(i) for i in range(3)), *(wv.stride(i) for i in range(3))]
     _merge_extra_kernel[(b * hkv,)](
         y,
         lse,
@@ -213,20 +354,22 @@ def merge_extra(
         sv,
         wk,
         wv,
+        store,
+        slots,
         idx,
         end if end is not None else idx,
         out,
         hkv,
         num_splits,
         0 if sinks is None else sk.shape[1],
-        0 if window is None else wk.shape[1],
+        n_win,
         scale_log2,
         q.stride(0),
         q.stride(1),
         *(sk.stride(i) for i in range(3)),
         *(sv.stride(i) for i in range(3)),
-        *(wk.stride(i) for i in range(3)),
-        *(wv.stride(i) for i in range(3)),
+        *w_strides,
+        *ring_strides,
         G=g,
         BLOCK_M=max(16, triton.next_power_of_2(g)),
         D=d,
@@ -234,6 +377,7 @@ def merge_extra(
         S_P=max(16, triton.next_power_of_2(num_splits)),
         BLOCK_N=32,
         HAS_WINDOW=window is not None,
+        RING=ring is not None,
         INTERPRET=interpret,
         num_warps=4,
     )

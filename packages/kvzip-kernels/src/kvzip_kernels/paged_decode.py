@@ -22,7 +22,7 @@ from kvzip_kernels._decode_codebook import _codebook_split_kernel
 from kvzip_kernels._decode_kernels import _fp8_split_kernel, _int4_split_kernel, _merge_kernel
 from kvzip_kernels._device_consts import codebook_lut, fold_q, on_device, transform_consts, unfold_o
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
-from kvzip_kernels._merge_extra import merge_extra
+from kvzip_kernels._merge_extra import Ring, merge_extra
 
 LOG2E = 1.4426950408889634
 
@@ -198,7 +198,10 @@ def paged_decode(
                 "recent= (a residual window) is for the compact formats (4bit, 3.5bit, 3bit); "
                 f"format {f.name!r} reads every token from its rows"
             )
-        check_window(recent, "recent", q, k_cache.shape[1])
+        if isinstance(recent, Ring):
+            _check_ring(recent, q, k_cache.shape[1], recent_from)
+        else:
+            check_window(recent, "recent", q, k_cache.shape[1])
         if recent_from is not None and (
             not isinstance(recent_from, torch.Tensor)
             or recent_from.shape != (q.shape[0],)
@@ -372,7 +375,10 @@ def _codebook_launch(
     hkv = k_cache.shape[1]
     n_sink = 0 if sinks is None else sinks[0].shape[1]
     full = end = None
-    if recent is not None:  # rows end where the window starts (never inside the sinks)
+    if isinstance(recent, Ring):  # the server computed where the rows end, once per step
+        full, end = seq_lens.to(torch.int32), recent.row_end
+        seq_lens = end
+    elif recent is not None:  # rows end where the window starts (never inside the sinks)
         full = seq_lens.to(torch.int32)
         start = full - recent[0].shape[1]  # [b]: the first position the window tensor holds
         end = start if recent_from is None else torch.maximum(start, recent_from.to(torch.int32))
@@ -452,6 +458,33 @@ def _codebook_triton(
         **consts,
         **common,
     )
+
+
+def _check_ring(ring: Ring, q, num_kv_heads: int, recent_from) -> None:
+    b, _, d = q.shape
+    if recent_from is not None:
+        raise FormatError("recent_from= is for a window tensor; a Ring carries its row_end")
+    want = (b, num_kv_heads, d)
+    for name, t in (("fresh_k", ring.fresh_k), ("fresh_v", ring.fresh_v)):
+        if t.shape != want or t.dtype != torch.bfloat16 or t.device != q.device:
+            raise FormatError(
+                f"Ring.{name} must be bf16 {list(want)} on {q.device}, got {t.dtype} "
+                f"{list(t.shape)} on {t.device}"
+            )
+    for name, t, dt in (("slots", ring.slots, torch.int64), ("row_end", ring.row_end, torch.int32)):
+        if t.shape != (b,) or t.dtype != dt or t.device != q.device:
+            raise FormatError(
+                f"Ring.{name} must be {dt} [{b}] on {q.device}, got {t.dtype} {list(t.shape)}"
+            )
+    st = ring.store
+    if st.dim() != 3 or st.dtype != torch.bfloat16 or st.device != q.device or ring.recent < 1:
+        raise FormatError(
+            "Ring.store must be a bf16 [num_slots, blocks, values] view on the query's device "
+            f"and recent >= 1, got {st.dtype} {list(st.shape)}, recent {ring.recent}"
+        )
+    need = ring.recent * 2 * num_kv_heads * d
+    if st.shape[1] * st.shape[2] < need:
+        raise FormatError(f"Ring.store slots hold {st.shape[1] * st.shape[2]} values, need {need}")
 
 
 def _check_sinks(sinks, spec, q, num_kv_heads) -> None:

@@ -337,6 +337,14 @@ class PagedAttention:
         PATH_CALLS["window_write"] += 1
         g = self.geometry
         store = self.window_store(kv_cache)
+        if self.use_kernels(kv_cache.device):  # one launch (kvzip_kernels.ring_write)
+            import kvzip_kernels
+
+            kvzip_kernels.ring_write(
+                store, self._tokens(key), self._tokens(value), win.w_rows, win.w_slots,
+                win.w_ring,
+            )  # fmt: skip
+            return
         per = store.shape[2]  # values per block's reserve
         e = 2 * g.num_kv_heads * g.head_size  # values per ring entry
         rows = win.w_rows.to(key.device)
@@ -348,20 +356,26 @@ class PagedAttention:
         slot = win.w_slots.to(key.device)[:, None].expand_as(f)
         store[slot, f // per, f % per] = kv
 
-    def window_kv(self, kv_cache, win: StepWindow, fresh_k, fresh_v):
-        """For a decode step (one new token per sequence, ``fresh_k``/``fresh_v`` ``[b,
-        num_kv_heads, head_size]``): the bf16 window ``(k, v)`` ``[b, recent + 1, num_kv_heads,
-        head_size]`` right-aligned (the ring's ``ctx - recent .. ctx - 1``, then the new
-        token) and where it is held from (``recent_from`` ``[b]``, int32)."""
-        r = self.recent
-        ring = self.rings(kv_cache, win.slots)
-        pos = win.ctx[:, None] - r + torch.arange(r, device=win.ctx.device)[None, :]
-        idx = torch.remainder(pos, r).to(ring.device)
-        got = torch.gather(ring, 1, idx[:, :, None, None, None].expand_as(ring))
-        k = torch.cat((got[:, :, 0], fresh_k[:, None].to(torch.bfloat16)), 1)
-        v = torch.cat((got[:, :, 1], fresh_v[:, None].to(torch.bfloat16)), 1)
-        start = torch.where(win.has, win.valid_from, win.ctx)
-        return (k, v), start.to(torch.int32).to(k.device)
+    def _tokens(self, x) -> torch.Tensor:
+        """The step's K or V as bf16 ``[tokens, num_kv_heads, head_size]`` (a view if it is)."""
+        x = x.reshape(-1, self.num_kv_heads, self.head_size)
+        return x if x.dtype == torch.bfloat16 and x.stride(2) == 1 else x.to(torch.bfloat16)
+
+    def ring(self, kv_cache, win: StepWindow, fresh_k, fresh_v):
+        """For a decode step through the kernels: the window as a ``kvzip_kernels.Ring``, read
+        by the decode where the rings hold it (the step's own tokens, ``fresh_k``/``fresh_v``
+        ``[b, num_kv_heads, head_size]``, are its last entry). Where the rows stop is the same
+        for every layer of the step: computed once."""
+        import kvzip_kernels
+
+        if win.row_end is None:
+            start = torch.where(win.has, win.valid_from, win.ctx)  # held from (recent_from)
+            end = torch.maximum(win.ctx - self.recent, start).clamp(min=self.sink_tokens)
+            win.row_end = end.minimum(win.ctx + 1).to(torch.int32)
+        return kvzip_kernels.Ring(
+            self.window_store(kv_cache), win.slots, self._tokens(fresh_k),
+            self._tokens(fresh_v), self.recent, win.row_end,
+        )  # fmt: skip
 
     def place_window(self, k, v, kv_cache, win: StepWindow, j: int, fresh_k, fresh_v, base=0):
         """Sequence ``j`` of ``win``: its ring's positions ``max(ctx - recent, valid_from,
@@ -564,7 +578,7 @@ class PagedAttention:
                 rec = None
                 if window is not None:
                     n1 = len(one)
-                    rec = self.window_kv(
+                    rec = self.ring(
                         kv_cache, window, self._fresh(key, slice(0, n1)),
                         self._fresh(value, slice(0, n1)),
                     )  # fmt: skip
@@ -585,9 +599,7 @@ class PagedAttention:
             rec = None
             if window is not None:
                 sel = window.select(idx.to(window.slots.device))
-                rec = self.window_kv(
-                    kv_cache, sel, self._fresh(key, rows), self._fresh(value, rows)
-                )
+                rec = self.ring(kv_cache, sel, self._fresh(key, rows), self._fresh(value, rows))
             got = self.decode_kernels(
                 query[rows],
                 kv_cache,
@@ -650,7 +662,7 @@ class PagedAttention:
         """kvzip-kernels' decode for one new token per sequence: ``query`` ``[batch, ...]``;
         returns ``[batch, num_heads, head_size]`` (``out``'s storage where it is bf16). Every
         sequence must hold at least ``sink_tokens`` tokens (``attend`` sees to it). ``recent``:
-        ``((k, v), recent_from)`` of a residual window (``window_kv``)."""
+        a residual window as a ``kvzip_kernels.Ring`` (``ring``)."""
         import kvzip_kernels
 
         PATH_CALLS["decode_kernels"] += 1
@@ -675,8 +687,7 @@ class PagedAttention:
             out=target,
             block_stride=k_pages.stride(0),
             sinks=self.sinks_of(kv_cache, sinks, layer=layer) if self.sink_tokens else None,
-            recent=None if recent is None else recent[0],
-            recent_from=None if recent is None else recent[1],
+            recent=recent,
         )
         if out is not None and target is None:
             out.copy_(res.reshape(out.shape))
