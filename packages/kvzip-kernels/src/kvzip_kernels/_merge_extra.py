@@ -57,9 +57,10 @@ def _attend_chunk(q16, kx, vx, ok, m_i, l_i, acc, qk_scale, INTERPRET: tl.conste
 @triton.jit
 def _ring_offsets(ri, c, h, num_kv_heads, ring_s1, ring_per, D: tl.constexpr):
     """Element offsets, from its slot's first value, of ring entry ``ri`` (``[N]``), kind ``c``
-    (0: K, 1: V), KV head ``h``: the entry's ``D`` values at ``((ri * 2 + c) * num_kv_heads +
-    h) * D`` of the slot's values, which run through consecutive blocks' reserves of
-    ``ring_per`` values each (32-bit: ``ring_write`` and ``merge_extra`` check a slot fits)."""
+    (0: K, 1: V), KV head ``h`` (or one entry ``ri`` and heads ``h`` ``[N]``): the entry's
+    ``D`` values at ``((ri * 2 + c) * num_kv_heads + h) * D`` of the slot's values, which run
+    through consecutive blocks' reserves of ``ring_per`` values each (32-bit: ``ring_write``
+    and ``merge_extra`` check a slot fits)."""
     d = tl.arange(0, D)
     f = ((ri * 2 + c) * num_kv_heads + h.to(tl.int32))[:, None] * D + d[None, :]
     return (f // ring_per) * ring_s1 + f % ring_per
@@ -106,17 +107,15 @@ def _ring_write_kernel(
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
-    ri = tl.load(idx_ptr + i)
+    ri = tl.load(idx_ptr + i).to(tl.int32)
     hh = tl.arange(0, H_P)
     d = tl.arange(0, D)
     m = (hh < num_kv_heads)[:, None]
     base = ring_ptr + slot * ring_s0
-    f = ((ri.to(tl.int32) * 2) * num_kv_heads + hh)[:, None] * D + d[None, :]  # K's values
     x = tl.load(key_ptr + row * k_sr + hh[:, None] * k_sh + d[None, :], mask=m, other=0.0)
-    tl.store(base + (f // ring_per) * ring_s1 + f % ring_per, x, mask=m)
-    f += num_kv_heads * D  # V's
+    tl.store(base + _ring_offsets(ri, 0, hh, num_kv_heads, ring_s1, ring_per, D), x, mask=m)
     x = tl.load(value_ptr + row * v_sr + hh[:, None] * v_sh + d[None, :], mask=m, other=0.0)
-    tl.store(base + (f // ring_per) * ring_s1 + f % ring_per, x, mask=m)
+    tl.store(base + _ring_offsets(ri, 1, hh, num_kv_heads, ring_s1, ring_per, D), x, mask=m)
 
 
 # n_sink and n_win stay runtime values: specialized to 1 (one sink, no window), ptxas built a
@@ -267,6 +266,20 @@ class Ring:
     fresh_v: torch.Tensor
     recent: int
     row_end: torch.Tensor
+
+
+def window_row_end(
+    seq_lens: torch.Tensor, entries: int, n_sink: int, recent_from: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Where each sequence's rows stop (int32 ``[b]``) when a right-aligned window of
+    ``entries`` positions ends at ``seq_lens``: at the window's first position, or later where
+    the window holds positions only from ``recent_from`` on; never inside the sinks, never past
+    the sequence (spec/residual_window.md section 3)."""
+    full = seq_lens.to(torch.int32)
+    end = full - entries
+    if recent_from is not None:
+        end = torch.maximum(end, recent_from.to(torch.int32))
+    return end.clamp(min=n_sink).minimum(full)
 
 
 def _check_ring_store(store: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from kvzip_kernels._decode_codebook import _codebook_split_kernel
 from kvzip_kernels._decode_kernels import _fp8_split_kernel, _int4_split_kernel, _merge_kernel
 from kvzip_kernels._device_consts import codebook_lut, fold_q, on_device, transform_consts, unfold_o
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
-from kvzip_kernels._merge_extra import Ring, merge_extra
+from kvzip_kernels._merge_extra import Ring, merge_extra, window_row_end
 
 LOG2E = 1.4426950408889634
 
@@ -380,9 +380,7 @@ def _codebook_launch(
         seq_lens = end
     elif recent is not None:  # rows end where the window starts (never inside the sinks)
         full = seq_lens.to(torch.int32)
-        start = full - recent[0].shape[1]  # [b]: the first position the window tensor holds
-        end = start if recent_from is None else torch.maximum(start, recent_from.to(torch.int32))
-        end = torch.clamp(end, min=n_sink).minimum(full)  # the rows stop here
+        end = window_row_end(full, recent[0].shape[1], n_sink, recent_from)
         seq_lens = end
     tk, tv = f.transform_of("k", layer), f.transform_of("v", layer)
     dev = q.device

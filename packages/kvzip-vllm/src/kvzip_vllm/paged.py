@@ -358,7 +358,7 @@ class PagedAttention:
 
     def _tokens(self, x) -> torch.Tensor:
         """The step's K or V as bf16 ``[tokens, num_kv_heads, head_size]`` (a view if it is)."""
-        x = x.reshape(-1, self.num_kv_heads, self.head_size)
+        x = self._fresh(x, slice(None))
         return x if x.dtype == torch.bfloat16 and x.stride(2) == 1 else x.to(torch.bfloat16)
 
     def ring(self, kv_cache, win: StepWindow, fresh_k, fresh_v):
@@ -368,10 +368,11 @@ class PagedAttention:
         for every layer of the step: computed once."""
         import kvzip_kernels
 
-        if win.row_end is None:
-            start = torch.where(win.has, win.valid_from, win.ctx)  # held from (recent_from)
-            end = torch.maximum(win.ctx - self.recent, start).clamp(min=self.sink_tokens)
-            win.row_end = end.minimum(win.ctx + 1).to(torch.int32)
+        if win.row_end is None:  # R + 1 entries end at ctx + 1, held from valid_from (or ctx)
+            held = torch.where(win.has, win.valid_from, win.ctx)
+            win.row_end = kvzip_kernels.window_row_end(
+                win.ctx + 1, self.recent + 1, self.sink_tokens, held
+            )
         return kvzip_kernels.Ring(
             self.window_store(kv_cache), win.slots, self._tokens(fresh_k),
             self._tokens(fresh_v), self.recent, win.row_end,
