@@ -191,6 +191,16 @@ class Server:
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read() or b"{}")
 
+    def reset_local_cache(self, tries: int = 20) -> dict:
+        """``POST /reset_prefix_cache`` (the local cache only), retried: vLLM answers
+        ``success: false`` while blocks are still held, e.g. by a transfer in flight."""
+        for i in range(tries):
+            r = self.post("/reset_prefix_cache")
+            if r.get("success"):
+                return dict(r, tries=i + 1)
+            time.sleep(0.5)
+        return dict(r, tries=tries)
+
     def metrics(self) -> dict[str, float]:
         """Prometheus counters summed over labels: name -> value."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -430,7 +440,7 @@ def run_config(args, config: str, model: Path, out: Path, rows: list, checks: li
             computed = openai_round(server.url, ps, args.client_max_tokens)
             local = openai_round(server.url, ps, args.client_max_tokens)
             m1 = server.metrics()
-            reset = server.post("/reset_prefix_cache")
+            reset = server.reset_local_cache()
             restored = openai_round(server.url, ps, args.client_max_tokens)
             m2 = server.metrics()
             st = json.loads(stats.read_text()) if stats.is_file() else {}
@@ -460,6 +470,7 @@ def run_config(args, config: str, model: Path, out: Path, rows: list, checks: li
                  o["restored_equal_local_hit"]),
                 (f"{config}: /metrics counts {want} restored tokens as external hits",
                  o["external_hits_restored"] == want),
+                (f"{config}: the local prefix cache was reset", bool(reset.get("success"))),
                 (f"{config}: no external hit before the reset",
                  o["external_hits_before_reset"] == 0),
                 (f"{config}: the tier's stats count the restores",
@@ -472,10 +483,11 @@ def run_config(args, config: str, model: Path, out: Path, rows: list, checks: li
             ds += ["--prefix-repetition-output-len", str(args.bench_output_len)]
             ds += ["--max-concurrency", str(args.bench_concurrency)]
             b1 = bench_serve(args, server, "tier_cold", ds, out, model)
-            server.post("/reset_prefix_cache")
+            reset2 = server.reset_local_cache()
             e0 = server.metrics().get(ext, 0)
             b2 = bench_serve(args, server, "tier_after_reset", ds, out, model)
             b2["external_hit_tokens"] = server.metrics().get(ext, 0) - e0
+            b2["reset_prefix_cache"] = reset2
             rows.append(dict(base, **b1, phase="cold"))
             rows.append(dict(base, **b2, phase="local cache reset: prefixes from the tier"))
             checks += [
