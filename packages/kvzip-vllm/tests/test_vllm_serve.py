@@ -13,8 +13,9 @@ tier's stats file one restore per prompt and no load error, and the server must 
 SIGINT with exit status 0 and no traceback in its log.
 
 The server plumbing is ``benchmarks/serve_h200.py``'s (the H200 run's), so this also checks
-that script's client and server code. Measured on the shared 2-core machine: about 3 minutes
-(start-up about 2 of them: the API server and its engine process each import vLLM).
+that script's client and server code. Measured on the shared 2-core machine at a load average
+of 13-15 from other work: 389 s, of which about 330 s until the server was ready (the API
+server and its engine process each import vLLM); unshared cores should take about half.
 """
 
 from __future__ import annotations
