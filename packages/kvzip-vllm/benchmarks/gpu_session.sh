@@ -12,6 +12,7 @@
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race
 #   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval (second model piece carried)
 #   gpu_session.sh window    # the residual window's GPU tests (then serving with SERVING_FORMATS=fp8,4bit,4bit+r128)
+#   gpu_session.sh serve     # serve_h200.py: `vllm serve` with the tier and 4bit+r128 (.whl carried: serve_wheels.sh)
 #   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
 #   gpu_session.sh tp2serving  # nvidia-h200-x2: bench_serving.py --tp 2, fp8 and 4bit at 32k (not yet run)
 set -uo pipefail
@@ -110,6 +111,18 @@ window)
   KVZIP_GPU_SHAPE=tiny timeout ${WINDOW_BACKEND_LIMIT_S:-240} python3 -m pytest -q -m gpu \
     "$R/kvzip-vllm/tests/test_vllm_e2e.py::test_backend_on_cuda_capacity_graphs_and_kernel_paths[4bit+r128]" \
     2>&1 | tee $RES/window_backend_on_cuda.log | tail -4
+  ;;
+serve)
+  env_line
+  # the API server's packages that the bundle lacks (serve_wheels.sh puts them in .whl/)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl 2>&1 | tail -3
+  # the tokenizer comes from the embedded model's first piece (install copied it; else carry it)
+  [ -f /tmp/smollm2/p0/manifest.json ] || { mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p0 /tmp/smollm2/; }
+  # two servers (tier; 4bit+r128 on KVZIP_KERNELS_BACKEND's decode), CUDA graphs (vLLM's default)
+  timeout ${SERVE_LIMIT_S:-470} python3 $R/kvzip-vllm/benchmarks/serve_h200.py --out $RES \
+    --smollm2-piece /tmp/smollm2/p0 --deadline-s ${SERVE_DEADLINE_S:-430} ${SERVE_ARGS:-} 2>&1 \
+    | tee $RES/serve_driver.log | tail -30
   ;;
 tp2)
   env_line
