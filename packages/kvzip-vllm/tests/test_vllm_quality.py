@@ -6,6 +6,7 @@ mask, and the model pack rebuilding a folder byte for byte (or refusing)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -216,16 +217,18 @@ def test_served_window_reads_the_prompt_in_bf16_and_decodes_step_by_step(smollm2
     assert served.shape == ref.shape
     assert torch.equal(served[:T], ref[:T])
     stepped = torch.cat(steps)
-    scale = ref[T:].float().abs().max()
-    err = (stepped.float() - served[T:].float()).abs().max()
-    # the same arithmetic in other matrix shapes: bf16 rounding of a few hidden values
-    assert err <= 0.05 * scale, (float(err), float(scale))
+    scale = float(ref[T:].float().abs().max())
+    err = float((stepped.float() - served[T:].float()).abs().max())
+    # the same arithmetic in other matrix shapes: bf16 rounding, measured one unit in the last
+    # place of the largest hidden value (0.27 of 46.5); allowed two
+    assert err <= 2 * 2.0 ** (math.floor(math.log2(scale)) - 7), (err, scale)
     kl_served, _ = kl_positions(loaded, ref[T:], served[T:])
     kl_eval, _ = kl_positions(loaded, ref[T:], evald[T:])
     kl_stepped, _ = kl_positions(loaded, ref[T:], stepped)
     assert kl_served.mean() > 0  # the rows older than the window are read in the format
     assert kl_served.mean() < kl_eval.mean()
-    assert abs(kl_stepped.mean() - kl_served.mean()) < 0.1 * kl_served.mean()
+    # measured 0.2% apart (0.00955 stepped, 0.00957 in one pass)
+    assert abs(kl_stepped.mean() - kl_served.mean()) < 0.02 * kl_served.mean()
 
 
 def _fake_run(work: Path, name: str, n=3, T=9, G=5, k=4, V=30, seed=4):
