@@ -93,7 +93,8 @@ faults)
   ;;
 quality)
   env_line
-  mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p0 .carry/smollm2/p1 .carry/smollm2/calibration /tmp/smollm2/
+  # p0 came with install (a call carries at most 64 MiB): this call carries p1 and the calibration
+  mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p1 .carry/smollm2/calibration /tmp/smollm2/ 2>/dev/null
   # QUALITY_FORMATS: NAME+rN (a residual window) is compared at decode positions, against kvzip
   # eval's measurement and the backend's served reading; 16 windows for more decode positions
   timeout 560 python3 $R/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \

@@ -92,8 +92,6 @@ def test_vllm_logprobs_cost_of_each_format_matches_kvzip_eval(tmp_path):
         assert r["decode_positions"] > 0, r
         # served as the backend serves it, within the two implementations' noise
         assert r["within_noise_served"], (fmt, r)
-        # and no worse than `kvzip eval` measures the format (the served reads a superset)
-        assert r["vllm_at_most_hf_eval"], (fmt, r)
         # the window is what kvzip eval says it is: well under the format without it
         base = rows[fmt.split("+")[0]]
         assert r["vllm_decode_kl_topk"] < base["vllm_kl_topk"] / 2, (r, base)
