@@ -313,6 +313,55 @@ def _protocol_note(s: dict) -> list[str]:
     ]
 
 
+def _format_for_bits(name: str, get_format):
+    """The format of a result's name for its bit accounting (a report rebuilt from JSON has
+    no instances): ``NAME+rN`` as the format with its window."""
+    base, recent = window.split_name(name)
+    fmt = get_format(base)
+    return window.Windowed(fmt, recent) if recent else fmt
+
+
+#: Where a point's label may go on the frontier plot (offset points; negative x: to the
+#: left), tried in order.
+LABEL_SPOTS = ((6, 0), (6, 11), (6, -11), (-6, 0), (-6, 11), (-6, -11), (14, 22), (14, -22))
+
+
+def _label_points(ax, pts: list[tuple[float, float, str]], dpi: float) -> None:
+    """Name each point at the first of ``LABEL_SPOTS`` whose text (its size estimated from
+    the font) covers no point and no label placed before it; a label off its point's right
+    side gets a thin line to it."""
+    scale = dpi / 72  # pixels per point
+    h, char_w = 8 * scale * 1.2, 8 * scale * 0.6  # fontsize 8
+    marks = [ax.transData.transform((b, y)) for b, y, _ in pts]
+    boxes: list[tuple[float, float, float, float]] = []
+
+    def free(box) -> bool:
+        x0, y0, x1, y1 = box
+        if any(x0 - 4 < mx < x1 + 4 and y0 - 4 < my < y1 + 4 for mx, my in marks):
+            return False
+        return not any(x0 < c1 and c0 < x1 and y0 < d1 and d0 < y1 for c0, d0, c1, d1 in boxes)
+
+    for (b, y, n), (px, py) in zip(pts, marks, strict=True):
+        w = char_w * len(n)
+        spots = []
+        for dx, dy in LABEL_SPOTS:
+            x0 = px + dx * scale if dx > 0 else px + dx * scale - w
+            yc = py + dy * scale
+            spots.append(((dx, dy), (x0, yc - h / 2, x0 + w, yc + h / 2)))
+        (dx, dy), box = next((s for s in spots if free(s[1])), spots[0])
+        boxes.append(box)
+        ax.annotate(
+            n,
+            (b, y),
+            fontsize=8,
+            xytext=(dx, dy),
+            textcoords="offset points",
+            va="center",
+            ha="left" if dx > 0 else "right",
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "gray"} if dy else None,
+        )
+
+
 def write_report(result: dict, out_dir: str | Path, formats: dict | None = None) -> Path:
     """``report.md`` plus ``frontier.png``, ``kl.png``, ``capacity.png`` and
     ``retrieval.png`` in ``out_dir``."""
@@ -364,16 +413,8 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         ax.plot(*zip(*line, strict=True), color="tab:gray", lw=1, zorder=1)
     lo, hi = min(b for b, _, _ in pts), max(b for b, _, _ in pts)
     ticks = [t for t in (2, 3, 3.5, 4, 4.5, 5, 6, 8, 12, 16, 32) if lo * 0.9 <= t <= hi * 1.1]
-    for i, (b, k, n) in enumerate(sorted(pts)):
+    for b, k, n in pts:
         ax.scatter(b, max(k, floor), color="tab:blue" if n in on else "tab:red", zorder=2)
-        # neighbours of about one size (4.125, 4.25 bits) get labels at three heights
-        ax.annotate(
-            n,
-            (b, max(k, floor)),
-            fontsize=8,
-            xytext=(5, 10 * (i % 3) - 8),
-            textcoords="offset points",
-        )
     if any(k > 0 for _, k, _ in pts):
         ax.set_yscale("log")
     ax.set_ylabel("mean KL vs bf16 (bf16's 0 at the bottom)")
@@ -411,6 +452,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         f"Size against quality, {result['model']['name']}: every format of the run", fontsize=10
     )
     fig.tight_layout()
+    _label_points(ax, [(b, max(k, floor), n) for b, k, n in sorted(pts)], dpi=120)
     fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)
 
@@ -424,7 +466,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         m = dep.model
         counts = []
         for n in names:
-            fmt = (formats or {}).get(n) or get_format(n)
+            fmt = (formats or {}).get(n) or _format_for_bits(n, get_format)
             bits = fmt.bits_per_element(m.head_dim, m.num_layers, num_kv_heads=m.num_kv_heads)
             counts.append(sessions(bits, dep))
         cap[f"{m.name} on {dep.gpu}"] = dict(zip(names, counts, strict=True))
