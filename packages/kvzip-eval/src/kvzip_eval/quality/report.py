@@ -326,11 +326,11 @@ def _format_for_bits(name: str, get_format):
 LABEL_SPOTS = ((6, 0), (6, 11), (6, -11), (-6, 0), (-6, 11), (-6, -11), (14, 22), (14, -22))
 
 
-def _label_points(ax, pts: list[tuple[float, float, str]], dpi: float) -> None:
+def _label_points(ax, pts: list[tuple[float, float, str]]) -> None:
     """Name each point at the first of ``LABEL_SPOTS`` whose text (its size estimated from
     the font) covers no point and no label placed before it; a label off its point's right
     side gets a thin line to it."""
-    scale = dpi / 72  # pixels per point
+    scale = ax.figure.dpi / 72  # display pixels per point (savefig's dpi scales them all)
     h, char_w = 8 * scale * 1.2, 8 * scale * 0.6  # fontsize 8
     marks = [ax.transData.transform((b, y)) for b, y, _ in pts]
     boxes: list[tuple[float, float, float, float]] = []
@@ -452,7 +452,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         f"Size against quality, {result['model']['name']}: every format of the run", fontsize=10
     )
     fig.tight_layout()
-    _label_points(ax, [(b, max(k, floor), n) for b, k, n in sorted(pts)], dpi=120)
+    _label_points(ax, [(b, max(k, floor), n) for b, k, n in sorted(pts)])
     fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)
 
