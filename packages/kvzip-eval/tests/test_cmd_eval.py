@@ -230,6 +230,67 @@ def test_frontier_names_the_best_format_for_each_size():
     assert on == ["a", "b"]
 
 
+def test_frontier_sizes_residual_windows_by_their_bits():
+    """The default run's formats, with KLs of results/quality/window_sweep_cpu: a 128-token
+    window (+0.016 bits, 0.4-0.5%) is the same size as its format and beats it; int4-rot (3%
+    larger than 4bit) is beaten by 4bit+r128; a window 1.5% larger than its format is a size
+    of its own."""
+    from kvzip_eval.quality.report import frontier, frontier_lines
+
+    fmts = {
+        "bf16": (16, 0.0),
+        "fp8": (8, 0.0113),
+        "int4": (4.25, 0.1349),
+        "int4-rot": (4.25, 0.0623),
+        "turbo4": (4.125, 0.0698),
+        "4bit": (4.1251, 0.0586),
+        "3bit": (3.125, 0.1443),
+        "int4-rot+r128": (4.2656, 0.0045),
+        "4bit+r128": (4.1407, 0.0033),
+        "3bit+r128": (3.1406, 0.0082),
+    }
+    result = {"formats": {n: {"bits": b, "kl_mean": k} for n, (b, k) in fmts.items()}}
+    on, beaten = frontier(result)
+    assert on == ["3bit+r128", "4bit+r128", "bf16"]
+    by = dict(beaten)
+    assert by["3bit"] == "3bit+r128" and by["4bit"] == "4bit+r128"
+    assert by["int4-rot"] == by["int4-rot+r128"] == by["fp8"] == "4bit+r128"
+    text = "\n".join(frontier_lines(result))
+    assert "not 3bit (3.125 bits, KL 0.1443): 3bit+r128 is 0.5% larger and closer" in text
+    assert "not int4-rot (4.250 bits, KL 0.0623): 4bit+r128 is no larger and closer" in text
+    # a wider window, 1.5% over its format's bits, no longer counts as the same size
+    wide = {
+        "4bit": {"bits": 4.125, "kl_mean": 0.0586},
+        "4bit+r512": {"bits": 4.1875, "kl_mean": 0.001},
+    }
+    assert frontier({"formats": wide}) == (["4bit", "4bit+r512"], [])
+
+
+def test_default_formats_add_the_recommended_windows(loaded):
+    """Without --formats: every registered format, then int4-rot and the compact formats
+    with the README's 128-token window, each measured through the window."""
+    from kvzip_eval.cmd_eval import default_formats, resolve_formats
+    from kvzip_eval.quality.window import Windowed
+    from kvzip_formats import list_formats
+
+    names = default_formats()
+    assert names == [
+        *list_formats(),
+        "int4-rot+r128",
+        "4bit+r128",
+        "3.5bit+r128",
+        "3bit+r128",
+    ]
+    fmts = resolve_formats(names, None, loaded.info, explicit=False)  # the shipped calibration
+    assert list(fmts) == names
+    for n in ("int4-rot", "4bit", "3.5bit", "3bit"):
+        w = fmts[f"{n}+r128"]
+        assert isinstance(w, Windowed) and w.recent == 128 and w.format.name == n
+        # the window's bf16 copies are in its bits: 128 tokens x 16 bits over 131,072 tokens
+        extra = w.bits_per_element() - fmts[n].bits_per_element()
+        assert extra == pytest.approx(128 * 16 / 131072, rel=1e-6)
+
+
 @pytest.mark.slow  # end to end: runs the command on the model
 def test_default_style_run_kl_only_with_the_default_report_dir(loaded, tmp_path, monkeypatch):
     # --prompts 0 / --retrieval-samples 0 leave those measures out, as the default preset does

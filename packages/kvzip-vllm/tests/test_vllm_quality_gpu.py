@@ -30,6 +30,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "packages" / "kvzip-vllm" / "benchmarks" / "vllm_quality.py"
 FORMATS = ("int4", "4bit", "3.5bit", "3bit")
+#: with the residual window the README recommends (compared at decode positions)
+WINDOWED = ("4bit+r128",)
 
 
 def _model_args() -> list[str]:
@@ -62,7 +64,7 @@ def test_vllm_logprobs_cost_of_each_format_matches_kvzip_eval(tmp_path):
         "--out",
         str(out),
         "--formats",
-        ",".join(FORMATS),
+        ",".join(FORMATS + WINDOWED),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
     (out / "vllm_quality_test.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -81,3 +83,15 @@ def test_vllm_logprobs_cost_of_each_format_matches_kvzip_eval(tmp_path):
         # moves the same measurement, plus two paired standard errors
         assert r["within_impl_change"], (fmt, r)
         assert r["within_noise"], (fmt, r)
+    windowed = {r["format"]: r for r in res["window_rows"]}
+    assert sorted(windowed) == sorted(WINDOWED)
+    for fmt, r in windowed.items():
+        assert r["kv_blocks_vs_bf16"] > 1.5, r
+        # every window kept its slot: the decode read its last R + 1 tokens in bf16
+        assert r["window_pool"]["unplaced"] == 0 and r["window_pool"]["misses"] == 0, r
+        assert r["decode_positions"] > 0, r
+        # served as the backend serves it, within the two implementations' noise
+        assert r["within_noise_served"], (fmt, r)
+        # the window is what kvzip eval says it is: well under the format without it
+        base = rows[fmt.split("+")[0]]
+        assert r["vllm_decode_kl_topk"] < base["vllm_kl_topk"] / 2, (r, base)

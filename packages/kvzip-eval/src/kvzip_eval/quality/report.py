@@ -144,11 +144,18 @@ def legend(result: dict) -> list[str]:
     return lines
 
 
+#: Sizes within this share of each other are one size: a GPU holds as many sessions of
+#: either to within 1% (4bit's 4.1251 bits and turbo4's 4.125; a 128-token residual window's
+#: +0.016 bits at 131,072 tokens, 0.4% of 4bit's). int4's 4.25 against 4bit's 4.125 is 3%.
+SAME_SIZE = 0.01
+
+
 def frontier(result: dict) -> tuple[list[str], list[tuple[str, str]]]:
-    """The formats no other format beats on both bits and mean KL (fewest bits first), and
-    for each other format the one that beats it: ``(frontier, [(beaten, by), ...])``."""
+    """The formats no other format beats on both size and mean KL (fewest bits first), and
+    for each other format the one that beats it: ``(frontier, [(beaten, by), ...])``. A format
+    is beaten by one at most ``SAME_SIZE`` larger (by bits per element) and at least as close
+    to bf16, and strictly smaller beyond ``SAME_SIZE`` or strictly closer."""
     fmts = result["formats"]
-    tol = 0.01  # sizes within 0.01 bits are one size (4bit's 4.1251 and turbo4's 4.125)
     names = sorted(fmts, key=lambda n: (fmts[n]["bits"], fmts[n]["kl_mean"]))
     on, beaten = [], []
     for n in names:
@@ -157,9 +164,9 @@ def frontier(result: dict) -> tuple[list[str], list[tuple[str, str]]]:
             m
             for m in names
             if m != n
-            and fmts[m]["bits"] <= b + tol
+            and fmts[m]["bits"] <= b * (1 + SAME_SIZE)
             and fmts[m]["kl_mean"] <= k
-            and (fmts[m]["kl_mean"] < k or fmts[m]["bits"] < b - tol)
+            and (fmts[m]["kl_mean"] < k or fmts[m]["bits"] * (1 + SAME_SIZE) < b)
         ]
         if better:
             beaten.append((n, min(better, key=lambda m: fmts[m]["kl_mean"])))
@@ -180,12 +187,17 @@ def frontier_lines(result: dict) -> list[str]:
             f"KL {f['kl_mean']:.4f})"
         )
 
-    lines = ["Best quality for the size (no format is both smaller and closer to bf16):"]
+    lines = [
+        f"Best quality for the size (no other format is at most {SAME_SIZE:.0%} larger and "
+        "closer to bf16):"
+    ]
     lines += [f"  {desc(n)}" for n in on]
     for n, by in beaten:
+        b, bb = fmts[n]["bits"], fmts[by]["bits"]
+        size = "no larger" if bb <= b else f"{bb / b - 1:.1%} larger"
         lines.append(
-            f"  not {n} ({fmts[n]['bits']:.3f} bits, KL {fmts[n]['kl_mean']:.4f}): {by} is no "
-            "larger and at least as close to bf16"
+            f"  not {n} ({b:.3f} bits, KL {fmts[n]['kl_mean']:.4f}): {by} is {size} and "
+            f"{'as close to' if fmts[by]['kl_mean'] == fmts[n]['kl_mean'] else 'closer to'} bf16"
         )
     return lines
 
@@ -301,6 +313,55 @@ def _protocol_note(s: dict) -> list[str]:
     ]
 
 
+def _format_for_bits(name: str, get_format):
+    """The format of a result's name for its bit accounting (a report rebuilt from JSON has
+    no instances): ``NAME+rN`` as the format with its window."""
+    base, recent = window.split_name(name)
+    fmt = get_format(base)
+    return window.Windowed(fmt, recent) if recent else fmt
+
+
+#: Where a point's label may go on the frontier plot (offset points; negative x: to the
+#: left), tried in order.
+LABEL_SPOTS = ((6, 0), (6, 11), (6, -11), (-6, 0), (-6, 11), (-6, -11), (14, 22), (14, -22))
+
+
+def _label_points(ax, pts: list[tuple[float, float, str]]) -> None:
+    """Name each point at the first of ``LABEL_SPOTS`` whose text (its size estimated from
+    the font) covers no point and no label placed before it; a label off its point's right
+    side gets a thin line to it."""
+    scale = ax.figure.dpi / 72  # display pixels per point (savefig's dpi scales them all)
+    h, char_w = 8 * scale * 1.2, 8 * scale * 0.6  # fontsize 8
+    marks = [ax.transData.transform((b, y)) for b, y, _ in pts]
+    boxes: list[tuple[float, float, float, float]] = []
+
+    def free(box) -> bool:
+        x0, y0, x1, y1 = box
+        if any(x0 - 4 < mx < x1 + 4 and y0 - 4 < my < y1 + 4 for mx, my in marks):
+            return False
+        return not any(x0 < c1 and c0 < x1 and y0 < d1 and d0 < y1 for c0, d0, c1, d1 in boxes)
+
+    for (b, y, n), (px, py) in zip(pts, marks, strict=True):
+        w = char_w * len(n)
+        spots = []
+        for dx, dy in LABEL_SPOTS:
+            x0 = px + dx * scale if dx > 0 else px + dx * scale - w
+            yc = py + dy * scale
+            spots.append(((dx, dy), (x0, yc - h / 2, x0 + w, yc + h / 2)))
+        (dx, dy), box = next((s for s in spots if free(s[1])), spots[0])
+        boxes.append(box)
+        ax.annotate(
+            n,
+            (b, y),
+            fontsize=8,
+            xytext=(dx, dy),
+            textcoords="offset points",
+            va="center",
+            ha="left" if dx > 0 else "right",
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "gray"} if dy else None,
+        )
+
+
 def write_report(result: dict, out_dir: str | Path, formats: dict | None = None) -> Path:
     """``report.md`` plus ``frontier.png``, ``kl.png``, ``capacity.png`` and
     ``retrieval.png`` in ``out_dir``."""
@@ -352,22 +413,14 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         ax.plot(*zip(*line, strict=True), color="tab:gray", lw=1, zorder=1)
     lo, hi = min(b for b, _, _ in pts), max(b for b, _, _ in pts)
     ticks = [t for t in (2, 3, 3.5, 4, 4.5, 5, 6, 8, 12, 16, 32) if lo * 0.9 <= t <= hi * 1.1]
-    for i, (b, k, n) in enumerate(sorted(pts)):
+    for b, k, n in pts:
         ax.scatter(b, max(k, floor), color="tab:blue" if n in on else "tab:red", zorder=2)
-        # neighbours of about one size (4.125, 4.25 bits) get labels at three heights
-        ax.annotate(
-            n,
-            (b, max(k, floor)),
-            fontsize=8,
-            xytext=(5, 10 * (i % 3) - 8),
-            textcoords="offset points",
-        )
     if any(k > 0 for _, k, _ in pts):
         ax.set_yscale("log")
     ax.set_ylabel("mean KL vs bf16 (bf16's 0 at the bottom)")
     ax.set_title(
-        "KL against size; blue: best for the size,\nred: another format is no larger and "
-        "closer to bf16",
+        "KL against size; blue: best for the size,\nred: another format at most "
+        f"{SAME_SIZE:.0%} larger is closer to bf16",
         fontsize=9,
     )
     if with_retrieval:
@@ -399,6 +452,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         f"Size against quality, {result['model']['name']}: every format of the run", fontsize=10
     )
     fig.tight_layout()
+    _label_points(ax, [(b, max(k, floor), n) for b, k, n in sorted(pts)])
     fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)
 
@@ -412,7 +466,7 @@ def write_report(result: dict, out_dir: str | Path, formats: dict | None = None)
         m = dep.model
         counts = []
         for n in names:
-            fmt = (formats or {}).get(n) or get_format(n)
+            fmt = (formats or {}).get(n) or _format_for_bits(n, get_format)
             bits = fmt.bits_per_element(m.head_dim, m.num_layers, num_kv_heads=m.num_kv_heads)
             counts.append(sessions(bits, dep))
         cap[f"{m.name} on {dep.gpu}"] = dict(zip(names, counts, strict=True))
