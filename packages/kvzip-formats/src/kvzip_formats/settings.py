@@ -96,7 +96,7 @@ class Setting:
         if self.choices and value not in self.choices:
             raise SettingError(self.refusal(raw, "not a supported value"))
         if self.check is not None and not self.check(value):
-            raise SettingError(self.refusal(raw, "does not hold"))
+            raise SettingError(self.refusal(raw, "not supported"))
         return value
 
     def supported(self) -> str:
