@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvzip_formats import identity, settings
-from kvzip_formats.settings import Setting, SettingError
+from kvzip_formats.settings import SettingError
 
 
 def test_rows_are_unique_kvzip_variables_with_their_documentation():
@@ -95,10 +95,3 @@ def test_a_readme_without_the_block_is_refused(tmp_path):
     readme.write_text("# no block\n")
     with pytest.raises(SystemExit, match="no settings block"):
         settings.main(["--write", str(readme)])
-
-
-def test_lossless_rows_take_the_tables_shape():
-    lossless = pytest.importorskip("kvzip_lossless.settings")  # installed beside kvzip-vllm
-    rows = settings.lossless_rows()
-    assert [r.name for r in rows] == [r.name for r in lossless.SETTINGS]
-    assert all(isinstance(r, Setting) and r.package == "kvzip-lossless" for r in rows)

