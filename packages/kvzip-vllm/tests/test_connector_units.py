@@ -54,7 +54,11 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
         ({"fit_tokens": 1.5}, {}, "fit_tokens=1.5.*fractional"),
         ({"chunk_tokens": 0}, {}, r"chunk_tokens=0 .*greater than 0"),
         ({"chunk_tokens": True}, {}, "chunk_tokens=True.*not a bool"),
-        ({}, {"KVZIP_TIER_BYTES": "8G"}, "budget_bytes='8G' .from environment variable KVZIP_TIER"),
+        (
+            {},
+            {"KVZIP_TIER_BYTES": "8G"},
+            "budget_bytes='8G' .from environment variable KVZIP_TIER_BYTES",
+        ),
     ],
 )
 def test_bad_values_are_errors_naming_the_key_and_source(extra, env, match):

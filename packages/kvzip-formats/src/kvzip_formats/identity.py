@@ -16,6 +16,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvzip_formats.settings import CACHE_DIR
+
 #: Bump when what goes into a model identity changes (v2: file contents, not sizes).
 IDENTITY_VERSION = 2
 #: Weight files of a Hugging Face model folder.
@@ -24,8 +26,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 def cache_dir() -> Path:
     """kvzip's cache root: ``$KVZIP_CACHE_DIR`` or ``~/.cache/kvzip``."""
-    env = os.environ.get("KVZIP_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvzip"
+    return CACHE_DIR.get() or Path.home() / ".cache" / "kvzip"
 
 
 def _hash_cache_path() -> Path:

@@ -33,6 +33,12 @@ from pathlib import Path
 import torch
 
 from kvzip_formats import FormatError
+from kvzip_formats.settings import (
+    KERNELS_BACKEND,
+    KERNELS_CUDA_SO,
+    KERNELS_CUDA_VARIANT,
+    NVCC,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +51,18 @@ MIN_CAPABILITY = (8, 0)
 AUTO_CAPABILITIES = ((9, 0),)
 MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
 FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1, "3.5bit": 2, "3bit": 3}
-BACKENDS = ("auto", "cuda", "triton")
+BACKENDS = KERNELS_BACKEND.choices  # ("auto", "cuda", "triton")
 VARIANTS = {"v4a": 4, "v5": 5}
 #: v5 by measurement (results/kernels/bench_paged_decode_v5.md, H200, full grid, same run):
 #: geometric-mean speedup over the best fp8 int4 1.50x (v4a 1.27x), 4bit 1.16x (0.65x),
 #: 3.5bit 0.98x (0.89x), 3bit 0.91x (0.92x)
-DEFAULT_VARIANT = "v5"
+DEFAULT_VARIANT = KERNELS_CUDA_VARIANT.default  # "v5"
 
 
 def pick_variant(name: str | None = None) -> str:
     """The kernel design to run: ``name``, else ``KVZIP_KERNELS_CUDA_VARIANT``, else
     :data:`DEFAULT_VARIANT`; FormatError for an unknown name."""
-    want = name or os.environ.get("KVZIP_KERNELS_CUDA_VARIANT") or DEFAULT_VARIANT
+    want = KERNELS_CUDA_VARIANT.value(name)
     if want not in VARIANTS:
         raise FormatError(f"cuda_variant must be one of {tuple(VARIANTS)}, got {want!r}")
     return want
@@ -125,7 +131,7 @@ def arch_flags(capability: tuple[int, int]) -> list[str]:
 
 def nvcc() -> str:
     """The nvcc that builds the kernel: ``KVZIP_NVCC``, torch's CUDA_HOME, or PATH."""
-    env = os.environ.get("KVZIP_NVCC")
+    env = NVCC.raw()
     if env:
         return env
     from torch.utils.cpp_extension import CUDA_HOME
@@ -140,7 +146,7 @@ def nvcc() -> str:
 
 def build(capability: tuple[int, int], out_dir: Path | None = None) -> Path:
     """Compile csrc/paged_decode.cu for ``capability`` (cached by source and flags)."""
-    pre = os.environ.get("KVZIP_KERNELS_CUDA_SO")
+    pre = KERNELS_CUDA_SO.raw()
     if pre and Path(pre).exists():
         return Path(pre)
     flags = arch_flags(capability)
@@ -209,7 +215,7 @@ def refusal(fmt_name: str, spec, group: int, device) -> str | None:
 def choose(backend: str | None, fmt_name: str, spec, group: int, device) -> str:
     """``"cuda"`` or ``"triton"`` for this call. ``backend`` (or ``KVZIP_KERNELS_BACKEND``):
     ``auto`` (default) takes CUDA on sm_90 when it can; ``cuda`` raises where it cannot."""
-    want = backend or os.environ.get("KVZIP_KERNELS_BACKEND") or "auto"
+    want = KERNELS_BACKEND.value(backend)
     if want not in BACKENDS:
         raise FormatError(f"backend must be one of {BACKENDS}, got {want!r}")
     if want == "triton":

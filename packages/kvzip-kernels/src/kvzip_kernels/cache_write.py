@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops.cache_write import check_slot_mapping
+from kvzip_formats.settings import KERNELS_CACHE_WRITE
 from kvzip_kernels._device_consts import codebook_edges_levels, on_device, transform_consts
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
 from kvzip_kernels._write_codebook import RMS_BAD, X_BAD, _report, _rows_out_of_range
@@ -355,18 +356,16 @@ def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, sta
     )
 
 
-WRITE_PATHS = ("split", "fused")
+WRITE_PATHS = KERNELS_CACHE_WRITE.choices  # ("split", "fused")
 
 
 def write_path() -> str:
     """The compact formats' write: ``split`` (torch ``sub`` + ``bmm``, then the quantize/pack
     kernel; the default until the fused kernel is measured) or ``fused`` (one kernel:
     ``_write_fused.py``), from ``KVZIP_KERNELS_CACHE_WRITE``."""
-    import os
-
-    want = os.environ.get("KVZIP_KERNELS_CACHE_WRITE") or "split"
+    want = KERNELS_CACHE_WRITE.value()
     if want not in WRITE_PATHS:
-        raise FormatError(f"KVZIP_KERNELS_CACHE_WRITE must be one of {WRITE_PATHS}, got {want!r}")
+        raise FormatError(f"{KERNELS_CACHE_WRITE.name} must be one of {WRITE_PATHS}, got {want!r}")
     return want
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvzip_lossless import _torch
+from kvzip_lossless import _torch, settings
 
 _SRC = Path(__file__).parent / "csrc" / "kvzl.cu"
 _libs: dict[tuple[int, int], ctypes.CDLL] = {}
@@ -60,7 +60,7 @@ def _nvcc() -> str:
 
 
 def _build(capability: tuple[int, int]) -> Path:
-    pre = os.environ.get("KVZIP_LOSSLESS_CUDA_SO")
+    pre = settings.CUDA_SO.raw()
     if pre and Path(pre).exists():
         return Path(pre)
     flags = arch_flags(capability)

@@ -4,12 +4,11 @@ decode of a blob's tiles (tables, tiling and blob assembly: ``tiles.py``)."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
-from kvzip_lossless import _cpu, _cpu_fast
+from kvzip_lossless import _cpu, _cpu_fast, settings
 from kvzip_lossless._torch import as_u16
 from kvzip_lossless.blob import (
     MODE_RANS,
@@ -89,13 +88,13 @@ def compress(
     return compress_u16(vals, shape, table, tables, slot, rows_per_tile)
 
 
-CPU_CODERS = ("numba", "numpy")
+CPU_CODERS = settings.CPU_CODER.choices  # ("numba", "numpy")
 
 
 def _cpu_coder(name: str | None) -> str:
     """The CPU coder to run: ``name``, else ``KVZIP_LOSSLESS_CPU_CODER``, else numba when it
     imports (the numpy coder is the reference, and the fallback)."""
-    name = name or os.environ.get("KVZIP_LOSSLESS_CPU_CODER") or None
+    name = settings.CPU_CODER.value(name)
     if name is None:
         return "numba" if _cpu_fast.available() else "numpy"
     if name not in CPU_CODERS:

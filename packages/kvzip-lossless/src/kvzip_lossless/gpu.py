@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from kvzip_lossless import _cuda, tiles
+from kvzip_lossless import _cuda, settings, tiles
 from kvzip_lossless._torch import (
     as_u16,
     checksum,
@@ -279,7 +279,7 @@ def decompress(buf: memoryview, h: Header, table: Table, *, device, out=None) ->
     return out
 
 
-BACKENDS = ("cuda", "triton")
+BACKENDS = settings.BACKEND.choices  # ("cuda", "triton")
 _logged: set = set()
 
 
@@ -314,9 +314,7 @@ def default_backend(device) -> str:
     """'cuda' (csrc/kvzl.cu, built with nvcc for this GPU) on a CUDA device when it builds
     and loads there, else 'triton'. The choice and its reason are logged once per device."""
     dev = torch.device(device)
-    backend, why = decide_backend(
-        dev.type, os.environ.get("KVZIP_LOSSLESS_BACKEND") or None, lambda: _cuda.failure(dev)
-    )
+    backend, why = decide_backend(dev.type, settings.BACKEND.raw(), lambda: _cuda.failure(dev))
     key = (str(dev), backend)
     if key not in _logged:
         _logged.add(key)

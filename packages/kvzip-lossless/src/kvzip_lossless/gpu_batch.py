@@ -20,14 +20,13 @@ launch).
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections import OrderedDict, deque
 
 import numpy as np
 import torch
 
-from kvzip_lossless import _cuda
+from kvzip_lossless import _cuda, settings
 from kvzip_lossless._prepared import PreparedDecode
 from kvzip_lossless.blob import HEAD
 from kvzip_lossless.tables import MODE_SLOT, TableSet
@@ -47,13 +46,13 @@ HEAD_SIZE = HEAD.size  # 40
 #: The CUDA batched decoders (csrc/kvzl.cu): ``l1``, each lane reading its column's frequency
 #: rows from global memory (the first design); ``smem``, the item's 32 columns' rows staged in
 #: shared memory first, lane-interleaved. Same output and flags.
-CUDA_DECODERS = ("l1", "smem")
-DEFAULT_DECODER = "l1"
+CUDA_DECODERS = settings.DECODER.choices  # ("l1", "smem")
+DEFAULT_DECODER = settings.DECODER.default  # "l1"
 #: The CUDA batched encoders: ``l1`` (table entries per lane through L1, integer division; the
 #: first design) and ``smem`` (entries staged per lane in shared memory, division by a float
 #: reciprocal with one correction). Same bytes.
-CUDA_ENCODERS = ("l1", "smem")
-DEFAULT_ENCODER = "l1"
+CUDA_ENCODERS = settings.ENCODER.choices  # ("l1", "smem")
+DEFAULT_ENCODER = settings.ENCODER.default  # "l1"
 #: A list to have :func:`encode_batch` append ``(step, torch.cuda.Event)`` marks (profiling:
 #: the benchmark reads the time between consecutive marks); None: no marks.
 STEP_EVENTS: list | None = None
@@ -66,17 +65,17 @@ def _mark(name: str) -> None:
         STEP_EVENTS.append((name, event))
 
 
-def _choice(name, env, default, allowed, what) -> str:
-    name = name or os.environ.get(env) or default
+def _choice(name, setting, allowed, what) -> str:
+    name = setting.value(name)
     if name not in allowed:
-        raise ValueError(f"unknown CUDA {what} {name!r} ({env}): {allowed}")
+        raise ValueError(f"unknown CUDA {what} {name!r} ({setting.name}): {allowed}")
     return name
 
 
 def cuda_encoder(encoder: str | None = None) -> str:
     """The CUDA batched encoder: ``encoder``, else ``$KVZIP_LOSSLESS_ENCODER``, else
     :data:`DEFAULT_ENCODER` (both write the same bytes)."""
-    return _choice(encoder, "KVZIP_LOSSLESS_ENCODER", DEFAULT_ENCODER, CUDA_ENCODERS, "encoder")
+    return _choice(encoder, settings.ENCODER, CUDA_ENCODERS, "encoder")
 
 
 # ---------------------------------------------------------------------------- table banks
@@ -760,7 +759,7 @@ def decode_batch(data, offsets, plans, sets, set_idx, out, out_offsets, backend=
 def cuda_decoder(decoder: str | None = None) -> str:
     """The CUDA batched decoder to use: ``decoder``, else ``$KVZIP_LOSSLESS_DECODER``, else
     :data:`DEFAULT_DECODER` (``"l1"`` or ``"smem"``; both give the same output and flags)."""
-    return _choice(decoder, "KVZIP_LOSSLESS_DECODER", DEFAULT_DECODER, CUDA_DECODERS, "decoder")
+    return _choice(decoder, settings.DECODER, CUDA_DECODERS, "decoder")
 
 
 def prepare_decode(

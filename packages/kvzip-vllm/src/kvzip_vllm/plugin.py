@@ -4,7 +4,9 @@ vLLM calls :func:`register` in every one of its processes in an environment wher
 kvzip-vllm is installed. It always registers the lossless tier's connector with vLLM's
 connector factory under the name ``KvzipConnector`` (so ``"kv_connector": "KvzipConnector"``
 needs no ``kv_connector_module_path``; nothing is imported until a config names it); the
-attention backend is put in place only when ``KVZIP_KV_FORMAT`` is set.
+attention backend is put in place only when ``KVZIP_KV_FORMAT`` is set. It also hooks
+kvzip's start-up checks into vLLM's config validation (``startup.py``): they run only when
+a config turns a kvzip feature on, before the engine starts and the model loads.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def register_connector() -> bool:
 def register() -> None:
     register_connector()
     register_backend_if_enabled()
+    from kvzip_vllm import startup
+
+    startup.install()  # kvzip's settings checked as vLLM builds its config (startup.py)
 
 
 def register_backend_if_enabled() -> None:

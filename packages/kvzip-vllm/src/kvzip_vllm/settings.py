@@ -1,5 +1,8 @@
 """The user's kvzip settings: environment variables, overridable by vLLM's additional config.
 
+Every variable is a row of kvzip's one table of settings (``kvzip_formats.settings``: its
+type, default and documentation); this module reads them through those rows.
+
 - ``KVZIP_KV_FORMAT=4bit`` turns the compact-format attention backend on (any name
   ``kvzip_formats.list_formats()`` shows). It has to be an environment variable: vLLM loads
   general plugins in every process before it parses a config, and an unset variable keeps
@@ -18,10 +21,12 @@ from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ENV_FORMAT = "KVZIP_KV_FORMAT"
-ENV_CALIBRATION = "KVZIP_CALIBRATION"
+from kvzip_formats import settings as table
+
+ENV_FORMAT = table.KV_FORMAT.name
+ENV_CALIBRATION = table.CALIBRATION.name
 #: tokens of cache per residual-window slot (``window.py``; a format spelled ``NAME+rN``)
-ENV_WINDOW_SLOT_TOKENS = "KVZIP_WINDOW_SLOT_TOKENS"
+ENV_WINDOW_SLOT_TOKENS = table.WINDOW_SLOT_TOKENS.name
 
 
 @dataclass(frozen=True)
@@ -29,17 +34,17 @@ class BackendSettings:
     kv_format: str  # the format's name, without a residual window's ``+rN``
     calibration: str | None
     recent: int = 0  # a residual window of this many bf16 tokens (``NAME+rN``)
-    window_slot_tokens: int = 32768
+    window_slot_tokens: int = table.WINDOW_SLOT_TOKENS.default
 
 
 def backend_enabled() -> bool:
-    return bool(os.environ.get(ENV_FORMAT, "").strip())
+    return table.KV_FORMAT.raw() is not None
 
 
 def backend_settings(vllm_config=None) -> BackendSettings:
     """The format and calibration for this process (env, then ``additional_config['kvzip']``)."""
-    name = os.environ.get(ENV_FORMAT, "").strip()
-    calibration = os.environ.get(ENV_CALIBRATION) or None
+    name = table.KV_FORMAT.raw() or ""
+    calibration = table.CALIBRATION.raw()
     if vllm_config is None:
         try:
             from vllm.config import get_current_vllm_config
@@ -56,18 +61,12 @@ def backend_settings(vllm_config=None) -> BackendSettings:
     from kvzip_formats.window import split_name
 
     base, recent = split_name(name)
-    raw = os.environ.get(ENV_WINDOW_SLOT_TOKENS, "").strip() or kvzip.get("window_slot_tokens")
-    slot_tokens = 32768
-    if raw not in (None, ""):
-        try:
-            slot_tokens = int(raw)
-        except ValueError:
-            slot_tokens = 0
-        if slot_tokens < 1 or slot_tokens & (slot_tokens - 1):
-            raise ValueError(
-                f"kvzip-vllm: {ENV_WINDOW_SLOT_TOKENS}={raw!r}; supported: a power of two "
-                "(tokens of cache per residual-window slot, e.g. 32768)"
-            )
+    slot = table.WINDOW_SLOT_TOKENS
+    raw = slot.raw() or kvzip.get("window_slot_tokens")
+    try:
+        slot_tokens = slot.default if raw in (None, "") else slot.parse(str(raw))
+    except table.SettingError as e:
+        raise ValueError(f"kvzip-vllm: {e}") from None
     return BackendSettings(base, calibration, recent, slot_tokens)
 
 
@@ -82,24 +81,18 @@ def load_format(name: str, calibration: str | None):
 # ---------------------------------------------------------------------------- connector
 # The lossless tier's settings: ``kv_connector_extra_config`` keys, with environment fallbacks.
 
-ENV_TIER_BYTES = "KVZIP_TIER_BYTES"
-ENV_STATS_PATH = "KVZIP_STATS_PATH"
-ENV_TIER_TABLES = "KVZIP_TIER_TABLES"
-ENV_SHARED_URL = "KVZIP_SHARED_URL"
-ENV_SHARED_BYTES = "KVZIP_SHARED_BYTES"
-ENV_CHUNK_TOKENS = "KVZIP_TIER_CHUNK_TOKENS"
-DEFAULT_BUDGET_BYTES = 4 << 30
+ENV_TIER_BYTES = table.TIER_BYTES.name
+ENV_STATS_PATH = table.STATS_PATH.name
+ENV_TIER_TABLES = table.TIER_TABLES.name
+ENV_SHARED_URL = table.SHARED_URL.name
+ENV_SHARED_BYTES = table.SHARED_BYTES.name
+ENV_CHUNK_TOKENS = table.TIER_CHUNK_TOKENS.name
+DEFAULT_BUDGET_BYTES = table.TIER_BYTES.default
 #: tokens per stored entry by default (see ``ConnectorSettings.chunk_tokens``)
-DEFAULT_CHUNK_TOKENS = 256
-#: key -> environment variable read when the key is absent
-CONNECTOR_ENV = {
-    "budget_bytes": ENV_TIER_BYTES,
-    "stats_path": ENV_STATS_PATH,
-    "tables_path": ENV_TIER_TABLES,
-    "shared_url": ENV_SHARED_URL,
-    "shared_budget_bytes": ENV_SHARED_BYTES,
-    "chunk_tokens": ENV_CHUNK_TOKENS,
-}
+DEFAULT_CHUNK_TOKENS = table.TIER_CHUNK_TOKENS.default
+#: key -> environment variable read when the key is absent (the table's rows whose override
+#: is a ``kv_connector_extra_config`` key)
+CONNECTOR_ENV = table.connector_env()
 
 
 class ConnectorSettingsError(ValueError):
@@ -202,8 +195,9 @@ def connector_settings(extra: dict | None = None, environ=None):
     values = dict(extra)
     source = {k: "kv_connector_extra_config" for k in values}
     for key, env in CONNECTOR_ENV.items():
-        if key not in values and environ.get(env):
-            values[key] = environ[env]
+        raw = table.find(env).raw(environ)
+        if key not in values and raw is not None:
+            values[key] = raw
             source[key] = f"environment variable {env}"
     try:
         return model(**values)
