@@ -56,10 +56,17 @@ def decode(slot: torch.Tensor) -> int:
     return sum(int(v) << (8 * e) for e, v in enumerate(b))
 
 
+def step_value(prev: int, total: int, token: int, pos: int) -> int:
+    """``h_p`` from ``h_{p-1}``, the sum of every earlier position's value (mod 2^64: what
+    attention over the whole prefix stands for) and the token."""
+    return mix(prev ^ total, token, pos)
+
+
 def true_values(tokens: list[int]) -> list[int]:
-    out, h = [], H0
+    out, h, total = [], H0, 0
     for p, t in enumerate(tokens):
-        h = mix(h, t, p)
+        h = step_value(h, total, t, p)
+        total = (total + h) & MASK
         out.append(h)
     return out
 
@@ -67,12 +74,10 @@ def true_values(tokens: list[int]) -> list[int]:
 def greedy(prompt: list[int], n: int) -> list[int]:
     """The true output: ``n`` greedy tokens after ``prompt``."""
     tokens = list(prompt)
-    h = true_values(tokens)[-1]
     out = []
     for _ in range(n):
-        t = h % VOCAB
+        t = true_values(tokens)[-1] % VOCAB
         out.append(t)
-        h = mix(h, t, len(tokens))
         tokens.append(t)
     return out
 
@@ -111,6 +116,7 @@ class Harness:
     runner_errors: list = field(default_factory=list)
     resumes: list = field(default_factory=list)  # (req_id, num_computed) after a failed load
     failed_steps: set = field(default_factory=set)
+    affected: dict = field(default_factory=dict)  # tokens vLLM's recovery takes back, by request
 
     def build(self):
         from vllm.config import (
@@ -232,6 +238,16 @@ class Harness:
     def _read(self, block_id: int, slot: int) -> int:
         return decode(next(iter(self.caches.values()))[block_id, :, slot])
 
+    def _prefix_sum(self, block_ids, end: int) -> int:
+        """The sum (mod 2^64) of the values of positions ``[0, end)`` as the cache holds them."""
+        if end == 0:
+            return 0
+        nb = (end + BS - 1) // BS
+        cache = next(iter(self.caches.values()))
+        b = cache[torch.tensor(block_ids[:nb])][:, 0, :, :8].reshape(-1, 8)[:end]
+        vals = b.to(torch.int64).tolist()
+        return sum(sum(int(v) << (8 * e) for e, v in enumerate(row)) for row in vals) & MASK
+
     def _execute(self, so):
         """One step of the model runner: vLLM's bookkeeping, loads, forward, stores."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -273,9 +289,12 @@ class Harness:
             if start + n > len(r.tokens):
                 self.runner_errors.append((self.step_no, req_id, start, n, len(r.tokens)))
                 n = max(0, len(r.tokens) - start)
+            total = self._prefix_sum(r.block_ids, start)  # read from the paged cache
             for p in range(start, start + n):
                 prev = self._read(*self._slot(r.block_ids, p - 1)) if p else H0
-                self._write(*self._slot(r.block_ids, p), mix(prev, r.tokens[p], p))
+                h = step_value(prev, total, r.tokens[p], p)
+                self._write(*self._slot(r.block_ids, p), h)
+                total = (total + h) & MASK
             if n and start + n == len(r.tokens):
                 t = self._read(*self._slot(r.block_ids, start + n - 1)) % VOCAB
                 r.tokens.append(t)
@@ -303,11 +322,16 @@ class Harness:
 
     def _take(self, so, out) -> None:
         failed = bool(out.kv_connector_output.invalid_block_ids)
+        # what vLLM counts computed before the step's output (as its recovery does)
+        before = {
+            r: self.requests[r].num_computed_tokens - n for r, n in so.num_scheduled_tokens.items()
+        }
         self.scheduler.update_from_output(so, out)
         if failed:
             for req_id in so.num_scheduled_tokens:
                 req = self.requests[req_id]
                 self.resumes.append((req_id, req.num_computed_tokens))
+                self.affected[req_id] = before[req_id] - req.num_computed_tokens
 
     def run(self, max_steps: int = 400) -> None:
         """vLLM's engine loop until every request has finished: ``EngineCore.step`` with

@@ -12,9 +12,12 @@ where CI sees vLLM's asynchronous scheduler.
   true output, no stored or restored chunk differs from its true KV, and the chunks computed
   on the failed load are refused and stored again from vLLM's recomputation;
 - asynchronous scheduling is refused at start-up, naming the remedy;
-- why: with the refusal lifted, vLLM's asynchronous scheduler resumes the request from the
-  wrong token (97 tokens affected, not 96) and a wrong chunk reaches the tier. If a vLLM
-  fixes that, this test fails, and the refusal can be reconsidered.
+- why: with the refusal lifted, vLLM's asynchronous scheduler keeps the token that the step
+  scheduled before the failure was seen computed on the block that was not restored (its
+  recovery takes back 97 tokens, not 96), so the output is wrong, and its scheduler and model
+  runner then disagree on the request's tokens, so a chunk computed from tokens other than
+  those its key covers reaches the tier. If a vLLM fixes that, this test fails, and the
+  refusal can be reconsidered.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ def test_synchronous_scheduling_recovers_every_chunk_and_output(case):
     s = h.worker.stats()
     assert s["load_errors"] == 1 and ("B0", H.CHUNK) in h.resumes
     assert s["stores_refused_after_load_error"] >= 1
+    if case == "prompt-ends-in-the-failing-step":  # the chunks after the failed one, 3 x 32
+        assert h.affected == {"B0": 3 * H.CHUNK}
     assert h.wrong_records() == []
     kinds = {(r.kind, r.req_id) for r in h.records}
     assert ("store", "B0") in kinds and ("load", "C0") in kinds  # checks that saw something
@@ -109,14 +114,19 @@ def test_asynchronous_scheduling_is_refused_at_start_up():
 
 def test_why_asynchronous_scheduling_is_refused(monkeypatch):
     """With the refusal lifted, vLLM's AsyncScheduler recovers the damaged request wrongly:
-    it is rewound one token late (the decode step scheduled before the failure was seen is
-    not undone), its output loses a token, and a chunk computed from tokens other than those
-    its key covers reaches the tier."""
+    the decode step scheduled before the failure was seen is not undone (its token is taken
+    back with the others: 97 tokens, the synchronous scheduler's 96 and that one), the token
+    it sampled on the block that was not restored is kept as the request's first output
+    token, and a chunk computed from tokens other than those its key covers reaches the
+    tier."""
     from kvzip_vllm import connector
 
     monkeypatch.setattr(connector, "require_synchronous_scheduling", lambda cfg: None)
     h = H.Harness(async_scheduling=True, max_tokens_per_step=64).build()
     prompts = _scenario(h, CASES["prompt-ends-in-the-failing-step"][1])
     assert h.worker.stats()["load_errors"] == 1
+    assert h.affected == {"B0": 3 * H.CHUNK + 1}
+    out, truth = list(h.requests["B0"].output_token_ids), H.greedy(prompts["B0"], GEN)
+    assert out[0] != truth[0]
     assert "B0" in _wrong_outputs(h, prompts)
     assert any(kind == "store" for kind, *_ in h.wrong_records())

