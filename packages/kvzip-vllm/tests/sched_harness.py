@@ -11,11 +11,12 @@ the output-token count from the scheduler each step (a rewind truncates its toke
 ``GPUModelRunner._update_states`` does), computes the scheduled positions and samples when the
 step reaches the last known token.
 
-The toy model: the KV of position ``p`` is a 64-bit value ``h_p = mix(h_{p-1}, token_p, p)``
-where ``h_{p-1}`` is read back from the paged cache (so a block that was not restored, or was
-computed on one that was not, gives a different value to everything after it), written into
-every layer's slot of that token as exact small integers in bf16; the greedy token is
-``h_p % VOCAB``.
+The toy model: the KV of position ``p`` is a 64-bit value ``h_p = mix(h_{p-1} ^ S_p,
+token_p, p)``, where ``h_{p-1}`` and ``S_p`` (the sum of the values of every earlier position:
+what attention over the whole prefix stands for) are read back from the paged cache, so a
+block that was not restored, or was computed on one that was not, gives a different value to
+everything after it. The value is written into every layer's slot of that token as exact
+small integers in bf16; the greedy token is ``h_p % VOCAB``.
 """
 
 from __future__ import annotations

@@ -108,8 +108,22 @@ def test_synchronous_scheduling_recovers_every_chunk_and_output(case):
 
 
 def test_asynchronous_scheduling_is_refused_at_start_up():
+    """Through vLLM's own scheduler, which makes the connector from the config at start-up;
+    and the check alone: only asynchronous scheduling on is refused."""
+    from types import SimpleNamespace
+
+    from kvzip_vllm.connector import require_synchronous_scheduling
+
     with pytest.raises(support.UnsupportedConfigError, match="--no-async-scheduling"):
         H.Harness(async_scheduling=True).build()
+
+    def cfg(value):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=value))
+
+    with pytest.raises(support.UnsupportedConfigError, match="async_scheduling=False"):
+        require_synchronous_scheduling(cfg(True))
+    for off in (cfg(False), cfg(None), SimpleNamespace()):
+        require_synchronous_scheduling(off)
 
 
 def test_why_asynchronous_scheduling_is_refused(monkeypatch):
