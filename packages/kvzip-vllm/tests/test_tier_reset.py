@@ -117,3 +117,32 @@ def test_with_tensor_parallelism_a_key_stored_by_every_rank_after_their_clear_is
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=both))
     # rank 1 did not store ``old`` again after its clear: not held by every rank
     assert sched.held(new) and not sched.held(old)
+
+
+def test_through_vllms_scheduler_a_prompt_after_the_reset_is_restored():
+    """The sequence of the issue under vLLM's own ``Scheduler`` (``sched_harness.py``): a
+    prompt stored, ``reset_prefix_cache(reset_connector=True)``, the same prompt computed
+    again (its chunks stored in the step that carries the clear), then a third time: every
+    chunk held by the worker is counted held by the scheduler and restored, bit for bit."""
+    import random
+
+    import sched_harness as H
+
+    h = H.Harness(async_scheduling=False).build()
+    rng = random.Random(1)
+    prompt = [rng.randrange(H.VOCAB) for _ in range(4 * H.CHUNK + 8)]
+    h.add("a", prompt, 2)
+    h.run()
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)
+    h.add("b", prompt, 2)
+    h.run()
+    tier = h.scheduler.connector.scheduler
+    keys = tier.keys_of(h.requests["b"])
+    assert [k in h.worker.store for k in keys] == [True] * 4
+    assert [tier.held(k) for k in keys] == [True] * 4
+    h.scheduler.reset_prefix_cache()  # vLLM's own cache only
+    h.add("c", prompt, 2)
+    h.run()
+    assert sorted(r.pos for r in h.records if r.kind == "load" and r.req_id == "c") == [0, 1, 2, 3]
+    assert h.wrong_records() == []
+    assert list(h.requests["c"].output_token_ids) == H.greedy(prompt, 2)
