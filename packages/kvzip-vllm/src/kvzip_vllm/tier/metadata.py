@@ -91,6 +91,8 @@ class KvzipWorkerMetadata(KVConnectorWorkerMetadata):
     refused: list[Refusal] = field(default_factory=list)
     #: (req_id, chunk pos) of each load that failed: vLLM recomputes the request from there
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
+    #: the worker emptied its store (``clear``) before everything this report lists
+    cleared: bool = False
     seq: int = 0  # the worker's report number (echoed back as ``seen_report``)
     rank: int = 0  # the tensor-parallel rank that sent it
     #: the other ranks' reports folded into this one by :meth:`aggregate`
@@ -103,12 +105,15 @@ class KvzipWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvzipWorkerMetadata)
         if other.rank == self.rank and not other.others and not self.others:
-            # one rank's reports (a connector inside vLLM's MultiConnector): concatenated
+            # one rank's reports (a connector inside vLLM's MultiConnector): concatenated;
+            # a clear in the later one comes after everything the earlier one lists
+            before = ([], []) if other.cleared else (self.stored, self.dropped)
             return KvzipWorkerMetadata(
-                self.stored + other.stored,
-                self.dropped + other.dropped,
+                before[0] + other.stored,
+                before[1] + other.dropped,
                 self.refused + other.refused,
                 self.failed_loads + other.failed_loads,
+                self.cleared or other.cleared,
                 max(self.seq, other.seq),
                 self.rank,
             )
@@ -116,5 +121,6 @@ class KvzipWorkerMetadata(KVConnectorWorkerMetadata):
 
     def empty(self) -> bool:
         return all(
-            not (r.stored or r.dropped or r.refused or r.failed_loads) for r in self.by_rank()
+            not (r.stored or r.dropped or r.refused or r.failed_loads or r.cleared)
+            for r in self.by_rank()
         )

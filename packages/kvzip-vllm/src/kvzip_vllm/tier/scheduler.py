@@ -209,6 +209,10 @@ class KvzipScheduler:
         if not isinstance(report, KvzipWorkerMetadata):
             return
         parts = report.by_rank()
+        # a rank's clear (reset_cache) came before everything its report lists
+        for part in parts:
+            if part.cleared:
+                self._cleared(part.rank)
         # every rank's stores first: a rank's refusal or drop of a key wins over another
         # rank's store of it in the same step
         for part in parts:
@@ -221,6 +225,18 @@ class KvzipScheduler:
                     self._held.add(key)
         for part in parts:
             self._take_losses(part)
+
+    def _cleared(self, rank: int) -> None:
+        """Rank ``rank`` emptied its store: it holds none of the keys it reported before (the
+        scheduler forgot them when it sent the clear; reports of stores from before the clear
+        that came in since are undone here)."""
+        for key in self._held:
+            self._holders[key] = set(range(self.world))
+        self._held.clear()
+        for key in list(self._holders):
+            self._holders[key].discard(rank)
+            if not self._holders[key]:
+                del self._holders[key]
 
     def _take_losses(self, report: KvzipWorkerMetadata) -> None:
         """One rank's keys no longer held, refused stores and failed loads."""

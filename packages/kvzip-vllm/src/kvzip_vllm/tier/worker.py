@@ -262,13 +262,10 @@ class KvzipWorker:
 
     # -- the step -------------------------------------------------------------------------
     def start_load_kv(self, meta: KvzipConnectorMetadata) -> None:
+        if meta.clear:
+            self._clear()
         meta = self._shard_meta(meta)
         self._forget_seen(meta)
-        if meta.clear:
-            if self._cuda is not None:
-                self._cuda.drain()  # the store thread is done writing to the store
-            self._report.dropped.extend(self.store.keys())
-            self.store.clear()
         if meta.drop:  # a rank refused these stores: this rank's shards may be wrong too
             if self._cuda is not None:
                 self._cuda.drain()  # no store of a dropped key still in flight
@@ -314,6 +311,19 @@ class KvzipWorker:
             f", {len(failed)} failed (recomputed)" if failed else "",
         )
         self._write_stats()
+
+    def _clear(self) -> None:
+        """Empty the store (``reset_cache``) before the step's loads and stores. The report
+        says so (``cleared``) in place of listing every key: what it says stored or dropped
+        after that happened after the clear, so the scheduler applies the clear first and a
+        store of an equal key in the same step stays held (issue 29)."""
+        if self._cuda is not None:
+            self._cuda.drain()  # the store thread is done writing to the store
+            self._cuda.collect()  # stores that landed before the clear: cleared with it
+        self.store.clear()
+        self._logical.clear()
+        self._report.stored, self._report.dropped = [], []
+        self._report.cleared = True
 
     def _fetch_shared(self, loads: list[Load]) -> set[bytes]:
         """Bring the loads' blocks the local store lacks from the shared store into it (a
