@@ -169,6 +169,16 @@ def test_connector_settings_that_cannot_work_are_refused(env, extra, environ, ma
         startup.check_config(_cfg(connector="KvzipConnector", extra=extra))
 
 
+def test_the_connector_under_asynchronous_scheduling_is_refused_at_start_up(env):
+    pytest.importorskip("vllm")
+    cfg = _cfg(connector="KvzipConnector", extra={"budget_bytes": 2000})
+    cfg.scheduler_config = SimpleNamespace(async_scheduling=True)
+    with pytest.raises(support.UnsupportedConfigError, match="--no-async-scheduling"):
+        startup.check_config(cfg)
+    cfg.scheduler_config.async_scheduling = False
+    startup.check_config(cfg)  # the same settings, scheduled synchronously, start
+
+
 @pytest.mark.parametrize(
     "extra, environ, source",
     [

@@ -179,13 +179,17 @@ def available_memory() -> int:
 
 
 def check_connector(vllm_config) -> None:
-    from kvzip_vllm.connector import require_rewinding_model_runner
+    from kvzip_vllm.connector import (
+        require_rewinding_model_runner,
+        require_synchronous_scheduling,
+    )
 
     what = "kvzip-vllm connector"
     mc = vllm_config.model_config
     support.check_model(mc, dtypes=support.SUPPORTED_CONNECTOR_DTYPES, what="connector")
     support.check_parallel(vllm_config.parallel_config, what="connector")
     require_rewinding_model_runner(vllm_config)
+    require_synchronous_scheduling(vllm_config)
     dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if dtype not in ("auto", "bfloat16"):
         _refuse(
