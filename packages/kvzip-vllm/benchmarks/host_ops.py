@@ -67,7 +67,7 @@ class _Stub:
 def _stub_kernels():
     import importlib
 
-    for name in ("paged_decode", "cache_write", "_device_consts", "_merge_extra",
+    for name in ("paged_decode", "decode_plan", "cache_write", "_device_consts", "_merge_extra",
                  "_write_codebook"):  # fmt: skip
         try:
             mod = importlib.import_module(f"kvzip_kernels.{name}")
@@ -90,9 +90,9 @@ def _median_us(fn, repeat: int) -> float:
 def one(fmt_name: str, batch: int, ctx: int, repeat: int = 200) -> dict:
     import kvzip_formats
     from kvzip_formats.window import split_name
+    from kvzip_kernels.paged import PagedAttention, plan_step, sink_plan
     from kvzip_kernels.testing import synthetic_calibration
-    from kvzip_vllm.paged import PagedAttention, plan_step, sink_plan
-    from kvzip_vllm.window import plan_window
+    from kvzip_kernels.window import plan_window
 
     hq, hkv, d, bs = 32, 8, 128, 16  # Llama-3.1-8B's attention
     name, recent = split_name(fmt_name)
@@ -118,12 +118,17 @@ def one(fmt_name: str, batch: int, ctx: int, repeat: int = 200) -> dict:
     fresh, rows = sink_plan(qsl, lens, p.sink_tokens)
     st = plan_step(sinks, bt[:, 0], fresh, rows)
     win = plan_window(windows, recent, qsl, lens, bt, bs) if recent else None
+    step = dict(
+        query_start_loc_cpu=torch.tensor(qsl), seq_lens_cpu=torch.tensor(lens),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=bt,
+    )  # fmt: skip
+    # the step's attention plan: made by the step's first layer in vLLM (the backend's _plan)
+    plan = p.step_plan(cache, sinks=st, window=win, **step)
 
     def attend():
         p.attend(
-            query, cache, query_start_loc_cpu=torch.tensor(qsl), seq_lens_cpu=torch.tensor(lens),
-            seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=bt, layer=0, out=out,
-            sinks=st, window=win, key=key if recent else None, value=value if recent else None,
+            query, cache, layer=0, out=out, sinks=st, window=win,
+            key=key if recent else None, value=value if recent else None, plan=plan, **step,
         )  # fmt: skip
 
     def layer():

@@ -1,4 +1,4 @@
-"""The backend's two paths over one vLLM-shaped cache (``kvzip_vllm.paged``, no vLLM needed).
+"""The backend's two paths over one vLLM-shaped cache (``kvzip_kernels.paged``, no vLLM needed).
 
 kvzip-kernels (``cache_write`` with ``block_stride=``, ``paged_decode`` with ``block_stride=``
 and ``sinks=``) against the reference path (the format's encode/decode and float32 torch
@@ -48,14 +48,14 @@ import kvzip_formats  # noqa: E402
 from kvzip_formats import FormatError  # noqa: E402
 from kvzip_formats.ops import gather_rows  # noqa: E402
 from kvzip_formats.ops import paged_decode as ops_paged_decode  # noqa: E402
-from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
-from kvzip_vllm import paged  # noqa: E402
-from kvzip_vllm.paged import (  # noqa: E402
+from kvzip_kernels import paged  # noqa: E402
+from kvzip_kernels.paged import (  # noqa: E402
     PagedAttention,
     StepSinks,
     plan_step,
     triton_runs,
 )
+from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -679,8 +679,8 @@ def test_refused_format_falls_back_once_with_the_reason(caplog):
 
 
 def test_errors_on_real_calls_are_not_swallowed():
-    """A bug (here: K of the wrong head count) raises from the kernel path; only the probe's
-    refusal leads to the reference path."""
+    """A bug (here: K of the wrong head count) raises from the kernel path; only the kernels'
+    ``refusal`` of the configuration leads to the reference path."""
     _device_ok("cpu")
     p = PagedAttention(
         kvzip_formats.get_format("int4"),
