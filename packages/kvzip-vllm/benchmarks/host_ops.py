@@ -7,9 +7,11 @@ GPU time of the call (``results/vllm/h200_run10/README.md``: the residual window
 This counts them on the CPU, for one decode step of ``batch`` sequences, through the path
 vLLM's CUDA steps take (the kvzip-kernels decode, the window's ring reads and writes), with
 the Triton launches stubbed. The counts do not depend on the device. Host time: the median
-wall time of the decode's attention call (``attend_us``) and of the whole layer call (write +
-attend, ``layer_us``) on this CPU with the launches stubbed; the torch ops still do their
-(small) work on the CPU, so it bounds the Python and dispatch time a GPU host pays from above.
+CPU time of this process (``time.process_time``, one torch thread: robust to other processes
+sharing the cores, unlike wall time) of the decode's attention call (``attend_us``) and of the
+whole layer call (write + attend, ``layer_us``) with the launches stubbed; the torch ops still
+do their work on the CPU (the write's float32 ``bmm`` dominates ``layer_us``), so it bounds the
+Python and dispatch time a GPU host pays from above.
 
     uv run python packages/kvzip-vllm/benchmarks/host_ops.py --out results/vllm
 """
@@ -81,18 +83,18 @@ def _stub_kernels():
 def _median_us(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return round(statistics.median(times) * 1e6, 1)
 
 
 def one(fmt_name: str, batch: int, ctx: int, repeat: int = 200) -> dict:
     import kvzip_formats
     from kvzip_formats.window import split_name
-    from kvzip_kernels.paged import PagedAttention, plan_step, sink_plan
     from kvzip_kernels.testing import synthetic_calibration
-    from kvzip_kernels.window import plan_window
+    from kvzip_vllm.paged import PagedAttention, plan_step, sink_plan  # both trees have these
+    from kvzip_vllm.window import plan_window
 
     hq, hkv, d, bs = 32, 8, 128, 16  # Llama-3.1-8B's attention
     name, recent = split_name(fmt_name)
@@ -122,13 +124,15 @@ def one(fmt_name: str, batch: int, ctx: int, repeat: int = 200) -> dict:
         query_start_loc_cpu=torch.tensor(qsl), seq_lens_cpu=torch.tensor(lens),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=bt,
     )  # fmt: skip
-    # the step's attention plan: made by the step's first layer in vLLM (the backend's _plan)
-    plan = p.step_plan(cache, sinks=st, window=win, **step)
+    # the step's attention plan: made by the step's first layer in vLLM (the backend's _plan);
+    # a tree from before plan/run (issue 27) has none: each layer call planned for itself
+    plan = p.step_plan(cache, sinks=st, window=win, **step) if hasattr(p, "step_plan") else None
 
     def attend():
         p.attend(
             query, cache, layer=0, out=out, sinks=st, window=win,
-            key=key if recent else None, value=value if recent else None, plan=plan, **step,
+            key=key if recent else None, value=value if recent else None, **step,
+            **({"plan": plan} if plan is not None else {}),
         )  # fmt: skip
 
     def layer():
@@ -186,7 +190,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--tag", default="")
     ap.add_argument("--repeat", type=int, default=200, help="calls timed (median)")
+    ap.add_argument("--note", default="", help="appended to the note (e.g. which tree ran)")
     a = ap.parse_args()
+    torch.set_num_threads(1)
     _stub_kernels()
     rows = [one(f, a.batch, a.context, a.repeat) for f in a.formats.split(",")]
     doc = {
@@ -199,8 +205,9 @@ def main() -> None:
         "commit": _commit(),
         "note": "8B attention shape (32 q / 8 KV heads, head 128, block 16); a layer after the "
         "step's first (the step's plans and row ends made once, as in vLLM); host times: "
-        f"median of {a.repeat} calls on {platform.processor() or platform.machine()} "
-        f"({os.cpu_count()} CPUs, shared), launches stubbed",
+        f"median CPU time of {a.repeat} calls on {platform.processor() or platform.machine()} "
+        f"({os.cpu_count()} CPUs, shared, load average {os.getloadavg()[0]:.1f}), one torch "
+        f"thread, launches stubbed{'; ' + a.note if a.note else ''}",
         "rows": rows,
     }
     lines = [
