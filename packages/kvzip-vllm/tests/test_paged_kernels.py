@@ -411,6 +411,32 @@ def test_kernel_decode_matches_reference_attention(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_one_step_plan_serves_every_layer(device):
+    """The backend plans at a step's first layer and every layer runs that plan
+    (``step_plan``): each layer's output is, bit for bit, what a layer planning for itself
+    computes (sinks read by slot); a layer whose cache is not the planned shape is refused."""
+    _device_ok(device)
+    c = _case("4bit", device)
+    b = len(c.s.lens)
+    step = dict(
+        query_start_loc_cpu=torch.arange(b + 1),
+        seq_lens_cpu=c.seq_lens.cpu(),
+        seq_lens=c.seq_lens,
+        block_table=c.block_table,
+    )
+    plan = c.ker.step_plan(c.cache_ker, sinks=c.sinks, **step)
+    assert plan.decode is not None and plan.one == list(range(b)) and not plan.rest
+    assert not c.sinks.may_miss  # the slots are read in the kernel
+    for cache_ in (c.cache_ker, c.cache_ref):  # two layers' caches of one shape
+        want = _decode(c, c.ker, cache_, torch.bfloat16)
+        out = torch.zeros(b, c.s.num_heads * c.s.head_size, dtype=torch.bfloat16, device=device)
+        c.ker.attend(c.q, cache_, layer=0, out=out, sinks=c.sinks, plan=plan, **step)
+        assert torch.equal(out.float().cpu().view(want.shape), want)
+    with pytest.raises(FormatError, match="not the planned cache"):
+        c.ker.attend(c.q, c.cache_ker[:-1], layer=0, out=out, sinks=c.sinks, plan=plan, **step)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mixed_batch_decode_rows_by_kernel_prefill_rows_by_reference(device):
     """A step of vLLM's chunked prefill: requests with one new token go to the decode kernel
     (gathered), the others (here the last 3 and 5 positions of sequences 1 and 3) to the

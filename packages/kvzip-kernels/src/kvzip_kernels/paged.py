@@ -83,6 +83,7 @@ from kvzip_kernels.sinks import (  # noqa: F401  (re-exported: the tests import 
 )
 from kvzip_kernels.window import DEFAULT_SLOT_TOKENS, StepWindow, WindowPool, window_reserve_bytes
 
+# under vLLM's logger tree, whose handlers a server configures (the name it had in kvzip_vllm)
 logger = logging.getLogger("vllm.kvzip.paged")
 
 #: Calls per path in this process (``write_kernels``, ``write_reference``, ``decode_kernels``,
