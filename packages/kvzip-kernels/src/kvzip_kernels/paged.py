@@ -388,16 +388,15 @@ class PagedAttention:
         x = self._fresh(x, slice(None))
         return x if x.dtype == torch.bfloat16 and x.stride(2) == 1 else x.to(torch.bfloat16)
 
-    def ring(self, kv_cache, win: StepWindow, fresh_k, fresh_v):
+    def ring(self, kv_cache, win: StepWindow, fresh_k, fresh_v, row_end: torch.Tensor):
         """For a decode step through the kernels: the window as a ``kvzip_kernels.Ring``, read
         by the decode where the rings hold it (the step's own tokens, ``fresh_k``/``fresh_v``
-        ``[b, num_kv_heads, head_size]``, are its last entry). Where the rows stop is the same
-        for every layer of the step: computed once, by ``step_plan``."""
-        if win.row_end is None:
-            raise ValueError("ring: the step's StepWindow has no row_end yet (step_plan sets it)")
+        ``[b, num_kv_heads, head_size]``, are its last entry). Where the rows stop
+        (``row_end``) is the same for every layer of the step: computed once, by
+        ``step_plan`` (its ``DecodePlan.row_end``)."""
         return Ring(
             self.window_store(kv_cache), win.slots, self._tokens(fresh_k),
-            self._tokens(fresh_v), self.recent, win.row_end,
+            self._tokens(fresh_v), self.recent, row_end,
         )  # fmt: skip
 
     def place_window(self, k, v, kv_cache, win: StepWindow, j: int, fresh_k, fresh_v, base=0):
@@ -620,9 +619,7 @@ class PagedAttention:
         row_end = None
         if window is not None:  # R + 1 entries end at ctx + 1, held from valid_from (or ctx)
             held = torch.where(window.has, window.valid_from, window.ctx)
-            window.row_end = row_end = window_row_end(
-                window.ctx + 1, self.recent + 1, self.sink_tokens, held
-            )
+            row_end = window_row_end(window.ctx + 1, self.recent + 1, self.sink_tokens, held)
         k_pages, v_pages = self.pages(kv_cache)
         g = self.geometry
         st.decode = plan_decode(
@@ -657,8 +654,9 @@ class PagedAttention:
             rec = None
             if st.window is not None:
                 rec = self.ring(
-                    kv_cache, st.window, self._fresh(key, rows), self._fresh(value, rows)
-                )
+                    kv_cache, st.window, self._fresh(key, rows), self._fresh(value, rows),
+                    st.decode.row_end,
+                )  # fmt: skip
             if st.rows is None:  # a decode-only batch: no gather
                 self.decode_kernels(
                     query[:n1], kv_cache, layer=layer, out=out[:n1], sinks=st.sinks,

@@ -115,8 +115,6 @@ class StepWindow:
     w_rows: torch.Tensor  # [m] int64: rows of the step's key/value
     w_slots: torch.Tensor  # [m] int64
     w_ring: torch.Tensor  # [m] int64
-    # where a decode's rows stop (int32 [b]), computed by the step's first layer
-    row_end: torch.Tensor | None = None
 
     def select(self, idx: torch.Tensor) -> StepWindow:
         """The read side for the sequences ``idx`` (no writes)."""
