@@ -32,7 +32,7 @@ def test_unset_or_empty_is_the_default_and_a_value_is_parsed_to_its_type():
     assert settings.TIER_BYTES.get({"KVZIP_TIER_BYTES": "8_000_000_000"}) == 8_000_000_000
     home = settings.CACHE_DIR.get({"KVZIP_CACHE_DIR": "~/k"})
     assert home == Path.home() / "k"
-    assert settings.KERNELS_CACHE_WRITE.get({"KVZIP_KERNELS_CACHE_WRITE": "fused"}) == "fused"
+    assert settings.KERNELS_BACKEND.get({"KVZIP_KERNELS_BACKEND": "triton"}) == "triton"
 
 
 @pytest.mark.parametrize(

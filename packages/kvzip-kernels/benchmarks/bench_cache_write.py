@@ -47,8 +47,9 @@ def main():
     p.add_argument(
         "--write-paths",
         default="split,fused",
-        help="compact formats' write paths (KVZIP_KERNELS_CACHE_WRITE): split = sub + bmm + "
-        "quantize/pack kernel, fused = one kernel (rows <fmt>-fused)",
+        help="compact formats' write paths: split = sub + bmm + quantize/pack kernel (the "
+        "package's cache_write), fused = one kernel (write_fused.py beside this script, a "
+        "research variant; rows <fmt>-fused)",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -56,10 +57,12 @@ def main():
     import torch
     import torch.nn.functional as F
     import triton
+    from write_fused import codebook_write_fused
 
     from kvzip_formats import get_format
-    from kvzip_formats.ops import new_paged_cache
+    from kvzip_formats.ops import PagedLayout, new_paged_cache
     from kvzip_kernels import cache_write
+    from kvzip_kernels.cache_write import new_status
     from kvzip_kernels.testing import synthetic_calibration
 
     dev = torch.device("cuda")
@@ -103,13 +106,22 @@ def main():
             paths = a.write_paths.split(",") if name[0].isdigit() else ["split"]
             first = None
             for path in paths:
-                os.environ["KVZIP_KERNELS_CACHE_WRITE"] = path
                 kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="k")
                 vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="v")
 
                 def write(fmt=fmt, kc=kc, vc=vc, k=k, v=v, slots=slots):
                     cache_write(fmt, k, kc, slots, kind="k", block_size=ps, check_slots=False)
                     cache_write(fmt, v, vc, slots, kind="v", block_size=ps, check_slots=False)
+
+                if path == "fused":
+                    lays = {kd: PagedLayout.of(fmt, d, ps, kd) for kd in "kv"}
+                    status = new_status(dev)
+
+                    def write(fmt=fmt, kc=kc, vc=vc, k=k, v=v, slots=slots, lays=lays, st=status):
+                        for kind, x, c in (("k", k, kc), ("v", v, vc)):
+                            lay = lays[kind]
+                            stride = hkv * lay.page_bytes
+                            codebook_write_fused(fmt, x, c, slots, lay, kind, 0, stride, st)
 
                 us = timeit(torch, write)
                 moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
@@ -128,7 +140,6 @@ def main():
                     row["same_bytes_as_split"] = round(same / (kc.numel() + vc.numel()), 6)
                 rows.append(row)
                 print(row, flush=True)
-            os.environ.pop("KVZIP_KERNELS_CACHE_WRITE", None)
     prop = torch.cuda.get_device_properties(dev)
     meta = dict(
         device=prop.name,

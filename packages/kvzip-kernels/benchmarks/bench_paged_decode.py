@@ -5,11 +5,12 @@ Times, per shape (Llama-3.1-8B: 32 q / 8 kv heads; 70B per GPU under TP8: 8 q / 
 batch (8/16/32/64) and context (32k/128k), page size 16:
   ours-<fmt>  kvzip_kernels.paged_decode for each kvzip format (int4, fp8, compact formats),
               Triton kernels (backend="triton")
-  cuda-<variant>-<fmt>
-              the same call with backend="cuda" (csrc/paged_decode.cu: int4, int4-rot, 4bit,
-              3.5bit, 3bit) for each design in --cuda-variants (v4a, v5: DecodeConfig's
-              cuda_variant), built first (build time and ptxas resources in the JSON), its
-              output checked against ours-<fmt> of the same data (rel L2 in "checks")
+  cuda-v5-<fmt>
+              the same call with backend="cuda" (csrc/paged_decode.cu, design v5: int4,
+              int4-rot, 4bit, 3.5bit, 3bit; keys as in the runs that timed v4a beside it,
+              results/kernels/bench_paged_decode_v5.*), built first (build time and ptxas
+              resources in the JSON), its output checked against ours-<fmt> of the same
+              data (rel L2 in "checks")
   xqa         FlashInfer's XQA (TensorRT-LLM's fp8 decode kernel), fp8 e4m3 cache
   fi_tc       FlashInfer's fp8 tensor-core decode (BatchDecodeWithPagedKVCacheWrapper)
 The fp8 cache of xqa/fi_tc holds the same values as our fp8 kernel's cache (copied into their
@@ -26,7 +27,6 @@ bench_xqa.py is imported at run time for its set-up and timing helpers:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -55,9 +55,6 @@ def parse():
     p.add_argument(
         "--backends", default="triton,cuda", help="our backends: triton (ours-*), cuda (cuda-*)"
     )
-    p.add_argument(
-        "--cuda-variants", default="v4a,v5", help="designs of the CUDA kernel timed (cuda-<v>-*)"
-    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
@@ -84,7 +81,7 @@ def parse():
     a.formats = [x for x in a.formats.split(",") if x]
     a.baselines = [x for x in a.baselines.split(",") if x]
     a.backends = [x for x in a.backends.split(",") if x]
-    a.cuda_variants = [x for x in a.cuda_variants.split(",") if x]
+    a.cuda_variants = ["v5"]  # the one design shipped (its keys: cuda-v5-<fmt>)
     return a
 
 
@@ -406,8 +403,6 @@ def main():
                     ):
                         if tail and not name[0].isdigit():
                             continue  # sinks and windows: the compact formats only
-                        if variant is not None:
-                            cfg = dataclasses.replace(cfg, cuda_variant=variant)
                         o = torch.empty_like(q)
                         fn = functools.partial(
                             paged_decode,

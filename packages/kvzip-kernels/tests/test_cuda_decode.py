@@ -1,9 +1,9 @@
-"""The CUDA C++ split kernels (csrc/paged_decode.cu: designs v4a and v5, formats int4, int4-rot,
-4bit, 3.5bit, 3bit) against the float32 reference and the Triton kernels, and the backend
+"""The CUDA C++ split kernel (csrc/paged_decode.cu: design v5, formats int4, int4-rot, 4bit,
+3.5bit, 3bit) against the float32 reference and the Triton kernels, and the backend
 choice of ``paged_decode``.
 
 GPU tests (``gpu`` marker) need a GPU of compute capability >= 8.0 and an nvcc; the earned
-tolerance is test_paged_decode's (2x plain torch in bf16 + 1e-3), and each design's output
+tolerance is test_paged_decode's (2x plain torch in bf16 + 1e-3), and the kernel's output
 must also agree with the Triton kernels' within that tolerance. CPU tests cover the dispatch
 rules, that the layouts compiled into the kernel are the formats' own, and, where an nvcc is
 found, that the kernel compiles for sm_90a.
@@ -39,7 +39,6 @@ CASES = [
 ]
 
 
-VARIANTS = tuple(_cuda.VARIANTS)  # every design is checked on the same case
 COMPACT = ["4bit", "3.5bit", "3bit"]
 
 
@@ -70,16 +69,12 @@ def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, rece
     tri = paged_decode(fmt, *dev, backend="triton", config=cfg, **kw)
     err = _rel(tri.float().cpu(), ref)
     assert err <= tol, f"{name} Triton: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
-    for v in VARIANTS:
-        c = DecodeConfig(**{**cfg.__dict__, "cuda_variant": v})
-        out = paged_decode(fmt, *dev, backend="cuda", config=c, **kw)
-        assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out).all()
-        err = _rel(out, ref)
-        assert err <= tol, (
-            f"{name} CUDA {v}: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
-        )
-        diff = _rel(out, tri.float().cpu())
-        assert diff <= tol, f"{name} {v}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
+    out = paged_decode(fmt, *dev, backend="cuda", config=cfg, **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err <= tol, f"{name} CUDA: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
+    diff = _rel(out, tri.float().cpu())
+    assert diff <= tol, f"{name}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
 
 
 @pytest.mark.gpu
@@ -134,16 +129,12 @@ def _one_allocation(kc, vc):
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_block_strided_caches(name, d):
     """vLLM's kv[:, 0] / kv[:, 1] with block_stride: the same answer as contiguous caches,
-    bit for bit, in every design."""
+    bit for bit."""
     (fmt, *_), (q, kc, vc, bt, sl) = make_case(name, 8, 2, d, 16, [300], 0, "cuda")
     k, v, stride = _one_allocation(kc, vc)
-    for var in VARIANTS:
-        cfg = DecodeConfig(cuda_variant=var)
-        want = paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, backend="cuda", config=cfg)
-        got = paged_decode(
-            fmt, q, k, v, bt, sl, block_size=16, block_stride=stride, backend="cuda", config=cfg
-        )
-        assert torch.equal(got, want), var
+    want = paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, backend="cuda")
+    got = paged_decode(fmt, q, k, v, bt, sl, block_size=16, block_stride=stride, backend="cuda")
+    assert torch.equal(got, want)
 
 
 def _fmt(name, hkv, d):
@@ -222,19 +213,7 @@ def test_compiled_layouts_are_the_formats():
     assert torch.all(lv[0, 1:] > lv[0, :-1]) and torch.all(lv[3, 1:4] > lv[3, :3])
     assert torch.equal(lv[1, :8], lv[2, :8]) and not lv[3, 4:].any()  # 3-bit K1 and V0
     lv35 = _cuda.level_table(kernel_spec(_fmt("3.5bit", 2, 64), 64, 16), "cpu")
-    assert torch.equal(lv35[1], lv35[2]) and torch.equal(lv35[0], lv[0])  # v5: one per width
-
-
-def test_cuda_variant_choice(monkeypatch):
-    """DecodeConfig(cuda_variant=) over KVZIP_KERNELS_CUDA_VARIANT over the default; an
-    unknown design is an error naming the known ones."""
-    monkeypatch.delenv("KVZIP_KERNELS_CUDA_VARIANT", raising=False)
-    assert _cuda.pick_variant() == _cuda.DEFAULT_VARIANT
-    monkeypatch.setenv("KVZIP_KERNELS_CUDA_VARIANT", "v5")
-    assert _cuda.pick_variant() == "v5"
-    assert _cuda.pick_variant("v4a") == "v4a"
-    with pytest.raises(FormatError, match=r"cuda_variant must be one of \('v4a', 'v5'\)"):
-        _cuda.pick_variant("v9")
+    assert torch.equal(lv35[1], lv35[2]) and torch.equal(lv35[0], lv[0])  # one per width
 
 
 def test_arch_flags():

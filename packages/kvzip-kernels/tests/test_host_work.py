@@ -36,7 +36,11 @@ class _Stub:
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    for name in ("kvzip_kernels.paged_decode", "kvzip_kernels._device_consts"):
+    for name in (
+        "kvzip_kernels.decode_plan",
+        "kvzip_kernels._device_consts",
+        "kvzip_kernels._merge_extra",
+    ):
         mod = importlib.import_module(name)
         for attr in dir(mod):
             if attr.endswith("_kernel"):
@@ -73,3 +77,31 @@ def test_compact_write_is_one_sub_and_one_bmm(monkeypatch):
     with _Count() as c:
         cache_write(fmt, x, cache, slots, **{**args, "check_values": True})
     assert set(c.ops) - ALLOWED - {"sub", "bmm"} <= {"zeros", "zero_", "_local_scalar_dense"}
+
+
+# views only: what a planned layer call may issue besides its launches
+VIEWS = {"slice", "view", "detach", "transpose", "as_strided", "select"}
+
+
+@pytest.mark.parametrize("name", ["4bit", "int4"])
+def test_a_planned_layer_call_only_launches(name, stubbed):
+    """``DecodePlan.run`` (a layer of a planned step, ``out`` given): no allocation, no
+    compute, no copy; the scratch buffers are the plan's."""
+    from kvzip_kernels import plan
+
+    cal = synthetic_calibration(2, 128) if name == "4bit" else None
+    fmt = get_format(name, calibration=cal)
+    kc = new_paged_cache(fmt, 4, 2, 16, 128, kind="k")
+    vc = new_paged_cache(fmt, 4, 2, 16, 128, kind="v")
+    q = torch.randn(2, 8, 128).bfloat16()
+    bt = torch.arange(4, dtype=torch.int32).view(2, 2)
+    sl = torch.tensor([20, 32], dtype=torch.int32)
+    p = plan(
+        fmt, num_q_heads=8, head_dim=128, block_table=bt, seq_lens=sl, k_cache=kc, v_cache=vc,
+        block_size=16, max_seq_len=32,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    p.run(q, kc, vc, out=out)  # fills the device-constant caches
+    with _Count() as c:
+        p.run(q, kc, vc, out=out, layer=0)
+    assert set(c.ops) <= VIEWS, dict(c.ops)

@@ -373,3 +373,36 @@ def test_a_ring_reads_the_same_window_as_a_window_tensor(device):
     with pytest.raises(FormatError, match="row_end"):
         bad = Ring(ring.store, ring.slots, ring.fresh_k, ring.fresh_v, r, row_end.long())
         paged_decode(fmt, *dev, recent=bad, **kw)
+
+
+@pytest.mark.parametrize("n_sink", [1, 3])
+def test_sink_slots_read_the_same_sinks_as_a_sink_tensor(n_sink, device):
+    """``sinks=SinkSlots(...)``: the sinks read by slot from a server's strided store (a slot's
+    ``[n, 2, H, d]`` values through consecutive blocks, straddling them) give the same output,
+    bit for bit, as the sinks passed as tensors; with a residual window too."""
+    from kvzip_kernels import SinkSlots
+
+    hq, hkv, d, r = 8, 2, 128, 4
+    lens = [37, 20, 5]
+    (fmt, q, kc, vc, bt, sl), dev = make_case("4bit", hq, hkv, d, 16, lens, 7, device)
+    g = torch.Generator().manual_seed(17)
+    b = len(lens)
+    sk = tuple((torch.randn(b, n_sink, hkv, d, generator=g) * 2).bfloat16() for _ in "kv")
+    win = tuple((torch.randn(b, r, hkv, d, generator=g) * 2).bfloat16().to(device) for _ in "kv")
+    per = 48  # not a divisor of head_dim: a slot's values straddle blocks
+    store = _ring_store(b + 2, -(-n_sink * 2 * hkv * d // per), per, device)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int64)  # not the identity
+    flat = torch.stack(sk, 2).reshape(b, -1)  # [b, n * 2 * H * d]: the slot's value order
+    for i in range(b):
+        vals = torch.zeros(store.shape[1] * per, dtype=torch.bfloat16)
+        vals[: flat.shape[1]] = flat[i]
+        store[int(slots[i])] = vals.view(store.shape[1], per).to(device)
+    kw = dict(block_size=16, config=DecodeConfig(block_n=16, num_splits=2))
+    for extra in ({}, {"recent": win}):
+        want = paged_decode(fmt, *dev, sinks=tuple(t.to(device) for t in sk), **kw, **extra)
+        got = paged_decode(
+            fmt, *dev, sinks=SinkSlots(store, slots.to(device), n_sink), **kw, **extra
+        )
+        assert torch.equal(got, want), extra.keys()
+    with pytest.raises(FormatError, match="SinkSlots.slots"):
+        paged_decode(fmt, *dev, sinks=SinkSlots(store, slots.int().to(device), n_sink), **kw)

@@ -6,8 +6,12 @@ launch of a layer's call is host time in every decode step, and on the H200 it c
 GPU time of the call (``results/vllm/h200_run10/README.md``: the residual window's profile).
 This counts them on the CPU, for one decode step of ``batch`` sequences, through the path
 vLLM's CUDA steps take (the kvzip-kernels decode, the window's ring reads and writes), with
-the Triton launches stubbed. The counts do not depend on the device. (No times: on the CPU
-the ops also do the work a GPU would, so their time here says nothing of a GPU's host.)
+the Triton launches stubbed. The counts do not depend on the device. Host time: the median
+CPU time of this process (``time.process_time``, one torch thread: robust to other processes
+sharing the cores, unlike wall time) of the decode's attention call (``attend_us``) and of the
+whole layer call (write + attend, ``layer_us``) with the launches stubbed; the torch ops still
+do their work on the CPU (the write's float32 ``bmm`` dominates ``layer_us``), so it bounds the
+Python and dispatch time a GPU host pays from above.
 
     uv run python packages/kvzip-vllm/benchmarks/host_ops.py --out results/vllm
 """
@@ -20,7 +24,9 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels' path on the CPU (stubbed below)
@@ -63,7 +69,7 @@ class _Stub:
 def _stub_kernels():
     import importlib
 
-    for name in ("paged_decode", "cache_write", "_device_consts", "_merge_extra",
+    for name in ("paged_decode", "decode_plan", "cache_write", "_device_consts", "_merge_extra",
                  "_write_codebook"):  # fmt: skip
         try:
             mod = importlib.import_module(f"kvzip_kernels.{name}")
@@ -74,11 +80,20 @@ def _stub_kernels():
                 setattr(mod, attr, _Stub(attr))
 
 
-def one(fmt_name: str, batch: int, ctx: int) -> dict:
+def _median_us(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def one(fmt_name: str, batch: int, ctx: int, repeat: int = 200) -> dict:
     import kvzip_formats
     from kvzip_formats.window import split_name
     from kvzip_kernels.testing import synthetic_calibration
-    from kvzip_vllm.paged import PagedAttention, plan_step, sink_plan
+    from kvzip_vllm.paged import PagedAttention, plan_step, sink_plan  # both trees have these
     from kvzip_vllm.window import plan_window
 
     hq, hkv, d, bs = 32, 8, 128, 16  # Llama-3.1-8B's attention
@@ -105,14 +120,24 @@ def one(fmt_name: str, batch: int, ctx: int) -> dict:
     fresh, rows = sink_plan(qsl, lens, p.sink_tokens)
     st = plan_step(sinks, bt[:, 0], fresh, rows)
     win = plan_window(windows, recent, qsl, lens, bt, bs) if recent else None
+    step = dict(
+        query_start_loc_cpu=torch.tensor(qsl), seq_lens_cpu=torch.tensor(lens),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=bt,
+    )  # fmt: skip
+    # the step's attention plan: made by the step's first layer in vLLM (the backend's _plan);
+    # a tree from before plan/run (issue 27) has none: each layer call planned for itself
+    plan = p.step_plan(cache, sinks=st, window=win, **step) if hasattr(p, "step_plan") else None
+
+    def attend():
+        p.attend(
+            query, cache, layer=0, out=out, sinks=st, window=win,
+            key=key if recent else None, value=value if recent else None, **step,
+            **({"plan": plan} if plan is not None else {}),
+        )  # fmt: skip
 
     def layer():
         p.write(key, value, cache, slots, layer=0, sinks=st)
-        p.attend(
-            query, cache, query_start_loc_cpu=torch.tensor(qsl), seq_lens_cpu=torch.tensor(lens),
-            seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=bt, layer=0, out=out,
-            sinks=st, window=win, key=key if recent else None, value=value if recent else None,
-        )  # fmt: skip
+        attend()
 
     layer()  # first use: constants to the device, caches
     LAUNCHES.clear()
@@ -120,6 +145,12 @@ def one(fmt_name: str, batch: int, ctx: int) -> dict:
         layer()
     launches = dict(LAUNCHES)
     work = {k: v for k, v in c.ops.items() if k not in VIEWS}
+    LAUNCHES.clear()
+    with _Count() as a:
+        attend()
+    attend_launches = sum(LAUNCHES.values())
+    attend_work = {k: v for k, v in a.ops.items() if k not in VIEWS}
+    attend_us, layer_us = _median_us(attend, repeat), _median_us(layer, repeat)
     return {
         "format": fmt_name,
         "batch": batch,
@@ -129,6 +160,13 @@ def one(fmt_name: str, batch: int, ctx: int) -> dict:
         "triton_launches": sum(launches.values()),
         "ops": dict(sorted(work.items())),
         "launches": launches,
+        "attend_torch_ops": sum(a.ops.values()),
+        "attend_torch_ops_not_views": sum(attend_work.values()),
+        "attend_triton_launches": attend_launches,
+        "attend_ops": dict(sorted(attend_work.items())),
+        "attend_us": attend_us,
+        "layer_us": layer_us,
+        "repeat": repeat,
     }
 
 
@@ -151,9 +189,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--out", default="")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--repeat", type=int, default=200, help="calls timed (median)")
+    ap.add_argument("--note", default="", help="appended to the note (e.g. which tree ran)")
     a = ap.parse_args()
+    torch.set_num_threads(1)
     _stub_kernels()
-    rows = [one(f, a.batch, a.context) for f in a.formats.split(",")]
+    rows = [one(f, a.batch, a.context, a.repeat) for f in a.formats.split(",")]
     doc = {
         "what": "host-side work of one decode layer call of kvzip's vLLM backend "
         "(write + attend), Triton launches stubbed",
@@ -163,7 +204,10 @@ def main() -> None:
         "command": " ".join(["host_ops.py", *sys.argv[1:]]),
         "commit": _commit(),
         "note": "8B attention shape (32 q / 8 KV heads, head 128, block 16); a layer after the "
-        "step's first (the step's plans and row ends made once, as in vLLM)",
+        "step's first (the step's plans and row ends made once, as in vLLM); host times: "
+        f"median CPU time of {a.repeat} calls on {platform.processor() or platform.machine()} "
+        f"({os.cpu_count()} CPUs, shared, load average {os.getloadavg()[0]:.1f}), one torch "
+        f"thread, launches stubbed{'; ' + a.note if a.note else ''}",
         "rows": rows,
     }
     lines = [
@@ -172,16 +216,22 @@ def main() -> None:
         f"{doc['date']}, {doc['device']}, {doc['versions']}, commit {doc['commit']}; "
         f"`{doc['command']}`. {doc['note']}.",
         "",
-        "| format | batch | torch ops | not views | Triton launches |",
-        "|---|---|---|---|---|",
+        "| format | batch | torch ops | not views | Triton launches | attend: torch ops "
+        "| not views "
+        "| launches | attend us | layer us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['format']} | {r['batch']} | {r['torch_ops']} | {r['torch_ops_not_views']} "
-            f"| {r['triton_launches']} |"
+            f"| {r['triton_launches']} | {r['attend_torch_ops']} "
+            f"| {r['attend_torch_ops_not_views']} | {r['attend_triton_launches']} "
+            f"| {r['attend_us']} | {r['layer_us']} |"
         )
     lines += ["", "Ops that are not views, per format:", ""]
     lines += [f"- {r['format']}: {r['ops']}; launches {r['launches']}" for r in rows]
+    lines += ["", "The attention call alone (the decode), ops that are not views:", ""]
+    lines += [f"- {r['format']}: {r['attend_ops']}" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

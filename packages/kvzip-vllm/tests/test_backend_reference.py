@@ -25,9 +25,9 @@ import torch
 pytest.importorskip("vllm")
 
 import kvzip_formats  # noqa: E402
+from kvzip_kernels.paged import PagedAttention, plan_step, sink_plan  # noqa: E402
 from kvzip_vllm import backend, compat, support  # noqa: E402
 from kvzip_vllm.backend import KvzipAttentionImpl, KvzipAttentionMetadata  # noqa: E402
-from kvzip_vllm.paged import PagedAttention, plan_step, sink_plan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

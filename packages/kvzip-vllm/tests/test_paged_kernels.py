@@ -1,4 +1,4 @@
-"""The backend's two paths over one vLLM-shaped cache (``kvzip_vllm.paged``, no vLLM needed).
+"""The backend's two paths over one vLLM-shaped cache (``kvzip_kernels.paged``, no vLLM needed).
 
 kvzip-kernels (``cache_write`` with ``block_stride=``, ``paged_decode`` with ``block_stride=``
 and ``sinks=``) against the reference path (the format's encode/decode and float32 torch
@@ -48,14 +48,14 @@ import kvzip_formats  # noqa: E402
 from kvzip_formats import FormatError  # noqa: E402
 from kvzip_formats.ops import gather_rows  # noqa: E402
 from kvzip_formats.ops import paged_decode as ops_paged_decode  # noqa: E402
-from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
-from kvzip_vllm import paged  # noqa: E402
-from kvzip_vllm.paged import (  # noqa: E402
+from kvzip_kernels import paged  # noqa: E402
+from kvzip_kernels.paged import (  # noqa: E402
     PagedAttention,
     StepSinks,
     plan_step,
     triton_runs,
 )
+from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -411,6 +411,32 @@ def test_kernel_decode_matches_reference_attention(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_one_step_plan_serves_every_layer(device):
+    """The backend plans at a step's first layer and every layer runs that plan
+    (``step_plan``): each layer's output is, bit for bit, what a layer planning for itself
+    computes (sinks read by slot); a layer whose cache is not the planned shape is refused."""
+    _device_ok(device)
+    c = _case("4bit", device)
+    b = len(c.s.lens)
+    step = dict(
+        query_start_loc_cpu=torch.arange(b + 1),
+        seq_lens_cpu=c.seq_lens.cpu(),
+        seq_lens=c.seq_lens,
+        block_table=c.block_table,
+    )
+    plan = c.ker.step_plan(c.cache_ker, sinks=c.sinks, **step)
+    assert plan.decode is not None and plan.one == list(range(b)) and not plan.rest
+    assert not c.sinks.may_miss  # the slots are read in the kernel
+    for cache_ in (c.cache_ker, c.cache_ref):  # two layers' caches of one shape
+        want = _decode(c, c.ker, cache_, torch.bfloat16)
+        out = torch.zeros(b, c.s.num_heads * c.s.head_size, dtype=torch.bfloat16, device=device)
+        c.ker.attend(c.q, cache_, layer=0, out=out, sinks=c.sinks, plan=plan, **step)
+        assert torch.equal(out.float().cpu().view(want.shape), want)
+    with pytest.raises(FormatError, match="not the planned cache"):
+        c.ker.attend(c.q, c.cache_ker[:-1], layer=0, out=out, sinks=c.sinks, plan=plan, **step)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mixed_batch_decode_rows_by_kernel_prefill_rows_by_reference(device):
     """A step of vLLM's chunked prefill: requests with one new token go to the decode kernel
     (gathered), the others (here the last 3 and 5 positions of sequences 1 and 3) to the
@@ -679,8 +705,8 @@ def test_refused_format_falls_back_once_with_the_reason(caplog):
 
 
 def test_errors_on_real_calls_are_not_swallowed():
-    """A bug (here: K of the wrong head count) raises from the kernel path; only the probe's
-    refusal leads to the reference path."""
+    """A bug (here: K of the wrong head count) raises from the kernel path; only the kernels'
+    ``refusal`` of the configuration leads to the reference path."""
     _device_ok("cpu")
     p = PagedAttention(
         kvzip_formats.get_format("int4"),
@@ -697,3 +723,18 @@ def test_errors_on_real_calls_are_not_swallowed():
         p.write(x, x, cache_, torch.arange(3), layer=0)
     with pytest.raises(ValueError, match="kv_cache must be uint8"):
         p.pages(cache_.view(torch.int8))
+
+
+def test_kvzip_vllm_modules_re_export_the_same_objects():
+    """``kvzip_vllm.paged`` / ``.sinks`` / ``.window`` moved to kvzip-kernels: the old names are
+    the same objects (a path counter read through either counts the same calls)."""
+    import kvzip_kernels.sinks
+    import kvzip_kernels.window
+    import kvzip_vllm.paged
+    import kvzip_vllm.sinks
+    import kvzip_vllm.window
+
+    assert kvzip_vllm.paged.PATH_CALLS is paged.PATH_CALLS
+    assert kvzip_vllm.paged.PagedAttention is PagedAttention
+    assert kvzip_vllm.sinks.SinkPool is kvzip_kernels.sinks.SinkPool
+    assert kvzip_vllm.window.plan_window is kvzip_kernels.window.plan_window

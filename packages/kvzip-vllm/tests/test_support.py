@@ -200,8 +200,8 @@ def test_spec_shim_gives_kvzip_layers_the_compact_page(monkeypatch):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     import kvzip_formats
+    from kvzip_kernels.paged import PagedAttention
     from kvzip_vllm import backend
-    from kvzip_vllm.paged import PagedAttention
 
     fmt = kvzip_formats.get_format("int4")
     monkeypatch.setattr(backend, "_active_format", lambda: fmt)

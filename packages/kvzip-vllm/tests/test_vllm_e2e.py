@@ -216,8 +216,8 @@ def test_backend_on_cuda_capacity_graphs_and_kernel_paths(fmt, tmp_path_factory)
     with a window (``+rN``), decode and prefill both read it and the steps write its rings."""
     import kvzip_formats
     from kvzip_formats.window import split_name
+    from kvzip_kernels.paged import content_bytes
     from kvzip_kernels.testing import synthetic_calibration
-    from kvzip_vllm.paged import content_bytes
 
     tmp = tmp_path_factory.getbasetemp()
     base, comp = _gpu_backend(tmp, "fp8"), _gpu_backend(tmp, fmt)

@@ -1,5 +1,5 @@
-"""The residual window in the backend's cache (``kvzip_vllm.window``, ``PagedAttention(recent=)``,
-spec/residual_window.md), no vLLM needed.
+"""The residual window in the backend's cache (``kvzip_kernels.window``,
+``PagedAttention(recent=)``, spec/residual_window.md), no vLLM needed.
 
 A sequence runs as vLLM runs it (prefill chunks, then decode steps: the write, then attention
 over the cache, then the ring write), and every step's attention is checked against a direct
@@ -26,9 +26,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import kvzip_formats  # noqa: E402
+from kvzip_kernels.paged import PagedAttention, plan_step, sink_plan, triton_runs  # noqa: E402
 from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
-from kvzip_vllm.paged import PagedAttention, plan_step, sink_plan, triton_runs  # noqa: E402
-from kvzip_vllm.window import WindowPool, plan_window, window_reserve_bytes  # noqa: E402
+from kvzip_kernels.window import WindowPool, plan_window, window_reserve_bytes  # noqa: E402
 
 HQ, HKV, D, BS, R, SLOT_TOKENS = 4, 2, 64, 16, 16, 256
 

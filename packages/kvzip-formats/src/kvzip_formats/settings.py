@@ -141,15 +141,6 @@ KERNELS_BACKEND = Setting(
     package="kvzip-kernels",
     choices=("auto", "cuda", "triton"),
 )
-KERNELS_CUDA_VARIANT = Setting(
-    "KVZIP_KERNELS_CUDA_VARIANT",
-    str,
-    "v5",
-    ("kvzip_kernels._cuda",),
-    "the CUDA decode kernel's design (`paged_decode(cuda_variant=)` beats it)",
-    package="kvzip-kernels",
-    choices=("v4a", "v5"),
-)
 KERNELS_CUDA_SO = Setting(
     "KVZIP_KERNELS_CUDA_SO",
     str,
@@ -167,16 +158,6 @@ NVCC = Setting(
     "the nvcc that builds the CUDA decode kernel",
     package="kvzip-kernels",
     default_doc="torch's `CUDA_HOME/bin/nvcc`, else `nvcc` on `PATH`",
-)
-KERNELS_CACHE_WRITE = Setting(
-    "KVZIP_KERNELS_CACHE_WRITE",
-    str,
-    "split",
-    ("kvzip_kernels.cache_write",),
-    "the compact formats' cache write: `split` (torch ops, then the quantize/pack kernel) or "
-    "`fused` (one kernel)",
-    package="kvzip-kernels",
-    choices=("split", "fused"),
 )
 # ---------------------------------------------------------------------------- kvzip-vllm
 KV_FORMAT = Setting(
@@ -388,6 +369,9 @@ TABLE = tuple(v for v in list(globals().values()) if isinstance(v, Setting))
 #: ``KVZIP_*`` names in the repository that are not environment variables, and why.
 NOT_SETTINGS = {
     "KVZIP_FORMATS": "a Python constant of the benchmarks (the kvzip format names)",
+    # removed with the research variants (kvzip-kernels NOTES.md keeps their history)
+    "KVZIP_KERNELS_CUDA_VARIANT": "removed: the CUDA decode is v5 alone (v4a is history)",
+    "KVZIP_KERNELS_CACHE_WRITE": "removed: the split write alone (the fused one is a benchmark)",
 }
 
 

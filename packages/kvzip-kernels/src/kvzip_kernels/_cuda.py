@@ -12,10 +12,11 @@ Formats: ``int4``, ``int4-rot`` (the wrapper rotates q and the output), ``4bit``
 before a call is sent here); head_dim 64 and 128; at most 8 query heads per KV head; page
 sizes that are multiples of 16. ``paged_decode(..., backend=)`` or ``KVZIP_KERNELS_BACKEND``
 (``auto``, ``cuda``, ``triton``) choose; ``auto`` takes CUDA on sm_90 where it builds, else
-Triton. Two designs of the kernel (NOTES.md): ``v4a`` (tiles from global memory into
-registers) and ``v5`` (a per-warp cp.async ring of shared-memory stages); ``DecodeConfig(
-cuda_variant=)`` or ``KVZIP_KERNELS_CUDA_VARIANT`` picks one (:func:`pick_variant`; default
-:data:`DEFAULT_VARIANT`).
+Triton. The kernel is design v5 (a per-warp cp.async ring of shared-memory stages, per-lane
+copies of the codebook tables), chosen over v4a by measurement (NOTES.md:
+``results/kernels/bench_paged_decode_v5.md``, H200, full grid, same run: geometric-mean
+speedup over the best fp8 int4 1.50x (v4a 1.27x), 4bit 1.16x (0.65x), 3.5bit 0.98x (0.89x),
+3bit 0.91x (0.92x)); v4a's source is in git history (NOTES.md says where).
 ``KVZIP_KERNELS_CUDA_SO`` names a prebuilt library (skips the build); ``KVZIP_NVCC`` an nvcc.
 """
 
@@ -36,7 +37,6 @@ from kvzip_formats import FormatError
 from kvzip_formats.settings import (
     KERNELS_BACKEND,
     KERNELS_CUDA_SO,
-    KERNELS_CUDA_VARIANT,
     NVCC,
 )
 
@@ -52,20 +52,6 @@ AUTO_CAPABILITIES = ((9, 0),)
 MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
 FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1, "3.5bit": 2, "3bit": 3}
 BACKENDS = KERNELS_BACKEND.choices  # ("auto", "cuda", "triton")
-VARIANTS = {"v4a": 4, "v5": 5}
-#: v5 by measurement (results/kernels/bench_paged_decode_v5.md, H200, full grid, same run):
-#: geometric-mean speedup over the best fp8 int4 1.50x (v4a 1.27x), 4bit 1.16x (0.65x),
-#: 3.5bit 0.98x (0.89x), 3bit 0.91x (0.92x)
-DEFAULT_VARIANT = KERNELS_CUDA_VARIANT.default  # "v5"
-
-
-def pick_variant(name: str | None = None) -> str:
-    """The kernel design to run: ``name``, else ``KVZIP_KERNELS_CUDA_VARIANT``, else
-    :data:`DEFAULT_VARIANT`; FormatError for an unknown name."""
-    want = KERNELS_CUDA_VARIANT.value(name)
-    if want not in VARIANTS:
-        raise FormatError(f"cuda_variant must be one of {tuple(VARIANTS)}, got {want!r}")
-    return want
 
 
 def expected_groups(fmt_name: str, d: int) -> tuple[tuple, tuple] | None:
@@ -101,8 +87,8 @@ def _level_table(k_groups, v_groups, device) -> torch.Tensor:
     for i, bits in enumerate(widths):
         if bits:
             t[i, : 1 << bits] = codebook.levels(bits).to(torch.float16)
-    # v5 keeps one table per code width (row 0: 4-bit, row 1: 3-bit, row 3: 2-bit); K's unused
-    # second row carries 3.5bit's 3-bit V levels (v4a reads V's own row 2)
+    # the kernel keeps one table per code width (row 0: 4-bit, row 1: 3-bit, row 3: 2-bit); K's
+    # unused second row carries 3.5bit's 3-bit V levels
     if 3 in widths and widths[1] == 0:
         t[1, :8] = codebook.levels(3).to(torch.float16)
     for i, bits in enumerate(widths):
@@ -178,7 +164,7 @@ def lib(device):
             L = ctypes.CDLL(str(build(cap)))
             P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
             L.kvzd_split_launch.argtypes = [
-                I, I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
+                I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
             ]  # fmt: skip
             L.kvzd_split_launch.restype = I
             _libs[cap] = L
@@ -257,11 +243,10 @@ def split(
     tokens_per_split: int,
     num_splits: int,
     skip: int = 0,
-    variant: str | None = None,
 ) -> None:
     """Launch the split stage on the current stream (inputs validated by ``paged_decode``;
     ``q`` contiguous: bf16 for int4, the fp16 q' of the compact formats with ``qs`` and the
-    level table ``lut16`` (:func:`level_table`)); ``variant``: see :func:`pick_variant`."""
+    level table ``lut16`` (:func:`level_table`))."""
     b, hq, d = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.data_ptr() % 16:  # cp.async and the vector loads read 16-byte aligned pages
@@ -270,7 +255,6 @@ def split(
                 f"{t.data_ptr() % 16}); use backend='triton' for this cache"
             )
     rc = lib(q.device).kvzd_split_launch(
-        VARIANTS[pick_variant(variant)],
         FORMATS[fmt_name],
         d,
         _ptr(q),

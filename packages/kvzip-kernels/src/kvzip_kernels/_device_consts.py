@@ -166,13 +166,16 @@ def _unfold_o_kernel(
     tl.store(out_ptr + rows[:, None] * D + d[None, :], _to_bf16(o, INTERPRET), mask=mm)
 
 
-def fold_q(q: torch.Tensor, bk: torch.Tensor, num_kv_heads: int):
+def fold_q(q: torch.Tensor, bk: torch.Tensor, num_kv_heads: int, out=None):
     """q bf16 ``[b, hq, d]`` (unit stride in d) and B_k ``[H, d, e]`` -> (q' fp16 ``[b, hq, d]``,
-    per-row scale ``[b * hq]`` float32)."""
+    per-row scale ``[b * hq]`` float32), into ``out`` (that pair, contiguous) where given."""
     b, hq, d = q.shape
     g = hq // num_kv_heads
-    q16 = torch.empty(b, hq, d, dtype=torch.float16, device=q.device)
-    qs = torch.empty(b * hq, dtype=torch.float32, device=q.device)
+    if out is None:
+        q16 = torch.empty(b, hq, d, dtype=torch.float16, device=q.device)
+        qs = torch.empty(b * hq, dtype=torch.float32, device=q.device)
+    else:
+        q16, qs = out
     _fold_q_kernel[(b * num_kv_heads,)](
         q,
         bk,

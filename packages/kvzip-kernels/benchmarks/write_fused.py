@@ -1,4 +1,12 @@
-"""Cache-write of the compact formats in one kernel per call: transform, quantize, pack.
+"""Research variant (not shipped): the compact formats' cache-write in one kernel per call.
+
+Kept beside the benchmarks that timed it (``bench_cache_write.py`` times it as
+``<fmt>-fused``, ``test_write_fused.py`` checks it); the package writes by the split path,
+the one the H200 serving results were measured with. NOTES.md has its prediction and outcome
+(``results/kernels/bench_cache_write_fused.md``: 3.6-4.0% of a prefill of the same tokens at
+32k against the split path's 4.4-7.3%, both over the 2% target).
+
+Transform, quantize and pack in one kernel:
 
 The split path (``_write_codebook.py``) runs ``y = A (x - mean)`` as a torch ``sub`` and a
 float32 ``bmm`` and then the quantize/pack kernel: three launches and a float32 ``y`` of
@@ -15,10 +23,13 @@ summation order only (``y_out=`` returns it for tests). Rejected rows: as the sp
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from kvzip_formats import FormatError
 from kvzip_kernels._decode_codebook import _level
+from kvzip_kernels._device_consts import codebook_edges_levels, transform_consts
 from kvzip_kernels._write_codebook import _codes, _unit
 
 
@@ -164,3 +175,32 @@ def _codebook_fused_write_kernel(
         tl.store(yrow[:, None] + tl.arange(0, N0)[None, :], y0, mask=(tok < n)[:, None])
         if N1 > 0:
             tl.store(yrow[:, None] + N0 + tl.arange(0, N1)[None, :], y1, mask=(tok < n)[:, None])
+
+
+def codebook_write_fused(
+    f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, y_out=None, block_t=32
+) -> None:
+    """The compact formats' write as one kernel (transform, quantize, pack); inputs validated
+    by ``cache_write``. ``y_out``: a float32 ``[T, H, d]`` tensor that receives the kernel's
+    transformed rows (tests: the bytes are the reference quantizer's of exactly these)."""
+    from kvzip_kernels._formats import _kernel_groups
+
+    n, h, d = x.shape
+    groups = _kernel_groups(f.spec.layout(d, kind))
+    if groups is None:
+        raise FormatError(f"{f.name}: no kernel packs rows of this layout at head_dim {d}")
+    edges, levels = codebook_edges_levels(groups, str(x.device))
+    consts = {}
+    for g, (bits, ch, off, off1) in enumerate(groups):
+        consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
+    mean, _, _, enc_t = transform_consts(f.transform_of(kind, layer), x.device)
+    if y_out is not None and (
+        y_out.shape != x.shape or y_out.dtype != torch.float32 or not y_out.is_contiguous()
+    ):
+        raise FormatError(f"y_out must be a contiguous float32 tensor of shape {tuple(x.shape)}")
+    _codebook_fused_write_kernel[(triton.cdiv(n, block_t), h)](
+        x, mean, enc_t, cache, cache.view(torch.float16), slot_mapping, edges, levels, status,
+        y_out if y_out is not None else status, n, x.stride(0), x.stride(1), h, lay.page_bytes,
+        blk_stride, BT=block_t, D=d, PS=lay.block_size, CB=lay.code_bytes,
+        CM=kind == "v", KC=16, Y_OUT=y_out is not None, num_warps=8, **consts,
+    )  # fmt: skip

@@ -1,16 +1,31 @@
-"""The compact formats' one-kernel cache-write (``_write_fused.py``, KVZIP_KERNELS_CACHE_WRITE=
-fused): given its own transformed rows y, its bytes are the reference quantizer's; its y is
-the float32 transform within float32 rounding; rejected rows as the split path."""
+"""The research variant ``write_fused.py`` (not shipped: the compact formats' cache-write in one
+kernel): given its own transformed rows y, its bytes are the reference quantizer's; its y is
+the float32 transform within float32 rounding; rejected rows as the split path.
+
+    TRITON_INTERPRET=1 PYTHONPATH=packages/kvzip-kernels/tests:packages/kvzip-kernels/benchmarks \
+        python3 -m pytest -q packages/kvzip-kernels/benchmarks/test_write_fused.py
+"""
+
+import os
 
 import pytest
 import torch
-from test_cache_write import _bad_case, _diff_report
 
-from kvzip_formats import FormatError, get_format
-from kvzip_formats.ops import PagedLayout, gather_rows, new_paged_cache
-from kvzip_kernels import cache_write
-from kvzip_kernels.cache_write import codebook_write_fused, codebook_y, new_status, write_path
-from kvzip_kernels.testing import synthetic_calibration
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_cache_write import _bad_case, _diff_report  # noqa: E402
+from write_fused import codebook_write_fused  # noqa: E402
+
+from kvzip_formats import FormatError, get_format  # noqa: E402
+from kvzip_formats.ops import PagedLayout, gather_rows, new_paged_cache  # noqa: E402
+from kvzip_kernels.cache_write import check_status, codebook_y, new_status  # noqa: E402
+from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
+
+
+@pytest.fixture
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _fused(fmt, x, cache, slots, kind, lay, status=None):
@@ -56,40 +71,19 @@ def test_fused_write_is_the_quantizer_of_its_y(name, kind, heads, head_dim, toke
     assert err < 1e-5, f"fused y differs from the float32 bmm by {err:.1e} (relative)"
 
 
-@pytest.mark.parametrize("name", ["4bit", "3bit"])
-def test_fused_write_path_in_cache_write(name, device, monkeypatch):
-    """KVZIP_KERNELS_CACHE_WRITE=fused routes cache_write through the fused kernel (the same
-    bytes as a direct call); an unknown value is an error naming the known ones."""
-    fmt = get_format(name, calibration=synthetic_calibration(2, 128))
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(20, 2, 128, generator=g) * 2).to(device)
-    slots = torch.arange(20).to(device)
-    lay = PagedLayout.of(fmt, 128, 16, "v")
-    a = new_paged_cache(fmt, 2, 2, 16, 128, kind="v", device=device)
-    b = torch.zeros_like(a)
-    monkeypatch.setenv("KVZIP_KERNELS_CACHE_WRITE", "fused")
-    assert write_path() == "fused"
-    cache_write(fmt, x, a, slots, kind="v", block_size=16)
-    _fused(fmt, x, b, slots, "v", lay)
-    assert torch.equal(a, b)
-    monkeypatch.setenv("KVZIP_KERNELS_CACHE_WRITE", "unfused")
-    with pytest.raises(FormatError, match="must be one of"):
-        cache_write(fmt, x, a, slots, kind="v", block_size=16)
-
-
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 70000.0, "rms"])
-def test_fused_write_rejects_as_the_split_path(value, device, monkeypatch):
+def test_fused_write_rejects_as_the_split_path(value, device):
     """A bad row raises the reference's error naming its token; unchecked, it decodes to NaN
     and the token's other head is written."""
     rms = value == "rms"
     fmt, x = _bad_case("4bit", "k", None if rms else value, 128, rms=rms)
     match = "RMS exceeds" if rms else "finite values within the float16 range"
     slots = torch.tensor([3, 17, 20, 8]).to(device)
-    monkeypatch.setenv("KVZIP_KERNELS_CACHE_WRITE", "fused")
     got = new_paged_cache(fmt, 2, 2, 16, 128, kind="k", device=device)
-    with pytest.raises(FormatError, match=match + r".*token 2 of this write"):
-        cache_write(fmt, x.to(device), got, slots, kind="k", block_size=16)
     lay = PagedLayout.of(fmt, 128, 16, "k")
+    _, status = _fused(fmt, x.to(device), got, slots, "k", lay)
+    with pytest.raises(FormatError, match=match + r".*token 2 of this write"):
+        check_status(fmt, status, "k")
     rows = gather_rows(got.cpu(), lay, torch.arange(2), 32, "k")[slots.cpu()]
     bad = fmt.decode(rows[2:3], kind="k", layer=0, head_dim=128)
     assert torch.isnan(bad[0, 1]).all() and torch.isfinite(bad[0, 0]).all()
