@@ -1,4 +1,4 @@
-"""A Llama forward whose every result is the same on any CPU (and GPU): the calibration's.
+"""A Llama forward whose every result is the same on any CPU: the calibration's.
 
 The calibration must come out byte for byte the same wherever it is made, but a model forward
 in bf16 or float32 is not: its matrix products and reductions add in an order that depends on
