@@ -88,7 +88,7 @@ def test_calibrate_bad_model_path(tmp_path):
     assert res.exit_code == 2 and "does not exist" in res.output
 
 
-@pytest.mark.slow  # end to end: the whole default calibration (~40 s of CPU)
+@pytest.mark.slow  # end to end: the whole default calibration (~3 minutes of CPU)
 def test_shipped_calibration_is_what_kvzip_calibrate_makes(loaded, tmp_path):
     """The calibration shipped for the embedded model is reproduced byte for byte by the
     command it records (with the default settings); a change to the fit must ship a new one."""

@@ -12,10 +12,11 @@ result does not depend on the order they run in:
   entries is then an integer multiple of the row's and column's quanta below ``2**(2b)`` of
   them, so every partial sum, in whatever order a BLAS kernel adds, is an integer below
   ``2**53`` of them: exact in float64. (For SmolLM2-135M: 21 bits for the 576- and 1,536-term
-  products, 23 for ``q . k``; the relative error of a rounded entry is at most ``2**-21``, finer
-  than bf16's ``2**-9``.)
-* **reductions** are either exact the same way (sums of squares in RMSNorm, the softmax's
-  denominator) or run in a fixed pairwise order (``kvzip_formats.calibration.fixed_sum``).
+  products, 23 for ``q . k``; a rounded entry is off by at most ``2**-21`` of its row's largest,
+  where bf16 rounds each entry by up to ``2**-9`` of itself.)
+* **the other sums** are exact the same way (RMSNorm's sum of squares, the softmax's
+  denominator); the statistics' sums run in a fixed pairwise order
+  (``kvzip_formats.calibration.fixed_sum``).
 * **elementwise operations** are only ``+ - * /``, ``sqrt``, ``round``, comparisons and table
   look-ups, which IEEE 754 rounds correctly whatever the vector width; ``exp``, ``sin`` and
   ``cos`` are polynomials built from them (:func:`exp`, :func:`sin_cos`); the softmax's ``exp``
@@ -32,8 +33,6 @@ import decimal
 import math
 
 import torch
-
-from kvzip_formats.calibration import fixed_sum
 
 #: Softmax: scores are rounded to multiples of this before the table look-up of ``exp``
 #: (relative error of a weight at most ``SCORE_STEP / 2``, 1.2e-4).
@@ -279,4 +278,4 @@ class ExactLlama:
                 h[w] = x + self._linear(self._silu(gate) * up, wd)
 
 
-__all__ = ["ExactLlama", "exp", "fixed_sum", "quantize", "sin_cos"]
+__all__ = ["ExactLlama", "exact_matmul", "exp", "quantize", "sin_cos"]
