@@ -172,3 +172,28 @@ def test_rotary_adjust_drops_turning_means_and_pairs_stats():
     assert all(torch.equal(a, b) for a, b in zip(adj.stats("v", 0), cal.stats("v", 0), strict=True))
     with pytest.raises(CalibrationError, match="inv_freq"):
         rotary_adjust(cal, inv_freq[:4], 512)
+
+
+def test_fixed_sum_adds_in_an_order_fixed_by_the_length():
+    """Pairwise halves: for 5 entries ((x0 + x2) + (x1 + x3)) + x4, whatever the layout, the
+    dim or the thread count (torch.sum's order, and so its rounding, depends on them)."""
+    from kvzip_formats.calibration import fixed_sum
+
+    x = torch.tensor([1e16, 1.0, -1e16, 1.0, 3.0], dtype=torch.float64)
+    assert fixed_sum(x).item() == 5.0  # left to right would give 4.0
+    # flipped: ((3 + -1e16) + (1 + 1)) + 1e16 = 6 (3 - 1e16 rounds to -1e16 + 4)
+    rows = torch.stack((x, x.flip(0)))
+    assert fixed_sum(rows, 1).tolist() == [5.0, 6.0]
+    assert fixed_sum(rows.t().contiguous(), 0).tolist() == [5.0, 6.0]
+    assert fixed_sum(x[:0]).item() == 0.0
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(4097, 3, 65, generator=g, dtype=torch.float64) * 1e3
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fixed_sum(big)
+        torch.set_num_threads(2)
+        assert torch.equal(one, fixed_sum(big))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(one, big.sum(0), rtol=1e-12, atol=1e-9)

@@ -408,6 +408,9 @@ def run_config(args, config: str, model: Path, out: Path, rows: list, checks: li
             },
         }
         extra = ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(ktc)]
+        # the connector refuses asynchronous scheduling (vLLM 0.26's default on CUDA): vLLM's
+        # recovery from a failed load is exact only when scheduled synchronously
+        extra += ["--no-async-scheduling"]
         if cuda:  # the tier's store queue takes GPU memory outside vLLM's KV cache: leave it some
             extra += ["--gpu-memory-utilization", "0.8"]
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the connector refuses model runner V2

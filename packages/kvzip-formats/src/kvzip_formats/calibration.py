@@ -184,12 +184,31 @@ def as_calibration(calibration: Calibration | str | Path | None) -> Calibration 
     )
 
 
+def fixed_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The sum of ``x`` over ``dim`` in an order fixed by the length alone: pairwise, halves
+    added elementwise (an odd last entry carried to the next round).
+
+    ``torch.sum``'s order depends on the SIMD width and the thread count (and so may its last
+    bit); elementwise additions are rounded by IEEE 754 the same way on every CPU.
+    """
+    x = x.movedim(dim, 0)
+    if x.shape[0] == 0:
+        return torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        s = x[:half] + x[half : 2 * half]
+        x = torch.cat((s, x[2 * half :])) if x.shape[0] % 2 else s
+    return x[0]
+
+
 class StatsAccumulator:
     """Streams queries, K and V of one model into the statistics of a Calibration.
 
     ``update(layer, q, k, v)`` takes one sequence's post-RoPE tensors ``q [T, num_q_heads, d]``,
     ``k`` and ``v [T, num_kv_heads, d]``; positions ``< STATS_START`` are skipped. Sums are kept
-    in float64 so the order of windows does not change the result beyond float64 rounding.
+    in float64 and added in a fixed order (:func:`fixed_sum` over a sequence's positions, then
+    sequence after sequence), so the same inputs give the same bytes on any CPU and thread
+    count.
     """
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int):
@@ -214,11 +233,11 @@ class StatsAccumulator:
             )
         t = k.shape[0]
         self.count[layer] += t
-        self.k_sum[layer] += k.sum(0)
-        self.k_sq[layer] += (k * k).sum(0)
-        self.v_sum[layer] += v.sum(0)
-        self.v_sq[layer] += (v * v).sum(0)
-        self.q_sq[layer] += (q * q).reshape(t, H, self.group, d).sum((0, 2))
+        self.k_sum[layer] += fixed_sum(k)
+        self.k_sq[layer] += fixed_sum(k * k)
+        self.v_sum[layer] += fixed_sum(v)
+        self.v_sq[layer] += fixed_sum(v * v)
+        self.q_sq[layer] += fixed_sum(fixed_sum(q * q).reshape(H, self.group, d), 1)
 
     def finalize(self, o_proj_weights: list[torch.Tensor], model: dict, fit: dict) -> Calibration:
         """Turn the sums into a Calibration.
@@ -233,10 +252,13 @@ class StatsAccumulator:
             raise CalibrationError("no tokens were accumulated for some layers")
         n = self.count.view(L, 1, 1)
         k_mean, v_mean = self.k_sum / n, self.v_sum / n
-        k_var = (self.k_sq / n - k_mean**2).clamp_min(0)
-        v_var = (self.v_sq / n - v_mean**2).clamp_min(0)
+        k_var = (self.k_sq / n - k_mean * k_mean).clamp_min(0)
+        v_var = (self.v_sq / n - v_mean * v_mean).clamp_min(0)
         v_w = torch.stack(
-            [(w.double() ** 2).sum(0).reshape(H, self.group, d).sum(1) for w in o_proj_weights]
+            [
+                fixed_sum(fixed_sum(w.double() * w.double()).reshape(H, self.group, d), 1)
+                for w in o_proj_weights
+            ]
         )
         tensors = {
             "k_mean": k_mean,
@@ -273,7 +295,7 @@ def rotary_adjust(
     turns = torch.cat((inv, inv)) * max_context > max_angle  # [d] channels of turning pairs
     t = {k: v.clone() for k, v in cal.tensors.items()}
     mean, var, w = (t[f"k_{s}"].double() for s in ("mean", "var", "weight"))
-    var = torch.where(turns, var + mean**2, var)
+    var = torch.where(turns, var + mean * mean, var)
     mean = torch.where(turns, torch.zeros_like(mean), mean)
 
     def pair_avg(x):
