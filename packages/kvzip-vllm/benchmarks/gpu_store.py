@@ -48,6 +48,8 @@ COUNTERS = (
     "blocks_stored",
     "store_busy_seconds",
     "store_seconds",
+    "store_encode_seconds",
+    "store_copy_seconds",
     "stores_spilled_host",
     "spill_bytes_held",
     "stores_waited_queue_full",
@@ -85,6 +87,8 @@ def _window(before: dict, after: dict, seconds: float, tokens: int) -> dict:
     """Store and prefill rates over one phase's prefill."""
     coded = after["raw_bytes_stored"] - before["raw_bytes_stored"]
     busy = after["store_busy_seconds"] - before["store_busy_seconds"]
+    enc = after["store_encode_seconds"] - before["store_encode_seconds"]
+    copy = after["store_copy_seconds"] - before["store_copy_seconds"]
     prefill = tokens * KV_BYTES_PER_TOKEN
     store_busy = coded / busy / 1e9 if busy > 0 else None
     return {
@@ -94,6 +98,8 @@ def _window(before: dict, after: dict, seconds: float, tokens: int) -> dict:
         "prefill_kv_GBps": round(prefill / seconds / 1e9, 3),
         "stored_GB_during": round(coded / 1e9, 3),
         "store_busy_s_during": round(busy, 3),
+        "store_encode_s_during": round(enc, 3),
+        "store_copy_s_during": round(copy, 3),
         "store_GBps_busy": round(store_busy, 3) if store_busy else None,
         "store_GBps_wall": round(coded / seconds / 1e9, 3),
         "store_busy_over_prefill": (

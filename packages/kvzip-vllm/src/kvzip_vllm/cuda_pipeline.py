@@ -617,6 +617,7 @@ class CudaTierPipeline:
             for j in todo:
                 self._done.put((keys[j], 0, []))
             return
+        t_enc = time.perf_counter()
         raw = sum(t.numel() * t.element_size() for t in tensors[:S])
         arena, pending = self.store.arena.buf, []
         for c, j in enumerate(todo):
@@ -635,7 +636,10 @@ class CudaTierPipeline:
         for key, off, size, lengths, plans, evicted in pending:
             nbytes = self.store.commit(key, off, size, lengths, raw, plans, plans.nbytes)
             self._done.put((key, nbytes, evicted))
-        self.store.stats.store_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.store.stats.store_seconds += t1 - t0
+        self.store.stats.store_encode_seconds += t_enc - t0
+        self.store.stats.store_copy_seconds += t1 - t_enc
 
     def drain(self) -> None:
         """Wait until every queued store is in the store (tests, shutdown)."""

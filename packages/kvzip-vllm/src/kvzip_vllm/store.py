@@ -261,6 +261,10 @@ class TierStats:
     # GPU path: the store thread's time coding (from the step's KV computed to the chunks
     # held), and the bf16 bytes it coded: their ratio is its throughput
     store_busy_seconds: float = 0.0
+    # ... of which in kvzip-lossless's encode_batch (its kernels, its one synchronisation and
+    # its host layout), and placing the blobs (reserve, copies to the arena, commit)
+    store_encode_seconds: float = 0.0
+    store_copy_seconds: float = 0.0
     misses: int = field(default=0)
     table_bytes: int = 0  # the per-model table set (stored once), 0 until fitted/loaded
     table_fit_tokens: int = 0  # tokens the set was fitted on by the store (0: loaded)
