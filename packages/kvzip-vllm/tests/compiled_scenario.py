@@ -3,9 +3,11 @@ one engine per process (run by ``test_compiled_outputs.py``).
 
     python compiled_scenario.py --connector none|kvzip|offloading|noop --out result.json
 
-The embedded model; prompts of the held-out text, computed in full, then (after a reset of
-vLLM's prefix cache) again: with the tier, restored from it. Writes the output token ids of
-both rounds, the tier's counters and the engine's compile and scheduler settings.
+The embedded model; prompts of the held-out text computed in full in one batch (``first``),
+then each alone (``alone``: local prefix-cache hits), then after a reset of vLLM's prefix
+cache each alone again (``again``: with the tier, restored from it; without, recomputed).
+Writes the output token ids of the rounds, the tier's counters and the engine's compile and
+scheduler settings.
 """
 
 from __future__ import annotations
@@ -89,22 +91,21 @@ def main() -> int:
     ps = [ids[5000 + i * n : 5000 + (i + 1) * n] for i in range(args.num_prompts)]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
-    def gen():
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    def gen(batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    first = gen()
-    one = [list(llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
-                .token_ids) for p in ps[:2]]  # fmt: skip
+    first = gen(ps)  # full prefills, one batch
+    alone = [gen([p])[0] for p in ps]  # each alone: local prefix-cache hits
     llm.reset_prefix_cache()
-    again = gen()
+    again = [gen([p])[0] for p in ps]  # each alone: restored from the tier (or recomputed)
     cfg = llm.llm_engine.vllm_config
     cc = cfg.compilation_config
     res = {
         "connector": args.connector,
         "eager": args.eager,
         "first": first,
-        "alone": one,
+        "alone": alone,
         "again": again,
         "stats": json.loads(stats.read_text()) if stats.exists() else {},
         "compile": {
