@@ -317,7 +317,7 @@ class CudaTierPipeline:
         nbytes = 2 * len(self.caches) * m * t * h * d * 2  # bf16 K and V of every layer
         s = self.store.stats
         if not self._enqueue(nbytes, wait=False):
-            ids = torch.tensor(flat, device=self.device)
+            ids = self._device_ids(flat)
             if self._spill(keys, ids, nbytes):
                 return
             t0 = time.perf_counter()
@@ -336,12 +336,22 @@ class CudaTierPipeline:
                 return
             s.stores_waited_queue_full += m
             s.store_wait_seconds += time.perf_counter() - t0
-        ids = torch.tensor(flat, device=self.device)
+        ids = self._device_ids(flat)
         staged = [
             tuple(x.view(m, t, h, d) for x in gather_token_major(cache, ids))
             for cache in self.caches
         ]
         self._jobs.put(_Job(keys, staged, self._record(), nbytes))
+
+    def _device_ids(self, flat: list[int]) -> torch.Tensor:
+        """Block ids on the device without waiting for the compute stream: through
+        page-locked memory, copied asynchronously (``torch.tensor(..., device=cuda)`` copies
+        from pageable memory and synchronises the stream, so the step's host work would wait
+        for its forward)."""
+        ids = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def _record(self):
         """An event on the compute stream (CUDA), None on the CPU."""
