@@ -123,12 +123,14 @@ def key(i):
 def make(request):
     pipes = []
 
-    def build(device, layout="LBNHC", budget=1 << 30, tables="calibrated", queue_bytes=2 << 30):
+    def build(
+        device, layout="LBNHC", budget=1 << 30, tables="calibrated", queue_bytes=2 << 30, bpc=1
+    ):
         layers, heads, n, d = SHAPES[device]
         buf, caches = paged_caches(layers, heads, n, d, device, layout)
         ts = calibrated_tables(layers, heads, d) if tables == "calibrated" else None
         store = BlockStore(budget, tables=ts, fit_tokens=2 * n if tables == "fit" else 0)
-        pipe = CudaTierPipeline(store, caches, n, queue_bytes=queue_bytes)
+        pipe = CudaTierPipeline(store, caches, n, bpc, queue_bytes=queue_bytes)
         pipes.append(pipe)
         return buf, caches, store, pipe
 
@@ -261,38 +263,45 @@ def one_block_bytes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(make, device):
-    """While the store thread is busy and the queue (1.5 blocks) is full, each step's chunks
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
+    make, monkeypatch, device, bpc
+):
+    """While the store thread is busy and the queue (1.5 chunks) is full, each step's chunks
     are spilled raw to page-locked extents of the arena (counted against the budget), then
     coded by the store thread: every chunk stored, restored bit for bit, none dropped."""
-    one = one_block_bytes(device)
+    monkeypatch.setattr(cuda_pipeline, "SPILL_GROUP", 2)  # a 3-chunk step: two device groups
+    one = one_block_bytes(device) * bpc  # a chunk's bf16 bytes
     budget = 64 * one
-    buf, caches, store, pipe = make(device, budget=budget, queue_bytes=int(1.5 * one))
+    buf, caches, store, pipe = make(device, budget=budget, queue_bytes=int(1.5 * one), bpc=bpc)
     fill(caches, seed=7)
     want = [c.clone() for c in caches]
+    blocks = [list(range(i * bpc, (i + 1) * bpc)) for i in range(5)]  # chunk i's blocks
     held = HeldStoreThread(pipe)
-    pipe.start_stores([(key(0), 0)])  # queued on the device: the thread holds it
+    pipe.start_stores([(key(0), blocks[0])])  # queued on the device: the thread holds it
     assert held.started.wait(60)
-    pipe.start_stores([(key(1), 1), (key(2), 2)])  # 3 blocks would pass 1.5: spilled
-    pipe.start_stores([(key(3), 3)])  # spilled too
+    pipe.start_stores([(key(i), blocks[i]) for i in (1, 2, 3)])  # past 1.5 chunks: spilled
+    pipe.start_stores([(key(4), blocks[4])])  # spilled too
     st = store.stats
-    assert st.stores_spilled_host == 3 and st.stores_dropped_queue_full == 0
-    assert st.spill_bytes_held == 3 * one and st.bytes_held <= budget
+    assert st.stores_spilled_host == 4 and st.stores_dropped_queue_full == 0
+    assert st.spill_bytes_held == 4 * one and st.bytes_held <= budget
     assert st.store_queue_peak_bytes == one  # the device queue never held more
     assert key(1) not in store  # raw on the host: not held, never served
     held.release()
     pipe.drain()
     stored, dropped = pipe.collect()
-    assert sorted(stored) == [key(i) for i in range(4)] and dropped == []
-    assert st.spill_bytes_held == 0 and st.spill_peak_bytes == 3 * one
-    assert st.blocks_stored == 4 and st.stores_waited_queue_full == 0
+    assert sorted(stored) == [key(i) for i in range(5)] and dropped == []
+    assert st.spill_bytes_held == 0 and st.spill_peak_bytes == 4 * one
+    assert st.blocks_stored == 5 and st.stores_waited_queue_full == 0
     assert st.bytes_held <= budget and st.peak_bytes_held <= budget
     assert st.store_busy_seconds > 0
     buf.view(torch.int16).fill_(-1)
-    pipe.start_loads([("r", key(i), 8 + i) for i in range(4)])
+    dest = [[NUM_BLOCKS - 1 - (i * bpc + b) for b in range(bpc)] for i in range(5)]
+    pipe.start_loads([("r", key(i), dest[i]) for i in range(5)])
     assert pipe.wait_loads() == set()
-    for i in range(4):
-        assert_block_equal(caches, 8 + i, want, i)
+    for i in range(5):
+        for b in range(bpc):
+            assert_block_equal(caches, dest[i][b], want, blocks[i][b])
 
 
 @pytest.mark.parametrize("device", DEVICES)
