@@ -15,7 +15,12 @@ entries, each with its blobs' plans (``kvzip_lossless.PLAN_FIELDS``, 72 bytes a 
 Without a table set yet (``fit_tokens``), the first chunks wait on the thread until there are
 ``fit_tokens`` tokens, the set is fitted from them on the device, and they are coded with it:
 nothing is coded with per-blob tables on the way. ``collect`` reports the keys stored and
-dropped (evicted, skipped, damaged or missing).
+dropped (evicted, skipped, damaged or missing). The staged copies are bounded
+(``queue_bytes``): past it a step's chunks are spilled raw to page-locked extents of the
+store's arena (inside its budget, at most ``spill_bytes``) and the store thread brings them
+back to the device and codes them in their turn; with no room there either the step waits
+for the queue. A store is dropped only if the store thread makes no room for
+``STORE_WAIT_LIMIT_S`` (counted, logged).
 
 Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
 cache): the step's records are copied from the arena to one device buffer on a copy stream (a
@@ -338,6 +343,12 @@ class CudaTierPipeline:
                 for key in keys:
                     self._done.put((key, 0, []))
                 return
+            if not s.stores_waited_queue_full:
+                logger.warning(
+                    "kvzip tier: the store queue is full and the spill has no room: the step "
+                    "waited %.3f s for the store thread (stores_waited_queue_full)",
+                    time.perf_counter() - t0,
+                )
             s.stores_waited_queue_full += m
             s.store_wait_seconds += time.perf_counter() - t0
         ids = self._device_ids(flat)
@@ -422,6 +433,12 @@ class CudaTierPipeline:
                 off, n = extents[j]
                 dst = arena[off : off + n].view(torch.bfloat16)
                 dst.copy_(group[j - j0].view(-1), non_blocking=cuda)  # page-locked: async
+        if not self.store.stats.stores_spilled_host:
+            logger.warning(
+                "kvzip tier: the store queue is full (store_queue_bytes %.2f GB): chunks are "
+                "spilled raw to the tier's host memory and coded later (stores_spilled_host)",
+                self.queue_bytes / 1e9,
+            )
         self.store.stats.stores_spilled_host += m
         self._jobs.put(_Job(keys, None, self._record(), 0, spill=extents))
         return True
