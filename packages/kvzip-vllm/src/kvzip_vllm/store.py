@@ -15,7 +15,9 @@ returned) lies in one :class:`Arena` of ``budget_bytes`` bytes allocated once
 from where they lie), carved in :data:`RECORD_ALIGN`-byte units. ``bytes_held`` is the arena
 bytes the held entries take (their aligned extents) plus what is kept beside them (the GPU
 path's batch plans, ``kvzip_lossless.PLAN_FIELDS``: 72 bytes a blob): it never
-exceeds the budget, and the page-locked memory is the arena, at most the budget.
+exceeds the budget, and the page-locked memory is the arena, at most the budget. The GPU
+path's spill (raw chunks waiting to be coded while its device queue is full) takes extents of
+the same arena (:meth:`BlockStore.reserve_spill`), counted in ``bytes_held`` meanwhile.
 
 Table set: given (``tables_path``, e.g. fitted offline on calibration text), or fitted by the
 store from the first ``fit_tokens`` tokens it stores (those chunks keep the tables each blob
