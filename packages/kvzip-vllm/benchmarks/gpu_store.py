@@ -349,7 +349,7 @@ def main() -> None:
     p.add_argument("--n-short", type=int, default=8)
     p.add_argument("--gen", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=0.6)
-    p.add_argument("--budget-gb", type=float, default=48.0)
+    p.add_argument("--budget-gb", type=float, default=56.0)
     p.add_argument("--fit-tokens", type=int, default=1024)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--store-deadline-s", type=float, default=120)
