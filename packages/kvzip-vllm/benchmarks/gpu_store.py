@@ -243,7 +243,7 @@ def run(args) -> dict:
             "async_scheduling": bool(getattr(cfg.scheduler_config, "async_scheduling", False)),
             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
             "cuda_graphs": not cfg.model_config.enforce_eager,
-            "budget_bytes": final.get("budget_bytes"),
+            "budget_bytes": int(args.budget_gb * 1e9),
             "chunk_tokens": chunk,
             "returning": returning,
             "timeline": [
