@@ -119,7 +119,8 @@ def _wait_stored(llm, sampler: Sampler, want: int, deadline_s: float, other) -> 
     return time.perf_counter() - t, row
 
 
-def run(args) -> dict:
+def run(args, res: dict) -> dict:
+    """Fills ``res`` as it goes (a run stopped midway still leaves its phases)."""
     import torch
     import vllm
     from vllm import LLM
@@ -161,7 +162,7 @@ def run(args) -> dict:
     _timed(llm, other, 1)  # warm-up (no whole chunk)
     sampler = Sampler(stats, args.sample_s)
     sampler.start()
-    res: dict = {"phases": {}}
+    res["phases"] = {}
 
     # phase A: long prompts back to back
     before = sampler.snap()
@@ -361,11 +362,19 @@ def main() -> None:
     extra = plugin_path(root).split(os.pathsep)
     sys.path[:0] = extra
     os.environ["PYTHONPATH"] = os.pathsep.join([*extra, os.environ.get("PYTHONPATH", "")])
-    res = run(args)
+    res: dict = {"command": "python " + " ".join(sys.argv)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1) + "\n")
-    write_md(out / f"{args.name}.md", res)
+    try:
+        run(args, res)
+    except BaseException:  # (the phases done so far are written, with the error)
+        import traceback
+
+        res["error"] = traceback.format_exc()[-3000:]
+        print(res["error"], flush=True)
+    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    if "error" not in res:
+        write_md(out / f"{args.name}.md", res)
     print("RESULT " + json.dumps({k: v for k, v in res.items() if k != "timeline"}), flush=True)
     sys.stdout.flush()
     os._exit(0)
