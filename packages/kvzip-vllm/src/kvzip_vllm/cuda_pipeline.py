@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -98,10 +99,12 @@ SPILL_GROUP = 8
 #: that stopped making progress gets there
 STORE_WAIT_LIMIT_S = 120.0
 
-#: the store stream's priority (CUDA: lower is higher; torch takes 0 or -1): high, so that
-#: the coder's kernels and copies run as soon as SMs free up while vLLM prefills on its
-#: default-priority stream, instead of waiting behind the prefill's kernels
-STORE_STREAM_PRIORITY = -1
+#: the store stream's priority (CUDA: lower is higher, 0 the default; torch maps a value
+#: outside the device's range to its nearest end): high, so that the coder's kernels and
+#: copies run as soon as SMs free up while vLLM prefills on its default-priority stream,
+#: instead of waiting behind the prefill's kernels. ``KVZIP_STORE_STREAM_PRIORITY`` overrides
+#: it (0: the store stream shares the GPU as vLLM's own streams do), for measuring both.
+STORE_STREAM_PRIORITY = int(os.environ.get("KVZIP_STORE_STREAM_PRIORITY", "-1"))
 
 
 @dataclass
