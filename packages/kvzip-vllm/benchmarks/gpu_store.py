@@ -246,6 +246,7 @@ def run(args, res: dict) -> dict:
             "cuda_graphs": not cfg.model_config.enforce_eager,
             "budget_bytes": int(args.budget_gb * 1e9),
             "chunk_tokens": chunk,
+            "store_stream_priority": int(os.environ.get("KVZIP_STORE_STREAM_PRIORITY", "-1")),
             "returning": returning,
             "timeline": [
                 {"t": round(t - ta, 2), **{k: v for k, v in r.items() if v}}
@@ -282,7 +283,8 @@ def write_md(path: Path, r: dict) -> None:
         f"Python {r['python']}; Llama-3.1-8B shape (dummy weights), KvzipConnector, budget "
         f"{r['budget_bytes'] / 1e9:.0f} GB, chunks of {r['chunk_tokens']} tokens, "
         f"asynchronous scheduling {r['async_scheduling']}, CUDA graphs {r['cuda_graphs']}, "
-        f"max_num_batched_tokens {r['max_num_batched_tokens']}. Command: `{r['command']}`.",
+        f"max_num_batched_tokens {r['max_num_batched_tokens']}, store stream priority "
+        f"{r['store_stream_priority']}. Command: `{r['command']}`.",
         "",
         "| phase | prompts x tokens | prefill s | prefill tok/s | prefill KV GB/s | stored GB "
         "during | store GB/s (busy) | store GB/s (wall) | store busy / prefill | chunks "
