@@ -65,7 +65,6 @@ def main() -> int:
     here = str(Path(__file__).parent)  # noop_connector.py, in vLLM's processes too
     sys.path.insert(0, here)
     os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-    import torch
     from vllm import LLM, SamplingParams
 
     from kvzip_eval.corpus import load_text
