@@ -141,6 +141,7 @@ def run(args, res: dict) -> dict:
         gpu_memory_utilization=args.gpu_mem,
         enable_prefix_caching=True,
         seed=0,
+        **({"async_scheduling": False} if args.no_async_scheduling else {}),
         kv_transfer_config={
             "kv_connector": "KvzipConnector",
             "kv_connector_module_path": "kvzip_vllm.connector",
@@ -357,6 +358,11 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--store-deadline-s", type=float, default=120)
     p.add_argument("--sample-s", type=float, default=0.5)
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="async_scheduling=False (default: vLLM's own choice, on where vLLM turns it on)",
+    )
     args = p.parse_args()
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
