@@ -118,6 +118,11 @@ def run(args) -> None:
             except subprocess.TimeoutExpired:
                 server.kill()
     logged = log_path.read_text(errors="replace")
+    if "error" in res:  # vLLM's reason, as its worker logged it
+        why = re.findall(r"Worker failed with error '([^']+)'", logged) or re.findall(
+            r"(?:RuntimeError|ValueError): (.+)", logged
+        )
+        res["error"] += f": {why[-1].strip()}" if why else ""
     res["omp"] = sorted(
         set(re.findall(r"(reserve_cpu_num=\d+|core ids=\[[\d, ]*\]|OMP_NUM_THREADS=\d+)", logged))
     )
@@ -143,6 +148,10 @@ def summary(args) -> None:
         for mode in ("greedy", "default"):
             if mode in r and mode in ref:
                 row[f"{mode}_equal"] = sum(a == b for a, b in zip(r[mode], ref[mode], strict=True))
+        if "greedy" in r and "greedy" in runs[1]:  # against the second run (the tier's)
+            row["greedy_equal_second"] = sum(
+                a == b for a, b in zip(r["greedy"], runs[1]["greedy"], strict=True)
+            )
         rows.append(row)
     res = {
         "device": f"CPU ({os.cpu_count()} cores), {platform.machine()}",
@@ -166,15 +175,26 @@ def summary(args) -> None:
         "[--reserved-cpus N]` (one server at a time), then `" + res["command"] + "`.",
         "",
         "| connector | eager | VLLM_CPU_NUM_OF_RESERVED_CPU | worker's OpenMP setup (vLLM's log) "
-        "| greedy answers equal to the first row | default-sampling answers equal |",
-        "|---|---|---|---|---|---|",
+        "| greedy answers equal to the first row | default-sampling answers equal | greedy "
+        "answers equal to the second row |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['connector']} | {row['eager']} | {row['reserved_cpus']} | "
             f"{', '.join(row['omp'] or [])} | {row.get('greedy_equal', row['error'])} / 6 | "
-            f"{row.get('default_equal', '-')} / 6 |"
+            f"{row.get('default_equal', '-')} / 6 | {row.get('greedy_equal_second', '-')} / 6 |"
         )
+    lines += [
+        "",
+        "Connectors: `none` (no kv_transfer_config), `kvzip` (KvzipConnector, 64 MB tier), "
+        "`noop` (tests/noop_connector.py: a connector that does nothing), `offloading` (vLLM's "
+        "OffloadingConnector; where it refuses the CPU, its worker's error: vLLM set up the "
+        "worker's threads before). Six chat requests, 24 tokens, greedy (temperature 0) and "
+        "with the API's default sampling; answers compared as strings. The OpenMP setup is what "
+        "vLLM logged for the worker (`reserve_cpu_num`: cores it keeps from the worker; no "
+        "`OMP_NUM_THREADS` line: the worker's one core).",
+    ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
