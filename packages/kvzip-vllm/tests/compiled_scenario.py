@@ -119,6 +119,9 @@ def main() -> int:
         "async_scheduling": cfg.scheduler_config.async_scheduling,
     }
     args.out.write_text(json.dumps(res, indent=1))
+    # the engine's processes end with this one (they hold its output pipes: a caller reading
+    # them until they close would wait for an engine left running)
+    llm.llm_engine.engine_core.shutdown()
     os._exit(0)
 
 
