@@ -10,6 +10,7 @@
 #   gpu_session.sh tier      # tier_restore.py: the tier's GPU pipeline at 32k/128k (.carry/kv carried)
 #   gpu_session.sh codec     # bench_lossless_gpu.py beside nvCOMP (.carry/kv, .carry/nvcomp carried)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race
+#   gpu_session.sh store     # gpu_store.py: 4 x 128k back to back, 8 x 32k at once: every chunk stored, store GB/s while prefilling
 #   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval, +r128 windows too (.carry/smollm2 carried)
 #   gpu_session.sh window    # the residual window's GPU tests (then serving with SERVING_FORMATS=fp8,4bit,4bit+r128)
 #   gpu_session.sh serve     # serve_h200.py: `vllm serve` with the tier and 4bit+r128 (.whl carried: serve_wheels.sh)
@@ -91,6 +92,14 @@ codec)
 faults)
   env_line
   timeout ${FAULTS_LIMIT_S:-540} python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_gpu_faults.py 2>&1 | tee $RES/faults_pytest.log | tail -4
+  ;;
+store)
+  env_line
+  # the tier's stores under load in vLLM (8B shape, vLLM's defaults): 4 prompts of 130048
+  # tokens back to back, then 8 of 32768 at once; every whole chunk stored (spilled to the
+  # host or waited for, never dropped), the last prompts restored, store GB/s while prefilling
+  timeout ${STORE_LIMIT_S:-530} python3 $R/kvzip-vllm/benchmarks/gpu_store.py --out $RES \
+    --name ${STORE_NAME:-gpu_store_h200} ${STORE_ARGS:-} 2>&1 | tee $RES/store.log | grep RESULT | cut -c1-1500
   ;;
 quality)
   env_line

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 import kvzip_lossless  # noqa: E402
 from kvzip_vllm import cuda_pipeline  # noqa: E402
 from kvzip_vllm.cuda_pipeline import CudaTierPipeline  # noqa: E402
-from kvzip_vllm.store import BlockStore  # noqa: E402
+from kvzip_vllm.store import RECORD_ALIGN, BlockStore  # noqa: E402
 
 pytest.importorskip("triton", reason="kvzip-lossless's GPU decode kernel is a Triton kernel")
 
@@ -123,12 +123,14 @@ def key(i):
 def make(request):
     pipes = []
 
-    def build(device, layout="LBNHC", budget=1 << 30, tables="calibrated", queue_bytes=2 << 30):
+    def build(
+        device, layout="LBNHC", budget=1 << 30, tables="calibrated", queue_bytes=2 << 30, bpc=1
+    ):
         layers, heads, n, d = SHAPES[device]
         buf, caches = paged_caches(layers, heads, n, d, device, layout)
         ts = calibrated_tables(layers, heads, d) if tables == "calibrated" else None
         store = BlockStore(budget, tables=ts, fit_tokens=2 * n if tables == "fit" else 0)
-        pipe = CudaTierPipeline(store, caches, n, queue_bytes=queue_bytes)
+        pipe = CudaTierPipeline(store, caches, n, bpc, queue_bytes=queue_bytes)
         pipes.append(pipe)
         return buf, caches, store, pipe
 
@@ -235,44 +237,173 @@ def test_the_default_store_queue_is_half_the_free_device_memory_capped(monkeypat
     assert cp.default_queue_bytes(torch.device("cuda", 0)) == 16 << 30
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_store_queue_is_bounded_and_refuses_beyond_it(make, device):
-    """While the store thread is busy, queued staged copies never pass ``queue_bytes``: the
-    step's stores that would are reported dropped (not held, recomputed when next needed),
-    counted, and nothing of them is served; an empty queue always takes a step's stores."""
-    import threading
+class HeldStoreThread:
+    """Holds the pipeline's store thread at its first job until ``release()``."""
 
-    _, caches, store, pipe = make(device)
+    def __init__(self, pipe):
+        import threading
+
+        self.gate, self.started = threading.Event(), threading.Event()
+        real = pipe._store_batched
+
+        def held_up(keys, staged):
+            self.started.set()
+            assert self.gate.wait(60)
+            return real(keys, staged)
+
+        pipe._store_batched = held_up
+
+    def release(self):
+        self.gate.set()
+
+
+def one_block_bytes(device):
     layers, heads, n, d = SHAPES[device]
-    one = 2 * layers * n * heads * d * 2  # one block's staged bf16 K and V, every layer
-    _, caches, store, pipe = make(device, queue_bytes=int(2.5 * one))
-    fill(caches, seed=5)
-    gate, started = threading.Event(), threading.Event()
-    real = pipe._store_batched
+    return 2 * layers * n * heads * d * 2  # one block's staged bf16 K and V, every layer
 
-    def held_up(keys, staged):
-        started.set()
-        assert gate.wait(30)
-        return real(keys, staged)
 
-    pipe._store_batched = held_up
-    pipe.start_stores([(key(0), 0), (key(1), 1)])  # 2 blocks: within the bound
-    assert started.wait(30)
-    pipe.start_stores([(key(2), 2)])  # 3 blocks queued would pass 2.5
-    assert store.stats.stores_dropped_queue_full == 1
-    gate.set()
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
+    make, monkeypatch, device, bpc
+):
+    """While the store thread is busy and the queue (1.5 chunks) is full, each step's chunks
+    are spilled raw to page-locked extents of the arena (counted against the budget), then
+    coded by the store thread: every chunk stored, restored bit for bit, none dropped."""
+    monkeypatch.setattr(cuda_pipeline, "SPILL_GROUP", 2)  # a 3-chunk step: two device groups
+    one = one_block_bytes(device) * bpc  # a chunk's bf16 bytes
+    budget = 64 * one
+    buf, caches, store, pipe = make(device, budget=budget, queue_bytes=int(1.5 * one), bpc=bpc)
+    fill(caches, seed=7)
+    want = [c.clone() for c in caches]
+    blocks = [list(range(i * bpc, (i + 1) * bpc)) for i in range(5)]  # chunk i's blocks
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(0), blocks[0])])  # queued on the device: the thread holds it
+    assert held.started.wait(60)
+    pipe.start_stores([(key(i), blocks[i]) for i in (1, 2, 3)])  # past 1.5 chunks: spilled
+    pipe.start_stores([(key(4), blocks[4])])  # spilled too
+    st = store.stats
+    assert st.stores_spilled_host == 4 and st.stores_dropped_queue_full == 0
+    assert st.spill_bytes_held == 4 * one and st.bytes_held <= budget
+    assert st.store_queue_peak_bytes == one  # the device queue never held more
+    assert key(1) not in store  # raw on the host: not held, never served
+    held.release()
     pipe.drain()
     stored, dropped = pipe.collect()
-    assert sorted(stored) == [key(0), key(1)] and dropped == [key(2)]
-    assert store.stats.store_queue_peak_bytes == 2 * one
-    assert key(2) not in store
+    assert sorted(stored) == [key(i) for i in range(5)] and dropped == []
+    assert st.spill_bytes_held == 0 and st.spill_peak_bytes == 4 * one
+    assert st.blocks_stored == 5 and st.stores_waited_queue_full == 0
+    assert st.bytes_held <= budget and st.peak_bytes_held <= budget
+    assert st.store_busy_seconds > 0
+    buf.view(torch.int16).fill_(-1)
+    dest = [[NUM_BLOCKS - 1 - (i * bpc + b) for b in range(bpc)] for i in range(5)]
+    pipe.start_loads([("r", key(i), dest[i]) for i in range(5)])
+    assert pipe.wait_loads() == set()
+    for i in range(5):
+        for b in range(bpc):
+            assert_block_equal(caches, dest[i][b], want, blocks[i][b])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_room_to_spill_makes_the_step_wait_for_the_queue(make, device):
+    """Spills stop at ``spill_bytes``: the next step waits (start_stores blocks) until the
+    store thread frees the queue, then is staged as usual; counted, nothing dropped."""
+    import threading
+
+    one = one_block_bytes(device)
+    buf, caches, store, pipe = make(device, queue_bytes=int(1.5 * one))
+    pipe.spill_bytes = one  # one spilled block at most
+    fill(caches, seed=8)
+    want = [c.clone() for c in caches]
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(0), 0)])
+    assert held.started.wait(60)
+    pipe.start_stores([(key(1), 1)])  # spilled: the ceiling reached
+    assert store.stats.stores_spilled_host == 1
+    returned = threading.Event()
+
+    def step():
+        pipe.start_stores([(key(2), 2)])
+        returned.set()
+
+    waiter = threading.Thread(target=step)
+    waiter.start()
+    assert not returned.wait(0.5), "the step did not wait for room"
+    held.release()
+    assert returned.wait(60)
+    waiter.join()
+    pipe.drain()
+    stored, dropped = pipe.collect()
+    assert sorted(stored) == [key(0), key(1), key(2)] and dropped == []
+    st = store.stats
+    assert st.stores_waited_queue_full == 1 and st.store_wait_seconds >= 0.4
+    assert st.stores_dropped_queue_full == 0 and st.stores_spilled_host == 1
+    buf.view(torch.int16).fill_(-1)
+    pipe.start_loads([("r", key(i), 8 + i) for i in range(3)])
+    assert pipe.wait_loads() == set()
+    for i in range(3):
+        assert_block_equal(caches, 8 + i, want, i)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_spill_evicts_lru_entries_within_the_budget(make, device):
+    """A spill's raw extent counts against the budget like a store: the least recently used
+    entries are evicted for it (and reported dropped); the budget is never passed."""
+    _, caches, probe, pipe = make(device)
+    fill(caches, seed=9)
+    for i in range(4):
+        store_blocks(pipe, [(key(i), i)])
+    budget = probe.stats.bytes_held + RECORD_ALIGN  # 4 coded entries: no room beside them
+    one = one_block_bytes(device)
+    _, caches, store, pipe = make(device, budget=budget, queue_bytes=int(1.5 * one))
+    fill(caches, seed=9)
+    stored = [store_blocks(pipe, [(key(i), i)])[0][0] for i in range(4)]  # held, in order
+    assert len(store) == 4 and store.stats.evictions == 0
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(5), 5)])
+    assert held.started.wait(60)
+    pipe.start_stores([(key(6), 6)])  # spilled: evicts the oldest entries for its extent
+    st = store.stats
+    assert st.stores_spilled_host == 1 and st.bytes_held <= budget
+    evicted_now = [k for k in stored if k not in store]
+    assert evicted_now and evicted_now == stored[: len(evicted_now)]  # oldest first
+    held.release()
+    pipe.drain()
+    got, dropped = pipe.collect()
+    assert set(evicted_now) <= set(dropped) and {key(5), key(6)} <= set(got)
+    assert st.peak_bytes_held <= budget and st.spill_bytes_held == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_store_is_dropped_only_when_the_store_thread_makes_no_room(
+    make, monkeypatch, device, caplog
+):
+    """No spill allowed and a store thread that stays busy past the wait limit: the step's
+    stores are dropped, counted and logged (never silently), and never served."""
+    monkeypatch.setattr(cuda_pipeline, "STORE_WAIT_LIMIT_S", 0.3)
+    one = one_block_bytes(device)
+    _, caches, store, pipe = make(device, queue_bytes=int(1.5 * one))
+    pipe.spill_bytes = 0
+    fill(caches, seed=5)
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(0), 0)])
+    assert held.started.wait(60)
+    with caplog.at_level("ERROR", logger="kvzip_vllm.cuda_pipeline"):
+        pipe.start_stores([(key(2), 2)])
+    assert store.stats.stores_dropped_queue_full == 1
+    assert "1 chunks not stored" in caplog.text
+    held.release()
+    pipe.drain()
+    stored, dropped = pipe.collect()
+    assert stored == [key(0)] and dropped == [key(2)] and key(2) not in store
     pipe.start_loads([("r", key(2), 6)])
     assert pipe.wait_loads() == {6}  # never stored: recomputed, never served
-    assert pipe.collect() == ([], [key(2)])  # the failed load's key, reported not held
     stored, dropped = store_blocks(pipe, [(key(3), 3), (key(4), 4), (key(5), 5)])
-    assert len(stored) == 3 and not dropped  # an empty queue takes one step's stores
+    assert len(stored) == 3  # an empty queue takes one step's stores
     with pytest.raises(ValueError, match="queue_bytes must be > 0"):
-        CudaTierPipeline(store, caches, n, queue_bytes=0)
+        CudaTierPipeline(store, caches, SHAPES[device][2], queue_bytes=0)
+    with pytest.raises(ValueError, match="spill_bytes must be >= 0"):
+        CudaTierPipeline(store, caches, SHAPES[device][2], spill_bytes=-1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

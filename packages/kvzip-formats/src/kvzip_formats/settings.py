@@ -195,6 +195,16 @@ WINDOW_SLOT_TOKENS = Setting(
     check=_power_of_two,
     rule="a power of two (e.g. 32768)",
 )
+STORE_STREAM_PRIORITY = Setting(
+    "KVZIP_STORE_STREAM_PRIORITY",
+    int,
+    -1,
+    ("kvzip_vllm.cuda_pipeline",),
+    "the CUDA priority of the tier's store stream (lower is more urgent; -1: its coding is "
+    "not queued behind the prefill's kernels; 0: the default priority, for comparison)",
+    package=_VLLM,
+    scope="bench",
+)
 TIER_BYTES = Setting(
     "KVZIP_TIER_BYTES",
     int,

@@ -15,7 +15,12 @@ entries, each with its blobs' plans (``kvzip_lossless.PLAN_FIELDS``, 72 bytes a 
 Without a table set yet (``fit_tokens``), the first chunks wait on the thread until there are
 ``fit_tokens`` tokens, the set is fitted from them on the device, and they are coded with it:
 nothing is coded with per-blob tables on the way. ``collect`` reports the keys stored and
-dropped (evicted, skipped, damaged or missing).
+dropped (evicted, skipped, damaged or missing). The staged copies are bounded
+(``queue_bytes``): past it a step's chunks are spilled raw to page-locked extents of the
+store's arena (inside its budget, at most ``spill_bytes``) and the store thread brings them
+back to the device and codes them in their turn; with no room there either the step waits
+for the queue. A store is dropped only if the store thread makes no room for
+``STORE_WAIT_LIMIT_S`` (counted, logged).
 
 Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
 cache): the step's records are copied from the arena to one device buffer on a copy stream (a
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 
 import kvzip_lossless
+from kvzip_formats import settings as table
 from kvzip_vllm.blocks import as_ids, gather_token_major, scatter_token_major
 from kvzip_vllm.store import RECORD_ALIGN, BlockStore
 
@@ -81,6 +87,38 @@ def _load_item(item) -> tuple[str, bytes, tuple[int, ...], int]:
 #: the default store queue's ceiling, and its size where free device memory is not known
 QUEUE_CAP_BYTES, QUEUE_CPU_BYTES = 16 << 30, 2 << 30
 
+#: the default ceiling of raw chunks spilled to the host at once: this fraction of the budget
+SPILL_FRACTION = 0.5
+
+#: chunks gathered on the device at a time for a spill (their bf16 copy is the device memory
+#: a spill takes: 8 chunks of 256 tokens at Llama-3.1-8B's shape, 268 MB)
+SPILL_GROUP = 8
+
+#: how long a step waits for room in the store queue (no room on the host either) before its
+#: stores are dropped (counted in ``stores_dropped_queue_full``, logged): only a store thread
+#: that stopped making progress gets there
+STORE_WAIT_LIMIT_S = 120.0
+
+#: the store stream's priority (CUDA: lower is higher, 0 the default; torch maps a value
+#: outside the device's range to its nearest end): high, so that the coder's kernels and
+#: copies run as soon as SMs free up while vLLM prefills on its default-priority stream,
+#: instead of waiting behind the prefill's kernels. ``KVZIP_STORE_STREAM_PRIORITY`` overrides
+#: it (0: the store stream shares the GPU as vLLM's own streams do), for measuring both.
+STORE_STREAM_PRIORITY = table.STORE_STREAM_PRIORITY.get()
+
+
+@dataclass
+class _Job:
+    """A step's chunks to store: staged on the device (``staged``: per layer (K, V)
+    ``[m, chunk_tokens, kv_heads, head_size]``, ``nbytes`` of the queue), or spilled raw to
+    arena extents (``spill``: (offset, bytes) per chunk, each chunk's layers' K then V)."""
+
+    keys: list[bytes]
+    staged: list | None
+    event: object
+    nbytes: int
+    spill: list[tuple[int, int]] | None = None
+
 
 def default_queue_bytes(device: torch.device) -> int:
     """Half the device memory free now (after vLLM allocated its KV cache), at most
@@ -101,6 +139,7 @@ class CudaTierPipeline:
         block_size: int,
         bpc: int = 1,
         queue_bytes: int | None = None,
+        spill_bytes: int | None = None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -117,7 +156,10 @@ class CudaTierPipeline:
         if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
             logger.info("kvzip tier: GPU coder %s", kvzip_lossless.coder(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
-        self.copy_stream, self.decode_stream, self.store_stream = (new_stream() for _ in range(3))
+        self.copy_stream, self.decode_stream = (new_stream() for _ in range(2))
+        self.store_stream = (
+            torch.cuda.Stream(self.device, priority=STORE_STREAM_PRIORITY) if cuda else None
+        )
         if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
             store.pin()
         # every entry holds its decode plan (also those the shared tier's fetches put)
@@ -139,6 +181,13 @@ class CudaTierPipeline:
         self.queue_bytes = queue_bytes  # staged copies waiting for the store thread, at most
         self._queued = 0  # bytes of staged copies queued or being coded
         self._queued_lock = threading.Lock()
+        self._room = threading.Condition(self._queued_lock)  # notified as the queue drains
+        if spill_bytes is None:
+            spill_bytes = int(store.budget_bytes * SPILL_FRACTION)
+        if spill_bytes < 0:
+            raise ValueError(f"spill_bytes must be >= 0 (0: no spill), got {spill_bytes}")
+        self.spill_bytes = spill_bytes  # raw chunks spilled to the host at once, at most
+        self._spilled = 0  # bytes of spill extents held
         self._thread = threading.Thread(target=self._store_loop, daemon=True)
         self._thread.start()
 
@@ -257,7 +306,16 @@ class CudaTierPipeline:
     # -- stores -------------------------------------------------------------------------
     def start_stores(self, stores) -> None:
         """Queue ``(key, block_ids)`` chunks for storing; their bytes are copied before this
-        returns (on the compute stream), so vLLM may reuse the blocks."""
+        returns (on the compute stream), so vLLM may reuse the blocks.
+
+        The step's chunks are staged on the device while the store queue has room
+        (``queue_bytes``; an empty queue always takes a step). Otherwise they are spilled raw
+        to a page-locked extent of the store's arena (within ``spill_bytes`` and the budget:
+        ``stores_spilled_host``), coded later by the store thread on the device; with no
+        room there either, the step waits until the queue has room (``stores_waited_queue_full``,
+        ``store_wait_seconds``: vLLM's next step starts later). A store is dropped
+        (``stores_dropped_queue_full``) only if the store thread makes no room within
+        ``STORE_WAIT_LIMIT_S``."""
         if not stores:
             return
         keys = [key for key, _ in stores]
@@ -269,34 +327,149 @@ class CudaTierPipeline:
             flat.extend(ids)
         m, (t, h, d) = len(stores), self.block_shape
         nbytes = 2 * len(self.caches) * m * t * h * d * 2  # bf16 K and V of every layer
-        with self._queued_lock:
-            full = self._queued > 0 and self._queued + nbytes > self.queue_bytes
-            if not full:
-                self._queued += nbytes
-                s = self.store.stats
-                s.store_queue_peak_bytes = max(s.store_queue_peak_bytes, self._queued)
-        if full:  # the device memory outside vLLM's accounting stays bounded
-            self.store.stats.stores_dropped_queue_full += m
-            logger.warning(
-                "kvzip tier: %d chunks not stored: %.2f GB of stores already queued "
-                "(store_queue_bytes %.2f GB)",
-                m,
-                self._queued / 1e9,
-                self.queue_bytes / 1e9,
-            )
-            for key in keys:
-                self._done.put((key, 0, []))
-            return
-        ids = torch.tensor(flat, device=self.device)
+        s = self.store.stats
+        if not self._enqueue(nbytes, wait=False):
+            ids = self._device_ids(flat)
+            if self._spill(keys, ids, nbytes):
+                return
+            t0 = time.perf_counter()
+            if not self._enqueue(nbytes, wait=True):  # the store thread made no room
+                s.stores_dropped_queue_full += m
+                logger.error(
+                    "kvzip tier: %d chunks not stored: %.2f GB of stores still queued after "
+                    "%.0f s (store_queue_bytes %.2f GB), and no room to spill them to the host",
+                    m,
+                    self._queued / 1e9,
+                    STORE_WAIT_LIMIT_S,
+                    self.queue_bytes / 1e9,
+                )
+                for key in keys:
+                    self._done.put((key, 0, []))
+                return
+            if not s.stores_waited_queue_full:
+                logger.warning(
+                    "kvzip tier: the store queue is full and the spill has no room: the step "
+                    "waited %.3f s for the store thread (stores_waited_queue_full)",
+                    time.perf_counter() - t0,
+                )
+            s.stores_waited_queue_full += m
+            s.store_wait_seconds += time.perf_counter() - t0
+        ids = self._device_ids(flat)
         staged = [
             tuple(x.view(m, t, h, d) for x in gather_token_major(cache, ids))
             for cache in self.caches
         ]
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self._jobs.put((keys, staged, event, nbytes))
+        self._jobs.put(_Job(keys, staged, self._record(), nbytes))
+
+    def _device_ids(self, flat: list[int]) -> torch.Tensor:
+        """Block ids on the device without waiting for the compute stream: through
+        page-locked memory, copied asynchronously (``torch.tensor(..., device=cuda)`` copies
+        from pageable memory and synchronises the stream, so the step's host work would wait
+        for its forward)."""
+        ids = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
+
+    def _record(self):
+        """An event on the compute stream (CUDA), None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _enqueue(self, nbytes: int, *, wait: bool) -> bool:
+        """Count ``nbytes`` of staged copies in the queue if it has room (an empty queue
+        always has); with ``wait``, wait up to ``STORE_WAIT_LIMIT_S`` for room."""
+        deadline = time.monotonic() + STORE_WAIT_LIMIT_S
+        with self._room:
+            while self._queued > 0 and self._queued + nbytes > self.queue_bytes:
+                left = deadline - time.monotonic()
+                if not wait or left <= 0:
+                    return False
+                self._room.wait(min(left, 1.0))
+            self._queued += nbytes
+            s = self.store.stats
+            s.store_queue_peak_bytes = max(s.store_queue_peak_bytes, self._queued)
+            return True
+
+    def _spill(self, keys: list[bytes], ids: torch.Tensor, nbytes: int) -> bool:
+        """Copy the step's chunks raw into page-locked extents of the arena, one per chunk
+        (every layer's K then V, token-major ``[2 * layers, chunk_tokens, kv_heads,
+        head_size]``: an extent about the size of a coded entry, so making room evicts about
+        as much as storing does), gathered on the device ``SPILL_GROUP`` chunks at a time, for
+        the store thread to code later. False, with nothing spilled, when the spill ceiling or
+        the budget leaves no room for every chunk of the step."""
+        with self._queued_lock:
+            if self._spilled + nbytes > self.spill_bytes:
+                return False
+            self._spilled += nbytes  # (held from now: a concurrent spill sees it)
+        m = len(keys)
+        size = nbytes // m
+        extents, evicted = [], []
+        for _ in range(m):
+            off, ev = self.store.reserve_spill(size)
+            evicted += ev
+            if off is None:
+                break
+            extents.append((off, size))
+        if evicted:  # (made room for the spill: reported not held)
+            self._done.put((None, 0, evicted))
+        if len(extents) < m:
+            for off, n in extents:
+                self.store.release_spill(off, n)
+            with self._queued_lock:
+                self._spilled -= nbytes
+            return False
+        arena = self.store.arena.buf
+        cuda = self.device.type == "cuda"
+        for j0 in range(0, m, SPILL_GROUP):
+            j1 = min(m, j0 + SPILL_GROUP)
+            sub = ids[j0 * self.bpc : j1 * self.bpc]
+            # [chunks, 2 * layers, chunk_tokens, kv_heads, head_size] on the device
+            group = torch.stack(
+                [x.view(j1 - j0, *self.block_shape) for c in self.caches
+                 for x in gather_token_major(c, sub)], 1,
+            )  # fmt: skip
+            for j in range(j0, j1):
+                off, n = extents[j]
+                dst = arena[off : off + n].view(torch.bfloat16)
+                dst.copy_(group[j - j0].view(-1), non_blocking=cuda)  # page-locked: async
+        if not self.store.stats.stores_spilled_host:
+            logger.warning(
+                "kvzip tier: the store queue is full (store_queue_bytes %.2f GB): chunks are "
+                "spilled raw to the tier's host memory and coded later (stores_spilled_host)",
+                self.queue_bytes / 1e9,
+            )
+        self.store.stats.stores_spilled_host += m
+        self._jobs.put(_Job(keys, None, self._record(), 0, spill=extents))
+        return True
+
+    def _release_spill(self, job: _Job) -> None:
+        for off, n in job.spill:
+            self.store.release_spill(off, n)
+        with self._queued_lock:
+            self._spilled -= sum(n for _, n in job.spill)
+        job.spill = None
+
+    def _unspill(self, job: _Job) -> None:
+        """A spilled job's chunks back on the device (store thread, on the store stream), its
+        host extents given back: the job goes on as one staged by ``start_stores``."""
+        m, L = len(job.keys), len(self.caches)
+        nbytes = sum(n for _, n in job.spill)
+        with self._queued_lock:  # device memory the job takes while it is coded
+            self._queued += nbytes
+        job.nbytes = nbytes
+        dev = torch.empty((m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        arena = self.store.arena.buf
+        for j, (off, n) in enumerate(job.spill):
+            src = arena[off : off + n].view(torch.bfloat16)
+            dev[j].view(-1).copy_(src, non_blocking=self.store_stream is not None)
+        if self.store_stream is not None:
+            self.store_stream.synchronize()  # the copies have landed: the extents are free
+        self._release_spill(job)
+        job.staged = [(dev[:, 2 * li], dev[:, 2 * li + 1]) for li in range(L)]
 
     def _store_loop(self) -> None:
         while True:
@@ -304,22 +477,33 @@ class CudaTierPipeline:
             if job is None:
                 self._jobs.task_done()
                 return
-            keys, staged, event, nbytes = job
             try:
+                if job.event is not None:
+                    job.event.synchronize()  # the step's KV is computed (and copied)
+                t0 = time.perf_counter()
                 with self._on(self.store_stream):
-                    if event is not None:
-                        self.store_stream.wait_event(event)
-                    for job_keys, job_staged in self._ready(keys, staged):
+                    if job.spill is not None:
+                        self._unspill(job)
+                    for job_keys, job_staged in self._ready(job.keys, job.staged):
                         if self.store.tables is not None:
                             self._store_batched(job_keys, job_staged)
                         else:  # fit_tokens=0 and no tables_path: each blob embeds its table
                             self._store_single(job_keys, job_staged)
                     if self.store_stream is not None:
                         self.store_stream.synchronize()  # staged is read there until now
+                self.store.stats.store_busy_seconds += time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 (the job's chunks reported not stored)
+                logger.exception("kvzip tier: storing %d chunks failed", len(job.keys))
+                self.store.stats.store_errors += len(job.keys)
+                for key in job.keys:
+                    self._done.put((key, 0, []))
             finally:
-                del staged, job  # (jobs held for the table fit keep their copies)
-                with self._queued_lock:
-                    self._queued -= nbytes
+                if job.spill is not None:  # (failed before it was brought back)
+                    self._release_spill(job)
+                job.staged = None  # (jobs held for the table fit keep their copies)
+                with self._room:
+                    self._queued -= job.nbytes
+                    self._room.notify_all()
                 self._jobs.task_done()
 
     def _ready(self, keys, staged) -> list:
@@ -486,6 +670,7 @@ class CudaTierPipeline:
             for j in todo:
                 self._done.put((keys[j], 0, []))
             return
+        t_enc = time.perf_counter()
         raw = sum(t.numel() * t.element_size() for t in tensors[:S])
         arena, pending = self.store.arena.buf, []
         for c, j in enumerate(todo):
@@ -504,7 +689,10 @@ class CudaTierPipeline:
         for key, off, size, lengths, plans, evicted in pending:
             nbytes = self.store.commit(key, off, size, lengths, raw, plans, plans.nbytes)
             self._done.put((key, nbytes, evicted))
-        self.store.stats.store_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.store.stats.store_seconds += t1 - t0
+        self.store.stats.store_encode_seconds += t_enc - t0
+        self.store.stats.store_copy_seconds += t1 - t_enc
 
     def drain(self) -> None:
         """Wait until every queued store is in the store (tests, shutdown)."""
@@ -520,7 +708,8 @@ class CudaTierPipeline:
             except queue.Empty:
                 return stored, dropped
             dropped.extend(evicted)
-            (stored if nbytes else dropped).append(key)
+            if key is not None:  # (None: keys evicted to make room for a spill)
+                (stored if nbytes else dropped).append(key)
 
     def close(self) -> None:
         self._jobs.put(None)

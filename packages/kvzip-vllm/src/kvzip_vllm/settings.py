@@ -120,8 +120,9 @@ class ConnectorSettings(BaseModel):
     the device so vLLM can reuse the blocks at once, and outside vLLM's KV-cache accounting).
     None (the default): half the device memory still free once vLLM has allocated its KV
     cache, at most 16 GiB (at least one 8,192-token prefill step of an 8B-shaped model fits
-    in 1 GiB). A step's stores that would pass it are not stored (counted
-    ``stores_dropped_queue_full``; vLLM computes those chunks when they are next needed). An
+    in 1 GiB). A step's stores that would pass it are spilled raw to page-locked host
+    memory inside ``budget_bytes`` (``stores_spilled_host``) and coded later, or, with no
+    room there either, the step waits for the queue (``stores_waited_queue_full``). An
     empty queue always takes one step's stores; the first ``fit_tokens`` tokens' copies are
     also kept until the table set is fitted from them."""
     fit_tokens: int = Field(1024, ge=0)

@@ -15,7 +15,9 @@ returned) lies in one :class:`Arena` of ``budget_bytes`` bytes allocated once
 from where they lie), carved in :data:`RECORD_ALIGN`-byte units. ``bytes_held`` is the arena
 bytes the held entries take (their aligned extents) plus what is kept beside them (the GPU
 path's batch plans, ``kvzip_lossless.PLAN_FIELDS``: 72 bytes a blob): it never
-exceeds the budget, and the page-locked memory is the arena, at most the budget.
+exceeds the budget, and the page-locked memory is the arena, at most the budget. The GPU
+path's spill (raw chunks waiting to be coded while its device queue is full) takes extents of
+the same arena (:meth:`BlockStore.reserve_spill`), counted in ``bytes_held`` meanwhile.
 
 Table set: given (``tables_path``, e.g. fitted offline on calibration text), or fitted by the
 store from the first ``fit_tokens`` tokens it stores (those chunks keep the tables each blob
@@ -250,6 +252,21 @@ class TierStats:
     # (``store_queue_bytes``); peak bytes that queue held
     stores_dropped_queue_full: int = 0
     store_queue_peak_bytes: int = 0
+    # GPU path, the queue full: chunks spilled raw (bf16) to page-locked host extents of the
+    # arena, coded later (their extents count in ``bytes_held`` meanwhile: the budget holds);
+    # chunks whose step waited for room instead (no host room either) and the time waited
+    stores_spilled_host: int = 0
+    spill_bytes_held: int = 0
+    spill_peak_bytes: int = 0
+    stores_waited_queue_full: int = 0
+    store_wait_seconds: float = 0.0
+    # GPU path: the store thread's time coding (from the step's KV computed to the chunks
+    # held), and the bf16 bytes it coded: their ratio is its throughput
+    store_busy_seconds: float = 0.0
+    # ... of which in kvzip-lossless's encode_batch (its kernels, its one synchronisation and
+    # its host layout), and placing the blobs (reserve, copies to the arena, commit)
+    store_encode_seconds: float = 0.0
+    store_copy_seconds: float = 0.0
     misses: int = field(default=0)
     table_bytes: int = 0  # the per-model table set (stored once), 0 until fitted/loaded
     table_fit_tokens: int = 0  # tokens the set was fitted on by the store (0: loaded)
@@ -463,6 +480,41 @@ class BlockStore:
                 self._release(old)
                 s.evictions += 1
                 evicted.append(old_key)
+
+    def reserve_spill(self, size: int) -> tuple[int | None, list[bytes]]:
+        """An extent of the arena for ``size`` bytes of raw chunks waiting to be coded (the GPU
+        path's spill when its device queue is full), counted in ``bytes_held`` (least recently
+        used entries evicted to make room, as a store would): (its offset, or None when it
+        cannot fit now; the keys evicted). Nothing is counted skipped. Give it back with
+        :meth:`release_spill`."""
+        evicted: list[bytes] = []
+        n = _extent(size)
+        with self._lock:
+            s = self.stats
+            if n > self.budget_bytes or n > self.arena.capacity:
+                return None, evicted
+            while True:
+                if s.bytes_held + n <= self.budget_bytes:
+                    off = self.arena.alloc(size)
+                    if off is not None:
+                        s.bytes_held += n
+                        s.spill_bytes_held += n
+                        s.spill_peak_bytes = max(s.spill_peak_bytes, s.spill_bytes_held)
+                        s.peak_bytes_held = max(s.peak_bytes_held, s.bytes_held)
+                        return off, evicted
+                if not self._entries:
+                    return None, evicted
+                old_key, old = self._entries.popitem(last=False)
+                self._release(old)
+                s.evictions += 1
+                evicted.append(old_key)
+
+    def release_spill(self, off: int, size: int) -> None:
+        """Give back a spill extent from :meth:`reserve_spill` (its chunks are coded)."""
+        with self._lock:
+            self.arena.free(off, size)
+            self.stats.bytes_held -= _extent(size)
+            self.stats.spill_bytes_held -= _extent(size)
 
     def abort(self, off: int, size: int, aux_bytes: int = 0) -> None:
         """Give back an extent from :meth:`reserve` that was not committed."""
