@@ -469,3 +469,29 @@ def test_first_chunks_wait_for_the_table_set_and_are_coded_with_it(make, device)
     assert pipe.wait_loads() == set()
     for i in range(4):
         assert_block_equal(caches, 4 + i, want, i)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_of_a_chunk_still_being_stored_waits_for_its_store(make, device):
+    """The scheduler counts a chunk whose store is still in flight as held (an idle server
+    takes no step that would report it stored): its load waits for the store, then restores
+    it bit for bit, instead of failing and recomputing."""
+    import threading
+
+    buf, caches, store, pipe = make(device)
+    fill(caches, seed=5)
+    want = [c.clone() for c in caches]
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(2), 2), (key(6), 6)])
+    assert held.started.wait(60)
+    assert key(2) not in store  # still in flight: not yet stored
+    threading.Timer(0.3, held.release).start()  # the store finishes while the load waits
+    pipe.start_loads([("r", key(2), 10), ("r", key(6), 11)])
+    assert pipe.wait_loads() == set()
+    assert_block_equal(caches, 10, want, 2)
+    assert_block_equal(caches, 11, want, 6)
+    assert store.stats.loads_waited_for_store == 1 and store.stats.load_errors == 0
+    assert pipe.collect() == ([key(2), key(6)], [])  # reported stored, as before
+    # a chunk never stored still fails (vLLM recomputes it): nothing in flight to wait for
+    pipe.start_loads([("r", key(9), 9)])
+    assert pipe.wait_loads() == {9}

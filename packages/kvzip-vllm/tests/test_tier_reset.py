@@ -146,3 +146,34 @@ def test_through_vllms_scheduler_a_prompt_after_the_reset_is_restored():
     assert sorted(r.pos for r in h.records if r.kind == "load" and r.req_id == "c") == [0, 1, 2, 3]
     assert h.wrong_records() == []
     assert list(h.requests["c"].output_token_ids) == H.greedy(prompt, 2)
+
+
+def test_chunks_whose_stores_are_not_yet_reported_count_as_held():
+    """The GPU pipeline reports a step's stores with a later step, and an idle server takes
+    none: a prompt returning before that report must still find its chunks (the worker's load
+    waits for a store in flight: test_cuda_pipeline). Until the report, they count; a store
+    reported dropped is forgotten."""
+    from kvzip_vllm.tier.metadata import KvzipWorkerMetadata
+
+    sched, _ = _tier()
+    hashes = [bytes([i]) * 8 for i in range(CHUNKS)]
+    first = _request("a", hashes)
+    sched.on_new_request(first)
+    assert sched.get_num_new_matched_tokens(first, 0) == (0, False)
+    new = SimpleNamespace(req_id="a", block_ids=(list(range(CHUNKS + 1)),), num_computed_tokens=0)
+    meta = sched.build_connector_meta(_sched_out(new=[new], n={"a": CHUNKS * BS + 1}))
+    keys = sched.keys_of(first)
+    assert [s.key for s in meta.stores] == keys
+    sched.request_finished(first, [])
+    # the step ran; its stores are still being coded, so the worker reports none of them
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
+    assert [sched.held(k) for k in keys] == [False] * CHUNKS
+    back = _request("b", hashes)
+    sched.on_new_request(back)
+    assert sched.get_num_new_matched_tokens(back, 0) == (CHUNKS * BS, False)
+    # the worker then reports the last chunk dropped (its store failed): the match stops there
+    report = KvzipWorkerMetadata(stored=keys[:-1], dropped=keys[-1:], seq=1)
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    again = _request("c", hashes)
+    sched.on_new_request(again)
+    assert sched.get_num_new_matched_tokens(again, 0) == ((CHUNKS - 1) * BS, False)

@@ -211,6 +211,13 @@ class CudaTierPipeline:
                     f"a load names {len(ids)} blocks (skip {skip}); a chunk is {self.bpc} blocks"
                 )
             entry = self.store.lease(key)
+            if entry is None and self._jobs.unfinished_tasks:
+                # stored by an earlier step and still coded in the background (the scheduler
+                # counts such chunks as held: an idle server takes no step that would report
+                # them): wait for the queued stores rather than recompute the chunk
+                self.drain()
+                self.store.stats.loads_waited_for_store += 1
+                entry = self.store.lease(key)
             if entry is None:
                 load.failed.update(ids[skip:])
                 load.dropped.append(key)

@@ -260,6 +260,8 @@ class TierStats:
     spill_peak_bytes: int = 0
     stores_waited_queue_full: int = 0
     store_wait_seconds: float = 0.0
+    #: loads of chunks still being stored (the scheduler counts them held): waited for
+    loads_waited_for_store: int = 0
     # GPU path: the store thread's time coding (from the step's KV computed to the chunks
     # held), and the bf16 bytes it coded: their ratio is its throughput
     store_busy_seconds: float = 0.0

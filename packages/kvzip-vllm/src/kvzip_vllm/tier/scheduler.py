@@ -106,7 +106,7 @@ class KvzipScheduler:
         hit = 0
         keys = self.keys_of(request, max_chunks)
         for key in keys:
-            if key not in self._held:
+            if not self._servable(key):
                 break
             hit += 1
         if self.shared is not None:
@@ -116,13 +116,23 @@ class KvzipScheduler:
             return 0, False
         return hit_tokens - num_computed_tokens, False
 
+    def _servable(self, key: bytes) -> bool:
+        """The worker can restore ``key``: held, or stored by an earlier step and still in
+        flight there. The GPU pipeline codes stores in the background and reports them with a
+        later step, and an idle server takes no step, so a prompt returning to an idle server
+        would find none of its chunks held; the worker's load of a chunk still in flight waits
+        for its store (``CudaTierPipeline.start_loads``), and a store that fails after all
+        fails the load, which vLLM recomputes. (With synchronous scheduling, the only kind
+        the tier accepts, every store planned before this call ran in an earlier step.)"""
+        return key in self._held or key in self._pending
+
     def _shared_hit(self, keys: list[bytes], hit: int, num_computed_tokens: int) -> int:
         """The leading blocks available from the local tier or the shared store: one
         pipelined EXISTS for those after the local hit and vLLM's own prefix (a server down
         or slow answers none within its timeout: only the local blocks count)."""
         start = max(hit, num_computed_tokens // self.chunk_tokens)
         rest = keys[start:]
-        ask = [k for k in rest if k not in self._held]
+        ask = [k for k in rest if not self._servable(k)]
         if not ask:
             return hit
         # with tensor parallelism, a block counts once every rank's shard is there
@@ -131,7 +141,7 @@ class KvzipScheduler:
         found = {k: all(got[i * w : (i + 1) * w]) for i, k in enumerate(ask)}
         n = 0
         for key in rest:
-            if key not in self._held and not found[key]:
+            if not self._servable(key) and not found[key]:
                 break
             n += 1
         return start + n if n else hit
