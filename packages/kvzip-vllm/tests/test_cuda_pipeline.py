@@ -495,3 +495,21 @@ def test_a_load_of_a_chunk_still_being_stored_waits_for_its_store(make, device):
     # a chunk never stored still fails (vLLM recomputes it): nothing in flight to wait for
     pipe.start_loads([("r", key(9), 9)])
     assert pipe.wait_loads() == {9}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_waits_for_a_store_in_flight_at_most_its_limit(make, device, monkeypatch):
+    """A store still in flight past ``LOAD_WAIT_FOR_STORE_S`` fails the load (vLLM recomputes
+    the chunk) rather than hold the step; the store still lands and is reported."""
+    monkeypatch.setattr(cuda_pipeline, "LOAD_WAIT_FOR_STORE_S", 0.05)
+    buf, caches, store, pipe = make(device)
+    fill(caches, seed=6)
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(3), 3)])
+    assert held.started.wait(60)
+    pipe.start_loads([("r", key(3), 8)])
+    assert pipe.wait_loads() == {8}
+    assert store.stats.loads_waited_for_store == 1
+    held.release()
+    pipe.drain()
+    assert pipe.collect() == ([key(3)], [key(3)])  # stored; the failed load reported it dropped

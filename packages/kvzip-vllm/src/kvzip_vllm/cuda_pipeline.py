@@ -98,6 +98,9 @@ SPILL_GROUP = 8
 #: stores are dropped (counted in ``stores_dropped_queue_full``, logged): only a store thread
 #: that stopped making progress gets there
 STORE_WAIT_LIMIT_S = 120.0
+#: how long a load waits for its chunk's store still in flight before it fails (vLLM then
+#: recomputes the chunk): about the time an 8B-shaped GPU recomputes a few thousand tokens
+LOAD_WAIT_FOR_STORE_S = 1.0
 
 #: the store stream's priority (CUDA: lower is higher, 0 the default; torch maps a value
 #: outside the device's range to its nearest end): high, so that the coder's kernels and
@@ -211,12 +214,7 @@ class CudaTierPipeline:
                     f"a load names {len(ids)} blocks (skip {skip}); a chunk is {self.bpc} blocks"
                 )
             entry = self.store.lease(key)
-            if entry is None and self._jobs.unfinished_tasks:
-                # stored by an earlier step and still coded in the background (the scheduler
-                # counts such chunks as held: an idle server takes no step that would report
-                # them): wait for the queued stores rather than recompute the chunk
-                self.drain()
-                self.store.stats.loads_waited_for_store += 1
+            if entry is None and self._jobs.unfinished_tasks and self._wait_for_store(key):
                 entry = self.store.lease(key)
             if entry is None:
                 load.failed.update(ids[skip:])
@@ -246,6 +244,22 @@ class CudaTierPipeline:
         if good:
             self._start_batched(load, good, plans, records, offs)
         load.host_s = time.perf_counter() - load.t0
+
+    def _wait_for_store(self, key: bytes) -> bool:
+        """Wait, at most ``LOAD_WAIT_FOR_STORE_S``, for ``key`` to be stored: a chunk stored
+        by an earlier step and still coded in the background (the scheduler counts such chunks
+        as held, since an idle server takes no step that would report them). True once it is
+        stored; False past the limit or once no store is left in flight (the load then fails
+        and vLLM recomputes the chunk, which a long store queue can make the faster way)."""
+        self.store.stats.loads_waited_for_store += 1
+        deadline = time.monotonic() + LOAD_WAIT_FOR_STORE_S
+        while True:
+            busy = self._jobs.unfinished_tasks  # (read first: a store done by now is seen)
+            if key in self.store:
+                return True
+            if not busy or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def wait_loads(self) -> set[int]:
         """Finish the started loads; returns the block ids that failed (missing or damaged:
