@@ -9,12 +9,14 @@
 # prometheus_fastapi_instrumentator (serve/instrumentator/metrics.py) and
 # model_hosting_container_standards (serve/sagemaker/api_router.py, imported by
 # openai/api_server.py), which imports jmespath; python-multipart is what FastAPI needs for any
-# form route (starlette only tries it; carried so that no route definition can stop the start).
+# form route (starlette only tries it; carried so that no route definition can stop the start);
+# watchfiles is what uvicorn's reload support imports at `vllm serve` start-up in 0.26.0 (the
+# H200 run of 2026-12-02 stopped on its absence: the one binary wheel here, cp312 manylinux).
 # Found by importing 0.26.0's api_server, its routers and `vllm bench serve`'s modules with an
 # import hook that names every package loaded and who loaded it; everything else they load is
 # in the image or the bundle (aiohttp, h11, click, prometheus-client, uvloop, fastapi, ...).
 # Versions: what `uv pip compile --exclude-newer 2026-07-31` resolves for vLLM 0.26.0's
-# requirements (its release date, as the bundle's wheels.txt), all pure-Python wheels.
+# requirements (its release date, as the bundle's wheels.txt).
 # On the device: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
 #   --upgrade --target /tmp/site .whl/*.whl   (gpu_session.sh serve does it).
 set -euo pipefail
@@ -27,5 +29,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   prometheus-fastapi-instrumentator==8.1.0 \
   model-hosting-container-standards==0.1.16 \
   jmespath==1.1.0 \
-  python-multipart==0.0.32
+  python-multipart==0.0.32 \
+  watchfiles==1.1.1
 ls -l .whl
