@@ -352,7 +352,8 @@ def write_md(path: Path, doc: dict) -> None:
         f"False, VLLM_USE_V2_MODEL_RUNNER=0, {'eager' if s['eager'] else 'CUDA graphs'}, "
         f"block size {BLOCK}, prefix caching on, GPU KV cache {s['gpu_slack_tokens']} tokens "
         f"above the longest prompt, vLLM's local prefix cache emptied before every batch of "
-        f"returning prompts; {s['repeats']} returning pass(es), batches of {s['concurrency']} "
+        f"returning prompts; {s['repeats']} returning pass(es) ({s.get('none_repeats')} for "
+        f"none), batches of {s['concurrency']} "
         f"at once, max_tokens=1. Random token ids.",
         "",
     ]
@@ -753,6 +754,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default=None, help="e.g. 8192,32768,131072 (default: plan's)")
     ap.add_argument("--connectors", default=",".join(CONNECTORS))
     ap.add_argument("--repeats", type=int, default=2, help="returning passes")
+    ap.add_argument("--none-repeats", type=int, default=1, help="returning passes, none")
     ap.add_argument("--concurrency", type=int, default=4, help="requests at once")
     ap.add_argument("--working-set-ratio", type=float, default=1.3)
     ap.add_argument("--quick", action="store_true", help="smaller plans, 8k and 32k, 1 repeat")
@@ -785,6 +787,7 @@ def main(argv=None) -> int:
         ap.error(f"connectors {bad}: supported are {', '.join(CONNECTORS)}")
     if args.quick:
         args.repeats = min(args.repeats, 1)
+        args.none_repeats = min(args.none_repeats, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="tier-vs-offload-"))
@@ -800,7 +803,8 @@ def main(argv=None) -> int:
         models.append(ms)
         print(f"{name}: {json.dumps(ms)}", flush=True)
         for conn in conns:
-            left = args.deadline_s - (time.monotonic() - t_start)
+            elapsed = time.monotonic() - t_start
+            left = args.deadline_s - elapsed
             base = {
                 "model": name,
                 "connector": conn,
@@ -819,7 +823,8 @@ def main(argv=None) -> int:
                 "cpu_bytes": ms["cpu_bytes"],
                 "seed": args.seed,
                 "concurrency": args.concurrency,
-                "repeats": args.repeats,
+                # the recompute engine's times do not depend on a tier: fewer passes
+                "repeats": args.none_repeats if conn == "none" else args.repeats,
                 "eager": not args.graphs,
                 "gpu_mem": args.gpu_mem,
                 "gpu_slack_tokens": args.gpu_slack_tokens,
@@ -838,7 +843,8 @@ def main(argv=None) -> int:
                         env=env,
                         stdout=f,
                         stderr=subprocess.STDOUT,
-                        timeout=min(args.engine_timeout_s, max(left, 30)),
+                        # the run's files are written by deadline + 20 s at the latest
+                        timeout=min(args.engine_timeout_s, args.deadline_s + 20 - elapsed),
                     ).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
@@ -871,6 +877,7 @@ def main(argv=None) -> int:
             "VLLM_USE_V2_MODEL_RUNNER": "0",
             "eager": not args.graphs,
             "repeats": args.repeats,
+            "none_repeats": args.none_repeats,
             "concurrency": args.concurrency,
             "working_set_ratio": args.working_set_ratio,
             "gpu_slack_tokens": args.gpu_slack_tokens,
