@@ -348,13 +348,14 @@ def write_md(path: Path, doc: dict) -> None:
         f"Device {doc.get('device')}, {doc['date']}, vLLM {doc.get('vllm')}, torch "
         f"{doc.get('torch')}, Python {doc['python']}. Command: `{doc['command']}`.",
         "",
-        f"Each connector in its own engine (its own process); every engine: async_scheduling="
-        f"False, VLLM_USE_V2_MODEL_RUNNER=0, {'eager' if s['eager'] else 'CUDA graphs'}, "
-        f"block size {BLOCK}, prefix caching on, GPU KV cache {s['gpu_slack_tokens']} tokens "
-        f"above the longest prompt, vLLM's local prefix cache emptied before every batch of "
-        f"returning prompts; {s['repeats']} returning pass(es) ({s.get('none_repeats')} for "
-        f"none), batches of {s['concurrency']} "
-        f"at once, max_tokens=1. Random token ids.",
+        f"Each connector in its own engine (its own process); every engine: "
+        f"async_scheduling=False, VLLM_USE_V2_MODEL_RUNNER=0, "
+        f"{'eager' if s['eager'] else 'CUDA graphs'}, block size "
+        f"{s.get('block_size', BLOCK)}, prefix caching on, GPU KV cache "
+        f"{s['gpu_slack_tokens']} tokens above the longest prompt, vLLM's local prefix "
+        f"cache emptied before every batch of returning prompts; {s['repeats']} returning "
+        f"pass(es) ({s.get('none_repeats')} for none), batches of {s['concurrency']} at "
+        f"once, max_tokens=1. Random token ids.",
         "",
     ]
     for m in doc["models"]:
@@ -443,7 +444,7 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _offload_held(llm, bpt: int) -> dict:
+def _offload_held(llm, bpt: int, block: int) -> dict:
     """Blocks vLLM's offloading manager holds (its scheduler half, in this process)."""
     try:
         sched = llm.llm_engine.engine_core.engine_core.scheduler
@@ -451,7 +452,7 @@ def _offload_held(llm, bpt: int) -> dict:
         mgr = conn.connector_scheduler.manager
         keys = mgr._num_allocated_blocks - len(mgr._free_list)
         extra = sched.vllm_config.kv_transfer_config.kv_connector_extra_config
-        per_key = BLOCK * int(extra.get("blocks_per_chunk", 1))
+        per_key = block * int(extra.get("blocks_per_chunk", 1))
         return {
             "keys_held": keys,
             "keys_capacity": mgr._num_blocks,
@@ -461,6 +462,10 @@ def _offload_held(llm, bpt: int) -> dict:
         }
     except (AttributeError, TypeError) as e:
         return {"error": f"offloading manager not readable: {e!r}"}
+
+
+def say(msg: str) -> None:
+    print(f"[tier_vs_offload {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def run_engine(spec: dict) -> dict:
@@ -496,7 +501,8 @@ def run_engine(spec: dict) -> dict:
     elif conn == "offload":  # what `--kv-offloading-size GiB` gives
         kw["kv_offloading_size"] = spec["cpu_bytes"] / (1 << 30)
         kw["kv_offloading_backend"] = "native"
-    gpu_blocks = math.ceil((longest + spec["gpu_slack_tokens"]) / BLOCK)
+    block = spec["block_size"]
+    gpu_blocks = math.ceil((longest + spec["gpu_slack_tokens"]) / block)
     res: dict = {"model": spec["model"], "connector": conn, "cpu_bytes": spec["cpu_bytes"]}
     t0 = time.perf_counter()
     llm = LLM(
@@ -504,7 +510,7 @@ def run_engine(spec: dict) -> dict:
         load_format=spec["load_format"],
         skip_tokenizer_init=True,
         dtype="bfloat16",
-        block_size=BLOCK,
+        block_size=block,
         max_model_len=min(longest + 16, spec["max_positions"]),
         max_num_seqs=max(8, spec["concurrency"]),
         gpu_memory_utilization=spec["gpu_mem"],
@@ -517,6 +523,7 @@ def run_engine(spec: dict) -> dict:
         **kw,
     )
     res["init_s"] = round(time.perf_counter() - t0, 1)
+    say(f"engine up in {res['init_s']} s")
     cfg = llm.llm_engine.vllm_config
     res["engine"] = {
         "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
@@ -592,12 +599,16 @@ def run_engine(spec: dict) -> dict:
     rng = random.Random(spec["seed"] + 99)
     warm_short = Prompt("warm-short", 0, "warm", tuple(rng.randrange(10, 99) for _ in range(64)))
     warm_long = Prompt(
-        "warm-long", 0, "warm", tuple(rng.randrange(10, spec["vocab"] - 10) for _ in range(4097))
+        "warm-long",
+        0,
+        "warm",
+        tuple(rng.randrange(10, spec["vocab"] - 10) for _ in range(min(4097, longest))),
     )
     # warm-up: a prompt, stored, then restored (the tiers' first load builds their paths);
     # then both tiers emptied, so the workload starts from an empty tier
     gen([warm_short])
     gen([warm_long])
+    say("warm-up prompts done")
     drain(1.0)
     llm.reset_prefix_cache()
     res["warm_restore"] = gen([warm_long])[0]
@@ -605,6 +616,7 @@ def run_engine(spec: dict) -> dict:
     gen([warm_short])  # the step that carries the tier's clear to its worker
     res["tier_reset"] = ok
     s0, m0 = tier_stats(), _metric_sums(llm)
+    say(f"warm restore {res['warm_restore']['ttft_s']} s, tier reset {ok}")
 
     # first pass: every prompt once, shuffled, in batches
     order = list(range(len(prompts)))
@@ -614,10 +626,12 @@ def run_engine(spec: dict) -> dict:
     for b in batches(order, spec["concurrency"]):
         first += gen([prompts[i] for i in b])
     res["first_pass_s"] = round(time.perf_counter() - t, 2)
+    say(f"first pass {res['first_pass_s']} s")
     res["drain_s"] = drain(2.0)
+    say(f"drained in {res['drain_s']} s")
     s1, m1 = tier_stats(), _metric_sums(llm)
     held = (
-        _offload_held(llm, spec["bpt"])
+        _offload_held(llm, spec["bpt"], spec["block_size"])
         if conn == "offload"
         else {
             "tokens_held": s1.get("raw_bytes_held", 0) // spec["bpt"],
@@ -636,8 +650,9 @@ def run_engine(spec: dict) -> dict:
             for q in gen([prompts[j] for j in b]):
                 returns.append({**q, "pass": i})
     res["returns_s"] = round(time.perf_counter() - t, 2)
+    say(f"returns {res['returns_s']} s")
     s2, m2 = tier_stats(), _metric_sums(llm)
-    held_end = _offload_held(llm, spec["bpt"]) if conn == "offload" else {}
+    held_end = _offload_held(llm, spec["bpt"], spec["block_size"]) if conn == "offload" else {}
 
     def delta(a, b, key):
         return b.get(key, 0) - a.get(key, 0)
@@ -709,7 +724,9 @@ def _model(args, name: str, root: Path) -> tuple[dict, str, str]:
     raise WorkloadError(f"model {name!r}: supported are 8b, smollm2")
 
 
-def model_setup(name: str, cfg: dict, plan: dict, ratio: float, seed: int) -> dict:
+def model_setup(
+    name: str, cfg: dict, plan: dict, ratio: float, seed: int, block: int = BLOCK
+) -> dict:
     """The workload of one model and its CPU bytes (no vLLM)."""
     max_pos = int(cfg.get("max_position_embeddings", 1 << 30))
     usable = {c: g for c, g in plan.items() if prompt_tokens(c) + 16 <= max_pos}
@@ -718,7 +735,7 @@ def model_setup(name: str, cfg: dict, plan: dict, ratio: float, seed: int) -> di
         raise WorkloadError(f"{name}: no context fits its {max_pos} positions")
     prompts = build_workload(usable, cfg["vocab_size"], seed)
     bpt = kv_bytes_per_token(cfg)
-    tokens = distinct_tokens(prompts)
+    tokens = distinct_tokens(prompts, block)
     ws = tokens * bpt
     cpu = cpu_bytes_for(ws, ratio)
     return {
@@ -760,6 +777,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller plans, 8k and 32k, 1 repeat")
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager)")
     ap.add_argument("--gpu-mem", type=float, default=0.45)
+    ap.add_argument("--block-size", type=int, default=BLOCK, help="vLLM's (CPU: 32)")
     ap.add_argument("--gpu-slack-tokens", type=int, default=4096)
     ap.add_argument("--drain-s", type=float, default=90)
     ap.add_argument("--no-check", action="store_true", help="kvzip without the block checker")
@@ -799,7 +817,7 @@ def main(argv=None) -> int:
     models, engines = [], []
     for name in args.models:
         cfg, folder, load_format = _model(args, name, root)
-        ms = model_setup(name, cfg, plans[name], args.working_set_ratio, args.seed)
+        ms = model_setup(name, cfg, plans[name], args.working_set_ratio, args.seed, args.block_size)
         models.append(ms)
         print(f"{name}: {json.dumps(ms)}", flush=True)
         for conn in conns:
@@ -828,6 +846,7 @@ def main(argv=None) -> int:
                 "eager": not args.graphs,
                 "gpu_mem": args.gpu_mem,
                 "gpu_slack_tokens": args.gpu_slack_tokens,
+                "block_size": args.block_size,
                 "drain_s": args.drain_s,
                 "no_check": args.no_check,
                 "result": str(root / f"{name}-{conn}.json"),
@@ -881,7 +900,7 @@ def main(argv=None) -> int:
             "concurrency": args.concurrency,
             "working_set_ratio": args.working_set_ratio,
             "gpu_slack_tokens": args.gpu_slack_tokens,
-            "block_size": BLOCK,
+            "block_size": args.block_size,
             "kvzip_chunk_tokens": CHUNK,
             "kvzip_checked": not args.no_check,
         },
