@@ -583,17 +583,19 @@ def run_engine(spec: dict) -> dict:
 
     def drain(min_s: float) -> float:
         """Short steps (they carry the workers' store reports) until the tier's stores are
-        done: kvzip's counters still, no spilled chunk left; at least ``min_s`` for all."""
+        done: kvzip's counters still over three polls, no spilled chunk left; at least
+        ``min_s`` for all."""
         t = time.perf_counter()
-        last = None
+        last, still = None, 0
         while time.perf_counter() - t < spec["drain_s"]:
             gen([warm_short])
             time.sleep(0.25)
             s = tier_stats()
             now = (s.get("blocks_stored"), s.get("spill_bytes_held"), s.get("blocks_held"))
-            if time.perf_counter() - t >= min_s and now == last and not s.get("spill_bytes_held"):
-                break
+            still = still + 1 if now == last else 0
             last = now
+            if time.perf_counter() - t >= min_s and still >= 2 and not s.get("spill_bytes_held"):
+                break
         return round(time.perf_counter() - t, 2)
 
     rng = random.Random(spec["seed"] + 99)
@@ -789,6 +791,10 @@ def main(argv=None) -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:  # one engine: spec in, result out
+        if os.environ.get("TIER_VS_OFFLOAD_STACKS_S"):  # where a stuck engine is, in its log
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(os.environ["TIER_VS_OFFLOAD_STACKS_S"]))
         spec = json.loads(Path(args.child).read_text())
         spec["plan_int"] = {int(c): tuple(g) for c, g in spec["plan"].items()}
         res = run_engine(spec)
