@@ -25,13 +25,16 @@ INSTANCES: list[CheckingKvzipConnector] = []
 class CheckingKvzipConnector(KvzipConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._c_init()
+        if getattr(self, "worker", None) is not None:
+            INSTANCES.append(self)
+
+    def _c_init(self) -> None:
         self._c_caches: list[torch.Tensor] = []
         self._c_refs: dict[bytes, list[torch.Tensor]] = {}
         self._c_differ: torch.Tensor | None = None
         self._c_checked = 0
         self._c_loads_unchecked = 0  # restored blocks of chunks never seen stored here
-        if getattr(self, "worker", None) is not None:
-            INSTANCES.append(self)
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)

@@ -1,6 +1,7 @@
 """benchmarks/tier_vs_offload.py's parts without vLLM: the workload (its prompts, shared
 prefixes, distinct pages and the CPU bytes that make the working set 1.3x a raw tier), the
-rows and the goals built from engines' results, and the markdown beside them."""
+rows and the goals built from engines' results, and the markdown beside them; and its block
+checker (``tier_vs_offload_verify``) around the tier's CPU worker."""
 
 from __future__ import annotations
 
@@ -235,3 +236,54 @@ def test_markdown_names_settings_rows_goals_and_failures(tmp_path):
     assert "| ttft_mean_kvzip_over_offload | 8b | all | 0.8 | <= 0.7 | False |" in text
     assert "smollm2 kvzip: 'boom'" in text
     json.dumps(doc)  # the JSON side serialises
+
+
+def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
+    """``tier_vs_offload_verify.CheckingKvzipConnector`` around the CPU worker (chunks of 2
+    blocks): a chunk stored, restored into other blocks (equal, the block vLLM already holds
+    not checked), then restored again with one byte of one layer changed after the tier wrote
+    it: that block, and only it, differs."""
+    pytest.importorskip("vllm", reason="the connector needs vLLM")
+    import torch
+    from test_connector_units import BS, _caches, _worker
+    from tier_vs_offload_verify import CheckingKvzipConnector
+
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load, Store
+
+    conn = object.__new__(CheckingKvzipConnector)  # the worker half alone, no vLLM config
+    conn.worker = _worker(chunk_tokens=2 * BS)
+    conn._connector_metadata = None
+    conn._c_init()
+    caches = _caches(5)
+    conn.register_kv_caches(caches)
+    key = bytes([7]) * 32
+
+    def step(damage=None, **kw):
+        conn.bind_connector_metadata(KvzipConnectorMetadata(**kw))
+        conn.start_load_kv(None)
+        if damage is not None:  # as if the restore had written a wrong byte
+            caches["model.layers.1.self_attn.attn"][damage].view(torch.uint8)[0, 0, 3] ^= 1
+        conn.wait_for_save()
+        errors = conn.get_block_ids_with_load_errors()
+        report = conn.build_connector_worker_meta()
+        conn.clear_connector_metadata()
+        return errors, report
+
+    _, report = step(stores=[Store("a", key, (0, 1), 0)])
+    assert report.stored == [key]
+    assert conn.counts()["chunks_copied"] == 1
+    errors, _ = step(loads=[Load("b", key, (4, 5), 0, 1)], seen_report=1)  # block 4 held
+    assert errors == set()
+    assert conn.counts() == {
+        "blocks_checked": 1,
+        "blocks_differ": 0,
+        "blocks_equal": 1,
+        "restored_blocks_without_copy": 0,
+        "chunks_copied": 1,
+    }
+    errors, _ = step(loads=[Load("c", key, (8, 9), 0)], seen_report=1, damage=9)
+    c = conn.counts()
+    assert errors == set() and c["blocks_checked"] == 3 and c["blocks_differ"] == 1
+    # a chunk the tier does not hold fails its load (vLLM recomputes it): nothing to check
+    errors, _ = step(loads=[Load("d", bytes([8]) * 32, (10, 11), 0)], seen_report=1)
+    assert errors == {10, 11} and conn.counts()["blocks_checked"] == 3
