@@ -645,13 +645,16 @@ def run_engine(spec: dict) -> dict:
 
     # returning passes
     returns = []
+    resets_refused = 0  # vLLM refuses while blocks are in use: local hits possible then
     t = time.perf_counter()
     for i, order in enumerate(passes(len(prompts), spec["repeats"], spec["seed"])):
         for b in batches(order, spec["concurrency"]):
-            llm.reset_prefix_cache()  # vLLM's local cache only: the returns come from the tier
+            # vLLM's local cache only: the returns come from the tier
+            resets_refused += llm.reset_prefix_cache() is False
             for q in gen([prompts[j] for j in b]):
                 returns.append({**q, "pass": i})
     res["returns_s"] = round(time.perf_counter() - t, 2)
+    res["local_cache_resets_refused"] = resets_refused
     say(f"returns {res['returns_s']} s")
     s2, m2 = tier_stats(), _metric_sums(llm)
     held_end = _offload_held(llm, spec["bpt"], spec["block_size"]) if conn == "offload" else {}
