@@ -222,6 +222,13 @@ def build_rows(engines: list[dict]) -> list[dict]:
             "stores_dropped": tier.get("stores_dropped"),
             "bit_exact": tier.get("bit_exact"),
             "working_set_over_cpu_bytes": e["working_set_over_cpu_bytes"],
+            # vLLM's own count over every returning request: tokens the connector loaded over
+            # the tokens asked of it (those not in vLLM's local cache)
+            "connector_hit_rate": (
+                _r(tier["external_hits_returns"] / tier["external_queries_returns"])
+                if tier.get("external_queries_returns")
+                else None
+            ),
         }
         groups: dict = {}
         for q in e["returns"]:
