@@ -14,6 +14,7 @@
 #   gpu_session.sh quality   # SmolLM2 through vLLM 0.26 against kvzip eval, +r128 windows too (.carry/smollm2 carried)
 #   gpu_session.sh window    # the residual window's GPU tests (then serving with SERVING_FORMATS=fp8,4bit,4bit+r128)
 #   gpu_session.sh serve     # serve_h200.py: `vllm serve` with the tier and 4bit+r128 (.whl carried: serve_wheels.sh)
+#   gpu_session.sh offload   # tier_vs_offload.py: the tier beside vLLM's OffloadingConnector, same CPU bytes and traffic (.carry/smollm2/p1 carried)
 #   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
 #   gpu_session.sh tp2serving  # nvidia-h200-x2: bench_serving.py --tp 2, fp8 and 4bit at 32k (not yet run)
 set -uo pipefail
@@ -137,6 +138,24 @@ serve)
   timeout ${SERVE_LIMIT_S:-470} python3 $R/kvzip-vllm/benchmarks/serve_h200.py --out $RES \
     --smollm2-piece /tmp/smollm2/p0 --deadline-s ${SERVE_DEADLINE_S:-430} ${SERVE_ARGS:-} 2>&1 \
     | tee $RES/serve_driver.log | tail -30
+  ;;
+offload)
+  env_line
+  # kvzip's tier beside vLLM's OffloadingConnector (what --kv-offloading-size gives) and no
+  # connector, the same CPU bytes and traffic, one engine per process: the 8B shape (dummy
+  # weights) and the embedded SmolLM2 (p0 came with install; this call carries p1)
+  mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p1 /tmp/smollm2/ 2>/dev/null
+  [ -f /tmp/smollm2/p0/manifest.json ] || cp -r .carry/smollm2/p0 /tmp/smollm2/ 2>/dev/null
+  models=${OFFLOAD_MODELS:-8b,smollm2}
+  pieces="--smollm2-pieces /tmp/smollm2/p0 /tmp/smollm2/p1"
+  if [ ! -f /tmp/smollm2/p0/manifest.json ] || [ ! -f /tmp/smollm2/p1/manifest.json ]; then
+    models=$(echo "$models" | tr , '\n' | grep -vx smollm2 | paste -sd,); pieces=""
+    echo "SmolLM2's pieces are not here: models $models"
+  fi
+  # engines start until OFFLOAD_DEADLINE_S; the files are written by it + 20 s
+  timeout ${OFFLOAD_LIMIT_S:-530} python3 $R/kvzip-vllm/benchmarks/tier_vs_offload.py --out $RES \
+    --name ${OFFLOAD_NAME:-tier_vs_offload_h200} --models $models $pieces \
+    --deadline-s ${OFFLOAD_DEADLINE_S:-490} ${OFFLOAD_ARGS:-} 2>&1 | tee $RES/offload.log | tail -45
   ;;
 tp2)
   env_line
