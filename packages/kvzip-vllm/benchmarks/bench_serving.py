@@ -19,11 +19,21 @@ and then, for each context length:
 - ``prefill_tok_s``: ``--prefill-prompts`` real prompts of that length prefilled through the
   format's own path (fill off), tokens/s.
 
-    python bench_serving.py --out DIR [--formats bf16,fp8,int4,4bit,3.5bit,3bit]
-        [--contexts 32768,131072] [--gen 64] [--eager] [--deadline-s 560]
+Each figure is the median of ``--repeats`` runs (default 3): the engine warms every context,
+then runs ``--repeats`` rounds of one decode run per context (every run new requests, so every
+session is filled again), then the prefill runs. Each run records what could explain a run
+unlike the others (step-time percentiles, GPU clocks, temperature, power and throttle reasons,
+the decode plans' splits, CUDA-graph padding and replays, the requests running, the host's CPU
+time: ``GpuProbe``, ``Instruments``). Formats run one engine at a time in the order given
+(``SCHEDULE``): put fp8 first, its runs are the baseline of the call.
+
+    python bench_serving.py --out DIR [--formats fp8,4bit,3.5bit] [--repeats 3]
+        [--contexts 32768,131072] [--gen 64] [--eager] [--deadline-s 520]
 
 Writes ``DIR/bench_serving.json`` (``rows``: format, context, sessions, decode_tok_s,
-prefill_tok_s, ...) and ``DIR/bench_serving.md``, plus one log per format. Needs a CUDA GPU
+prefill_tok_s (medians), runs, spread, ratios against fp8, ...) and ``DIR/bench_serving.md``
+(the rows, then one line per run), plus one log per format. ``serving_stats.py`` holds the
+arithmetic (tested on the CPU); ``merge_serving.py`` merges calls. Needs a CUDA GPU
 and vLLM (tested with 0.26.0 on an H200); the kvzip packages from this checkout are put on
 ``PYTHONPATH`` with their ``vllm.general_plugins`` entry point.
 """
@@ -506,8 +516,10 @@ def stage(args) -> None:
             calls = _decode_calls()
             filled = kvzip_bench_fill.FILLED_BLOCKS
             ins.start()
+            cpu0, load0 = time.process_time(), os.getloadavg()[0]
             with probe.sampling() as samples:
                 tg, outs = timed(ps, gen + 1)
+            cpu_s = time.process_time() - cpu0
             rec = ins.stop()
             after = probe.snapshot()
             dec = tg - t1
@@ -531,6 +543,14 @@ def stage(args) -> None:
                 "all_generated": all(len(o.outputs[0].token_ids) == gen + 1 for o in outs),
                 "decode_calls": dict(_decode_calls() - calls),
                 "step_ms": steps,
+                # the host: this process's CPU time over the generate's wall time (near 1: the
+                # steps wait on Python, as kvzip's attention runs between vLLM's graph pieces)
+                # and the machine's 1-minute load before and after
+                "host": {
+                    "cpu_s": round(cpu_s, 3),
+                    "cpu_per_wall": round(cpu_s / tg, 3),
+                    "load1": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                },
                 "decode_tok_s_at_p50_step": round(sessions * 1000 / steps["p50"], 1)
                 if steps
                 else None,
