@@ -624,6 +624,16 @@ def parse_log(text: str) -> tuple[list[dict], list[dict]]:
     return infos, runs
 
 
+def continue_reps(earlier: list[dict], got: list[dict]) -> list[dict]:
+    """A later engine of a format already run in this call (``fp8,4bit,fp8``) continues its
+    repeat numbers, per context (in place)."""
+    for r in got:
+        r["rep"] += sum(
+            1 for e in earlier if e["format"] == r["format"] and e["context"] == r["context"]
+        )
+    return got
+
+
 def run_all(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -652,7 +662,9 @@ def run_all(args) -> None:
             fenv.update(KVZIP_KV_FORMAT=fmt, KVZIP_CALIBRATION=cal)
         args.engine_index = i
         cmd = [sys.executable, __file__, "--stage", fmt, *_passthrough(args)]
-        log = out / f"bench_serving_{fmt}.log"
+        # a format given twice (fp8,4bit,3.5bit,fp8: fp8 before and after) keeps both logs
+        log = out / (f"bench_serving_{fmt}.log" if fmts.count(fmt) == 1 else
+                     f"bench_serving_{fmt}_{i}.log")  # fmt: skip
         with open(log, "w") as f:
             proc = subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, env=fenv, start_new_session=True
@@ -668,6 +680,7 @@ def run_all(args) -> None:
             proc.wait()
         text = open(log, errors="replace").read()
         infos, got = parse_log(text)
+        continue_reps(runs, got)
         engines += [dict(d, stage_s=round(time.monotonic() - started, 1)) for d in infos]
         runs += got
         reps = {r["rep"] for r in got}
@@ -707,7 +720,8 @@ SCHEDULE = (
     "engine warms every context once, then runs --repeats rounds of a decode run at every "
     "context (a round visits the contexts in turn; each run sends new requests, so every "
     "session is filled again), then the prefill runs. fp8's runs are the baseline of every "
-    "format of the same call. fp8 and a format are interleaved engine by engine, not run by "
+    "format of the same call (a format given twice, fp8 first and last, runs twice: its "
+    "repeats continue). fp8 and a format are interleaved engine by engine, not run by "
     "run: two engines of this size do not fit on the GPU at once"
 )
 

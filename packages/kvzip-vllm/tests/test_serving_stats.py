@@ -128,6 +128,19 @@ def test_a_stage_log_becomes_runs_with_their_repeat_prefill(tmp_path):
     assert pre == {(32768, 0): 25000, (32768, 1): 25001, (131072, 0): None, (131072, 1): None}
 
 
+def test_a_second_engine_of_a_format_continues_its_repeats():
+    first = [_run("fp8", c, i, 1.0) for i in range(3) for c in (32768, 131072)]
+    later = [_run("fp8", c, i, 1.0) for i in range(2) for c in (32768, 131072)]
+    other = [_run("4bit", 32768, 0, 1.0)]
+    bench_serving.continue_reps(first + [_run("4bit", 32768, 0, 1.0)], later + other)
+    assert [(r["context"], r["rep"]) for r in later] == [
+        (32768, 3), (131072, 3), (32768, 4), (131072, 4)
+    ]  # fmt: skip
+    assert other[0]["rep"] == 1
+    rows = st.add_ratios(st.aggregate(first + later))
+    assert all(r["n_runs"] == 5 for r in rows)
+
+
 def test_bench_serving_writes_medians_runs_and_the_schedule(tmp_path):
     runs = []
     for rep, (f, k) in enumerate(((266.0, 392.0), (270.0, 464.0), (250.0, 450.0))):
