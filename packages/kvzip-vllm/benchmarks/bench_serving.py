@@ -386,7 +386,8 @@ class Instruments:
 
     def stop(self) -> dict:
         self.on = False
-        decode = self.sched[2:] or self.sched  # as summarize_steps: after the fill's steps
+        # as summarize_steps: after the fill's steps, and before the last requests finished
+        decode = [x for x in self.sched[2:] if x[0] + x[1] > 0]
         usage = [u for _, _, u in decode if u is not None]
         return {
             "steps": list(self.steps),
@@ -589,7 +590,8 @@ def stage(args) -> None:
     # prefill: real prompts through the format's own path, after every decode run is out
     kvzip_bench_fill.FILL = False
     del plan
-    timed(fast_prompts(1, 512, seed=7, vocab=vocab), 1)  # warm the prefill path
+    warm = min(512, max(contexts) - 2)
+    timed(fast_prompts(1, warm, seed=7, vocab=vocab), 1)  # warm the prefill path
     pre_ctx = [c for c in contexts if args.prefill_prompts and c <= args.prefill_max_context]
     pp = {c: fast_prompts(args.prefill_prompts, c - 1, seed=c + 1, vocab=vocab) for c in pre_ctx}
     for rep in range(args.repeats):
