@@ -4,7 +4,7 @@
 #
 #   gpu_session.sh install   # vLLM bundle part 2 (part 1 already in /tmp/vstage), the model's first piece
 #   gpu_session.sh checks    # support matrix on 0.26, the CUDA decode kernels' tests (picks the decode path)
-#   gpu_session.sh serving   # bench_serving.py: every format, 32k and 128k
+#   gpu_session.sh serving   # bench_serving.py: SERVING_FORMATS beside fp8, 3 runs each, 32k and 128k (SERVING_TAG=a, b: one folder per call)
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
 #   gpu_session.sh decode    # the kernels' paged-decode benchmark beside XQA (FlashInfer bundle carried)
 #   gpu_session.sh tier      # tier_restore.py: the tier's GPU pipeline at 32k/128k (.carry/kv carried)
@@ -53,10 +53,19 @@ checks)
 serving)
   env_line
   echo "KVZIP_KERNELS_BACKEND=$KVZIP_KERNELS_BACKEND"
-  # SERVING_FORMATS: e.g. fp8,4bit,4bit+r128 (a residual window); default every format
-  python3 $R/kvzip-vllm/benchmarks/bench_serving.py --out $RES --prefill-max-context 32768 \
-    ${SERVING_FORMATS:+--formats $SERVING_FORMATS} \
-    --deadline-s ${DEADLINE:-570} --stage-timeout-s 150 2>&1 | tail -25
+  # Each call: fp8 first (its runs are the call's baseline), then the formats, one engine at a
+  # time, each engine 3 rounds of a decode run at 32k and 128k, then 3 prefills at 32k.
+  # An engine takes about 2 min (start 45-70 s, runs 50-70 s; the H200 logs of 2026-12-01):
+  #   SERVING_TAG=a SERVING_FORMATS=fp8,4bit,3.5bit gpu_session.sh serving         # ~6.5 min
+  #   SERVING_TAG=b SERVING_FORMATS=fp8,3bit,4bit+r128 gpu_session.sh serving      # ~7 min
+  #   SERVING_TAG=c SERVING_FORMATS=fp8,3.5bit+r128,3bit+r128 gpu_session.sh serving  # optional
+  # then: merge_serving.py --out results/vllm --name NAME a/bench_serving.json b/... (c/...)
+  # A format starts only with 110 s of DEADLINE left; a stopped engine keeps its finished runs.
+  S=$RES/${SERVING_TAG:-a}; mkdir -p $S
+  python3 $R/kvzip-vllm/benchmarks/bench_serving.py --out $S --prefill-max-context 32768 \
+    --formats ${SERVING_FORMATS:-fp8,4bit,3.5bit} --repeats ${SERVING_REPEATS:-3} \
+    --deadline-s ${DEADLINE:-520} --stage-timeout-s ${SERVING_STAGE_S:-210} --min-stage-s 110 2>&1 \
+    | tee $S/driver.log | grep -v "^| [a-z0-9.+]* | [0-9]* | [0-9] |" | tail -30
   ;;
 e2e)
   env_line

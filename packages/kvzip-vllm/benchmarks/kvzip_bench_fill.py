@@ -11,6 +11,12 @@ every block of the request, so the decode kernels read realistic bytes.
 Only for ``bench_serving.py``: it is loaded through ``kv_connector_module_path`` and its
 ``FILL`` switch is flipped in-process (the bench runs vLLM with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): prefill is timed with ``FILL = False``.
+
+kvzip's attention backend refuses every KV connector (a loaded block would arrive without its
+bf16 sink slots). This one loads placeholder blocks only, whose sinks do not matter for a
+speed measurement: :func:`register`, a vLLM general plugin that ``bench_serving.py`` installs
+in its own processes only (``plugin_path(..., bench_fill=True)``), lets exactly this connector
+through (:func:`allow_fill_connector`). The shipped package has no switch for it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,40 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 #: Flipped by the benchmark: False lets requests prefill for real.
 FILL = True
+
+#: The name this connector is configured by (``kv_connector``).
+CONNECTOR = "KvzipBenchFill"
+
+#: Blocks written so far in this process (all layers' copies count once): what a run filled.
+FILLED_BLOCKS = 0
+
+
+def allow_fill_connector(backend) -> object:
+    """Make ``backend`` (the module ``kvzip_vllm.backend``) take a config whose connector is
+    this one, and refuse every other connector as before. Idempotent. Returns the check now
+    in place."""
+    shipped = getattr(backend, "_shipped_connector_refused", backend._connector_refused)
+
+    def refused(cfg) -> bool:
+        kt = getattr(cfg, "kv_transfer_config", None)
+        if kt is not None and getattr(kt, "kv_connector", None) == CONNECTOR:
+            return False
+        return shipped(cfg)
+
+    backend._shipped_connector_refused = shipped
+    backend._connector_refused = refused
+    return refused
+
+
+def register() -> None:
+    """vLLM general plugin (entry point ``kvzip_bench_fill``, beside kvzip's own): where
+    ``KVZIP_KV_FORMAT`` turns kvzip's backend on, let this connector through its check."""
+    from kvzip_vllm.settings import backend_enabled
+
+    if backend_enabled():
+        from kvzip_vllm import backend
+
+        allow_fill_connector(backend)
 
 
 class FillMetadata(KVConnectorMetadata):
@@ -133,6 +173,8 @@ class KvzipBenchFill(KVConnectorBase_V1):
             idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
             cache.index_copy_(0, idx, t.unsqueeze(0).expand(len(ids), *t.shape))
         self.filled_blocks += len(ids)
+        global FILLED_BLOCKS
+        FILLED_BLOCKS += len(ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -144,4 +186,4 @@ class KvzipBenchFill(KVConnectorBase_V1):
         return
 
 
-__all__ = ["FILL", "KvzipBenchFill", "KVConnectorRole"]
+__all__ = ["CONNECTOR", "FILL", "KvzipBenchFill", "KVConnectorRole", "register"]

@@ -42,10 +42,11 @@ def test_rows_keep_their_run_and_ratios_use_fp8_of_another_run():
     assert by["4bit"]["run"] == 1 and by["int4"]["run"] == 0  # int4: the first run's rows
     assert by["4bit"]["sessions_vs_fp8"] == 1.9 and by["4bit"]["decode_vs_fp8"] == 1.65
     assert by["4bit"]["prefill_vs_fp8"] == 0.85 and by["fp8"]["decode_vs_fp8"] == 1.0
-    assert res["fp8_from_run"] == 0 and [r["date"] for r in res["runs"]] == ["t0", "t1"]
+    assert by["4bit"]["fp8_run"] == 0 and res["fp8_runs"] == [0]  # run 1 had no fp8
+    assert [r["date"] for r in res["runs"]] == ["t0", "t1"]
     assert res["failures"] == []  # 4bit failed in run 0 but was measured in run 1
     md = m.markdown(res, "merge_serving.py x")
-    assert "| 4bit | 1 | 128 |" in md and "fp8 rows of run 0" in md
+    assert "| 4bit | 1 | 0 | 128 |" in md and "(fewer than 3)" in md
 
 
 def test_bad_inputs_are_refused(tmp_path):

@@ -279,14 +279,39 @@ def test_backend_refuses_unsupported_setups_at_start(change, match, monkeypatch)
         _backend_impl(change, monkeypatch)
 
 
-def test_backend_takes_a_connector_only_when_it_loads_placeholders(monkeypatch):
-    """The benchmarks' fill connector says it loads placeholder KV; any other is refused."""
+def test_backend_refuses_every_connector_and_the_bench_plugin_lets_only_its_own_through(
+    monkeypatch,
+):
+    """The shipped backend has no switch for connectors (the old placeholder flag is refused
+    too); ``benchmarks/kvzip_bench_fill.py``'s plugin lets exactly its fill connector through
+    and still refuses any other."""
     pytest.importorskip("vllm")
-    from kvzip_vllm.backend import BENCH_CONNECTOR_KEY
+    import importlib.util
+    from pathlib import Path
 
-    ok = SimpleNamespace(kv_connector_extra_config={BENCH_CONNECTOR_KEY: True})
+    from kvzip_vllm import backend
+
+    for kt in (
+        SimpleNamespace(kv_connector="KvzipBenchFill", kv_connector_extra_config={}),
+        SimpleNamespace(kv_connector="X", kv_connector_extra_config={"kvzip_placeholder_kv": True}),
+    ):
+        with pytest.raises(support.UnsupportedConfigError, match="a KV connector"):
+            _backend_impl({"kv_transfer_config": kt}, monkeypatch)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kvzip_bench_fill.py"
+    spec = importlib.util.spec_from_file_location("kvzip_bench_fill_under_test", path)
+    fill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fill)
+    # undone after the test: monkeypatch records the attributes the plugin replaces
+    monkeypatch.setattr(backend, "_connector_refused", backend._connector_refused)
+    monkeypatch.setattr(backend, "_shipped_connector_refused", None, raising=False)
+    monkeypatch.delattr(backend, "_shipped_connector_refused")
+    monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
+    fill.register()
+    fill.register()  # idempotent: vLLM loads plugins more than once per process
+    ok = SimpleNamespace(kv_connector=fill.CONNECTOR, kv_connector_extra_config={})
     assert _backend_impl({"kv_transfer_config": ok}, monkeypatch).fmt.name == "int4"
-    for extra in ({}, {BENCH_CONNECTOR_KEY: "yes"}, {BENCH_CONNECTOR_KEY: False}):
-        kt = SimpleNamespace(kv_connector_extra_config=extra)
+    assert _backend_impl({}, monkeypatch).fmt.name == "int4"
+    for name in ("KvzipConnector", "LMCacheConnectorV1", "kvzipbenchfill"):
+        kt = SimpleNamespace(kv_connector=name, kv_connector_extra_config={})
         with pytest.raises(support.UnsupportedConfigError, match="a KV connector"):
             _backend_impl({"kv_transfer_config": kt}, monkeypatch)

@@ -151,18 +151,9 @@ def window_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> WindowPool:
     return _pool("window", kv_cache, paged.window_blocks_per_slot, paged.new_window_pool)
 
 
-#: ``kv_connector_extra_config`` key that lets a connector run beside the compact backend:
-#: only for connectors that load no real KV (benchmarks filling the cache with placeholder
-#: blocks), whose sequences may read another sequence's stale bf16 sinks.
-BENCH_CONNECTOR_KEY = "kvzip_placeholder_kv"
-
-
 def _connector_refused(cfg) -> bool:
-    kt = getattr(cfg, "kv_transfer_config", None)
-    if kt is None:
-        return False
-    extra = getattr(kt, "kv_connector_extra_config", None) or {}
-    return extra.get(BENCH_CONNECTOR_KEY) is not True
+    """Any KV connector: its loaded blocks would arrive without their bf16 sink slots."""
+    return getattr(cfg, "kv_transfer_config", None) is not None
 
 
 @compat.kv_cache_api
