@@ -53,16 +53,6 @@ DEFAULT_DECODER = settings.DECODER.default  # "l1"
 #: reciprocal with one correction). Same bytes.
 CUDA_ENCODERS = settings.ENCODER.choices  # ("l1", "smem")
 DEFAULT_ENCODER = settings.ENCODER.default  # "l1"
-#: A list to have :func:`encode_batch` append ``(step, torch.cuda.Event)`` marks (profiling:
-#: the benchmark reads the time between consecutive marks); None: no marks.
-STEP_EVENTS: list | None = None
-
-
-def _mark(name: str) -> None:
-    if STEP_EVENTS is not None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        STEP_EVENTS.append((name, event))
 
 
 def _choice(name, setting, allowed, what) -> str:
@@ -535,7 +525,6 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     dev = tensors[0].device
     be = _backend(dev, backend)
     enc = cuda_encoder(encoder) if be == "cuda" else None
-    _mark("start")
     n = len(tensors)
     bk = bank([tables], dev)
     slots = np.asarray(slots, np.int64)
@@ -585,10 +574,8 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     desc_d = _upload(desc.reshape(-1, ENC_W), dev)
     args_ = (flat, bk.tab, bk.bmap, bk.base, desc_d, scratch, counts, states, sums, ecnt, ebuf)
     max_nb = int(nbk.max()) if n else 1
-    _mark("setup")
     if n_items:
         _launch_encode(be, args_, n_items, ecap, enc, max_nb)
-    _mark("encode kernel")
     host = small.cpu().numpy()  # the one synchronisation
     h_counts = host[:n_items].astype(np.int64)
     h_sums = host[n_items : n_items + T].view(np.uint32).astype(np.int64)
@@ -645,16 +632,12 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     up = _upload(np.concatenate(parts).astype(np.int64), dev)
     up_parts = torch.split(up, sizes)
     asm_d, tdesc_d, hdr_d, hidx_d, tin_d, efirst_d, tei_d, tev_d = up_parts
-    _mark("host layout")
     data = torch.zeros(total + 8, dtype=torch.uint8, device=dev)
     if hdr.size:
         data[hidx_d] = hdr_d.to(torch.uint8)
-    _mark("buffer + headers")
     if n_items:
         _launch_assemble(be, flat, data, scratch, states, asm_d, n_items)
-        _mark("assembly kernel")
         _launch_mant(be, flat, data, tdesc_d, T, int(t_nv.max()))
-        _mark("mantissa kernel")
     E = n_esc_all
     if E:
         pos = torch.sort(ebuf[:E]).values
@@ -664,7 +647,6 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
         d32, d16 = data.view(torch.int32), data.view(torch.int16)
         d32[torch.where(ei < 0, dummy, ei + rank)] = (pos - tin_d[tile]).to(torch.int32)
         d16[torch.where(ev < 0, 2 * dummy + 2, ev + rank)] = flat[pos]
-    _mark("escapes")
     plans = np.stack(
         [lengths, numel, cols, np.full(n, rpt), nt, np.array([40 + 8 * t.dim() for t in tensors]),
          h_len, slots, np.full(n, _signed(tables.table_id))], 1,
