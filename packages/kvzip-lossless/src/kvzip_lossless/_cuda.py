@@ -134,13 +134,15 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"kvzip-lossless CUDA {what} launch failed: cudaError {rc}")
 
 
-def decode(blob_dev, desc, n_chunks, tab, bmap, base, C, NB, out16, sums, err) -> None:
+def decode(blob_dev, desc, n_chunks, cum16, bmap, base, C, NB, out16, sums, err) -> None:
+    """One-blob decode (``gpu.launch_decode``); ``cum16``: the table's cumulative frequencies
+    (``_torch.cum_tensor``)."""
     _check(
         lib(blob_dev.device).kvzl_decode_launch(
             _ptr(blob_dev),
             _ptr(desc),
             n_chunks,
-            _ptr(tab),
+            _ptr(cum16),
             _ptr(bmap),
             _ptr(base),
             C,
