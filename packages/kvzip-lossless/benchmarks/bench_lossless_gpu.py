@@ -1,7 +1,7 @@
 """kvzip-lossless on the GPU, in one run: same bytes as the CPU, throughput, nvCOMP, restore.
 
 Usage (H200, from the repository root, `.carry/kv` and `.carry/nvcomp` carried):
-  PYTHONPATH=packages/kvzip-lossless/src python3 \
+  PYTHONPATH=packages/kvzip-formats/src:packages/kvzip-lossless/src python3 \
       packages/kvzip-lossless/benchmarks/bench_lossless_gpu.py \
       --kv .carry/kv --nvcomp .carry/nvcomp --out $OUT
 `--smoke` runs every step on tiny shapes on the CPU under TRITON_INTERPRET=1 (no timings).

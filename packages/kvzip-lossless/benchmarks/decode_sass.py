@@ -24,6 +24,7 @@ from pathlib import Path
 
 import triton
 
+from kvzip_formats.nvcc import find_nvcc
 from kvzip_lossless import _cuda
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -32,7 +33,7 @@ KERNELS = ("kvzl_decode", "kvzl_bdec", "kvzl_bdec_smem")
 
 
 def nvcc() -> str:
-    return _cuda._nvcc()
+    return find_nvcc()
 
 
 def functions(sass: str) -> dict[str, list[str]]:
