@@ -1,6 +1,8 @@
 """Which GPU coder runs: the CUDA C coder built for the GPU at hand, else Triton (CPU-testable
-parts: the nvcc arch flags and the fallback decision)."""
+parts: the nvcc arch flags, the fallback decision, and the build with kvzip_formats.nvcc where
+an nvcc is installed)."""
 
+import ctypes
 import logging
 
 import pytest
@@ -63,4 +65,27 @@ def test_cuda_c_coder_built_for_this_gpu():
     assert _cuda.available(), _cuda.failure()
     assert kl.coder("cuda") == "cuda"
     # the library of this GPU's arch is the one loaded
-    assert cap in _cuda._libs
+    assert cap in _cuda._library().libs
+
+
+def _have_nvcc() -> bool:
+    from kvzip_formats.nvcc import find_nvcc
+
+    try:
+        find_nvcc()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _have_nvcc(), reason="no nvcc (KVZIP_NVCC, CUDA_HOME or PATH)")
+def test_cuda_c_coder_builds_for_hopper_and_declares_its_entry_points(tmp_path, monkeypatch):
+    """csrc/kvzl.cu built through the shared helper (no GPU needed): cached under
+    ``$XDG_CACHE_HOME/kvzip`` as ``kvzl-sm90-<key>.so``, loaded, every launcher declared."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("KVZIP_LOSSLESS_CUDA_SO", raising=False)
+    so = _cuda._library().build((9, 0))
+    assert so.parent == tmp_path / "kvzip" and so.name.startswith("kvzl-sm90-")
+    L = ctypes.CDLL(str(so))
+    _cuda._declare(L)
+    assert len(L.kvzl_decode_launch.argtypes) == 12 and len(L.kvzl_bdec_launch.argtypes) == 14

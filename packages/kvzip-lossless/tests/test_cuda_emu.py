@@ -1,8 +1,9 @@
 """The CUDA C batched kernels (csrc/kvzl.cu) run on the CPU: the source compiled as C++ with
 ``cuda_emu/emu.h`` (one thread per CUDA thread, warp shuffles and ballots through a per-warp
 barrier) and called through the same ctypes entry points, so gpu_batch's CUDA path runs on
-CPU tensors: the same bytes as ``compress``, exact decode, damage flagged per blob. The H200
-runs the real thing (``-m gpu``); this catches logic errors where there is no GPU."""
+CPU tensors: the same bytes as ``compress``, exact decode, damage flagged per blob. The one-blob
+decoder (``gpu.GpuBlob``'s CUDA path, the same row loop) runs the same way. The H200 runs the
+real thing (``-m gpu``); this catches logic errors where there is no GPU."""
 
 import ctypes
 import shutil
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 import kvzip_lossless as kl
-from kvzip_lossless import _cuda, batch, gpu_batch
+from kvzip_lossless import _cuda, batch, codec, gpu, gpu_batch
+from kvzip_lossless import blob as B
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -47,6 +49,7 @@ def emu(tmp_path_factory, monkeypatch_module):
     L.kvzl_bdec_smem_launch.argtypes = [P, P, P, P, P, P, I, I, P, P, P, P, P, P, P]
     L.kvzl_benc_smem_launch.argtypes = [P, P, I, P, P, P, I, P, P, P, P, P, P, LL, P]
     L.kvzl_bfold_launch.argtypes = [P, P, P, P, P, I, P, P]
+    L.kvzl_decode_launch.argtypes = [P, P, I, P, P, P, I, I, P, P, P, P]
     monkeypatch_module.setattr(_cuda, "lib", lambda device=None: L)
     monkeypatch_module.setattr(_cuda, "_stream", lambda: ctypes.c_void_p(0))
     return L
@@ -106,3 +109,43 @@ def test_cuda_kernels_many_chunks(emu, design):
     assert torch.equal(
         out.view(torch.int16), torch.cat([x.view(-1) for x in big]).view(torch.int16)
     )
+
+
+def _single_decode(blob: bytes, table, check=False):
+    """``gpu.GpuBlob`` with the CUDA C decoder (kvzl_decode), on CPU tensors."""
+    h = B.parse_header(memoryview(blob))
+    gb = gpu.GpuBlob(memoryview(blob), h, table, torch.device("cpu"), backend="cuda")
+    out = torch.empty(h.shape, dtype=torch.bfloat16)
+    flag = gb.decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), out, check=check)
+    return out, int(flag)
+
+
+@pytest.mark.parametrize("case", ["calibrated", "escapes", "embedded", "odd"])
+def test_cuda_single_blob_decoder_exact_and_flags(emu, case):
+    """kvzl_decode, the one-blob decoder: the batched decoders' row loop (``rans_rows``) with
+    escapes patched after the launch; exact on coded tiles with escapes, partial 32-lane
+    chunks (37 columns), several tiles; a flipped byte in a lane state, a word or a mantissa
+    raises."""
+    ts = tb.table_set()
+    kw = dict(tables=ts, slot=1)
+    x = tb.kv_like(40, 2, 16, 10)
+    if case == "escapes":
+        x[2, 0, 1], x[9, 1, 2], x[20, 1, 15] = 3e38, -1e-38, float("nan")
+    elif case == "embedded":
+        kw = {}
+    elif case == "odd":
+        x, kw = tb.kv_like(40, 1, 37, 4), {}
+    blob = kl.compress(x, rows_per_tile=16, **kw)
+    h = B.parse_header(memoryview(blob))
+    assert (h.modes == B.MODE_RANS).sum() >= 2, "test must exercise coded tiles"
+    if case == "escapes":
+        assert h.n_exc.sum() >= 3
+    table = codec.table_for(h, ts if kw else None)
+    y, flag = _single_decode(blob, table)
+    assert flag == 0
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+    for pos in (h.tiles_start + 4 * 1 + 2, len(blob) - 3, h.tiles_start + int(h.lengths[0]) // 2):
+        b = bytearray(blob)
+        b[pos] ^= 0x21
+        with pytest.raises(kl.CorruptBlobError):
+            _single_decode(bytes(b), table, check=True)

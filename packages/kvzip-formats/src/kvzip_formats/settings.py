@@ -130,6 +130,15 @@ CACHE_DIR = Setting(
     "converted models",
     default_doc="`~/.cache/kvzip`",
 )
+NVCC = Setting(
+    "KVZIP_NVCC",
+    str,
+    None,
+    ("kvzip_formats.nvcc",),
+    "the nvcc that builds the CUDA kernels (kvzip-kernels' decode kernel, kvzip-lossless's "
+    "CUDA C coder)",
+    default_doc="torch's `CUDA_HOME/bin/nvcc`, else `nvcc` on `PATH`",
+)
 # ------------------------------------------------------------------------- kvzip-kernels
 KERNELS_BACKEND = Setting(
     "KVZIP_KERNELS_BACKEND",
@@ -149,15 +158,6 @@ KERNELS_CUDA_SO = Setting(
     "a prebuilt CUDA decode kernel library (skips the nvcc build)",
     package="kvzip-kernels",
     default_doc="built with nvcc on first use, cached in `$XDG_CACHE_HOME/kvzip`",
-)
-NVCC = Setting(
-    "KVZIP_NVCC",
-    str,
-    None,
-    ("kvzip_kernels._cuda",),
-    "the nvcc that builds the CUDA decode kernel",
-    package="kvzip-kernels",
-    default_doc="torch's `CUDA_HOME/bin/nvcc`, else `nvcc` on `PATH`",
 )
 # ---------------------------------------------------------------------------- kvzip-vllm
 KV_FORMAT = Setting(

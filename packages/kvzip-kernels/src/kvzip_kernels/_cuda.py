@@ -1,7 +1,8 @@
 """The CUDA C++ split-KV decode kernel (csrc/paged_decode.cu), built with nvcc at first use for
 the GPU at hand and cached, called through ctypes (as kvzip-lossless builds its coder: plain
 CUDA with a C ABI compiles in seconds, where torch's extension loader compiles torch's
-headers for about a minute; and it builds with the nvcc of the ``nvidia-cuda-nvcc`` wheel).
+headers for about a minute; and it builds with the nvcc of the ``nvidia-cuda-nvcc`` wheel). The
+build, its cache and the loading are ``kvzip_formats.nvcc``'s (shared with kvzip-lossless).
 
 It replaces only the split stage of ``paged_decode``: it writes the same partial outputs and
 base-2 log-sum-exps as the Triton split kernels, and the Triton merge (plus, for the compact
@@ -24,27 +25,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from kvzip_formats import FormatError
-from kvzip_formats.settings import (
-    KERNELS_BACKEND,
-    KERNELS_CUDA_SO,
-    NVCC,
-)
+from kvzip_formats import nvcc as nvcc_build
+from kvzip_formats.settings import KERNELS_BACKEND, KERNELS_CUDA_SO
 
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.cu"
-_libs: dict[tuple[int, int], ctypes.CDLL] = {}
-_failed: dict[tuple[int, int], str] = {}
 #: mma.sync m16n8k16 with bf16 operands and movmatrix: Ampere and newer.
 MIN_CAPABILITY = (8, 0)
 #: The GPUs ``backend="auto"`` sends to CUDA (the kernel is tuned for Hopper).
@@ -116,39 +108,34 @@ def arch_flags(capability: tuple[int, int]) -> list[str]:
 
 
 def nvcc() -> str:
-    """The nvcc that builds the kernel: ``KVZIP_NVCC``, torch's CUDA_HOME, or PATH."""
-    env = NVCC.raw()
-    if env:
-        return env
-    from torch.utils.cpp_extension import CUDA_HOME
+    """The nvcc that builds the kernel: ``KVZIP_NVCC``, torch's CUDA_HOME, or PATH
+    (``kvzip_formats.nvcc.find_nvcc``; FileNotFoundError saying how to get one)."""
+    return nvcc_build.find_nvcc()
 
-    if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return str(Path(CUDA_HOME) / "bin" / "nvcc")
-    found = shutil.which("nvcc")
-    if found is None:
-        raise FileNotFoundError("nvcc not found (KVZIP_NVCC, CUDA_HOME/bin/nvcc, PATH)")
-    return found
+
+def _declare(L: ctypes.CDLL) -> None:
+    P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    L.kvzd_split_launch.argtypes = [
+        I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
+    ]  # fmt: skip
+    L.kvzd_split_launch.restype = I
+
+
+#: The kernel's library per GPU architecture (built, cached and loaded by kvzip_formats.nvcc).
+_LIB = nvcc_build.CudaLibrary(
+    _SRC,
+    "kvzd",
+    arch_flags,
+    _declare,
+    prebuilt=KERNELS_CUDA_SO.raw,
+    what="kvzip-kernels: CUDA decode kernel",
+    logger=log,
+)
 
 
 def build(capability: tuple[int, int], out_dir: Path | None = None) -> Path:
     """Compile csrc/paged_decode.cu for ``capability`` (cached by source and flags)."""
-    pre = KERNELS_CUDA_SO.raw()
-    if pre and Path(pre).exists():
-        return Path(pre)
-    flags = arch_flags(capability)
-    src = _SRC.read_bytes()
-    cache = out_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvzip"
-    cache.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    so = cache / f"kvzd-sm{capability[0]}{capability[1]}-{key}.so"
-    if not so.exists():
-        tmp = so.with_suffix(f".{os.getpid()}.so")
-        cmd = [nvcc(), "-O3", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp), str(_SRC)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}): {r.stderr.strip()[-800:]}")
-        tmp.replace(so)
-    return so
+    return _LIB.build(tuple(capability), out_dir=out_dir)
 
 
 def _capability(device) -> tuple[int, int]:
@@ -158,27 +145,14 @@ def _capability(device) -> tuple[int, int]:
 def lib(device):
     """The kernel library for ``device``'s GPU, or None where it cannot be built or loaded
     (the reason: :func:`failure`)."""
-    cap = _capability(device)
-    if cap not in _libs and cap not in _failed:
-        try:
-            L = ctypes.CDLL(str(build(cap)))
-            P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-            L.kvzd_split_launch.argtypes = [
-                I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
-            ]  # fmt: skip
-            L.kvzd_split_launch.restype = I
-            _libs[cap] = L
-        except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
-            _failed[cap] = f"{type(e).__name__}: {e}"
-            log.warning("kvzip-kernels: CUDA decode kernel unavailable on sm_%d%d: %s", *cap, e)
-    return _libs.get(cap)
+    return _LIB.get(_capability(device))
 
 
 def failure(device) -> str | None:
     """Why the CUDA kernel cannot run on ``device`` (None when it can)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return f"the CUDA decode kernel needs a CUDA device, got {device}"
-    return None if lib(device) is not None else _failed.get(_capability(device))
+    return _LIB.failure(_capability(device))
 
 
 def refusal(fmt_name: str, spec, group: int, device) -> str | None:

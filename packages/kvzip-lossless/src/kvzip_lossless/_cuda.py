@@ -6,17 +6,14 @@ loaded (no nvcc, an nvcc too old for the GPU, a GPU too old) the Triton coder ru
 Why not only Triton: the Triton decoder (gpu.py) measured 135 GB/s on the H200
 (results/lossless/lossless_gpu_h200_run1.json): each row costs a 32-lane scan plus a reduction
 where CUDA needs one __ballot_sync and two __popc. Why not torch's load_inline: it compiles
-torch's headers (about a minute); this file is plain CUDA (10 s) with a C ABI.
-Set KVZIP_LOSSLESS_CUDA_SO to a prebuilt library to skip the build.
+torch's headers (about a minute); this file is plain CUDA (10 s) with a C ABI. The build,
+its cache and the loading are ``kvzip_formats.nvcc``'s (shared with kvzip-kernels).
+Set KVZIP_LOSSLESS_CUDA_SO to a prebuilt library to skip the build; KVZIP_NVCC names an nvcc.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
@@ -24,8 +21,6 @@ import torch
 from kvzip_lossless import _torch, settings
 
 _SRC = Path(__file__).parent / "csrc" / "kvzl.cu"
-_libs: dict[tuple[int, int], ctypes.CDLL] = {}
-_failed: dict[tuple[int, int], str] = {}
 #: The oldest GPU the kernels are written for (``__ballot_sync``, 32-bit atomics: Volta on).
 MIN_CAPABILITY = (7, 0)
 
@@ -48,35 +43,36 @@ def arch_flags(capability: tuple[int, int]) -> list[str]:
     ]
 
 
-def _nvcc() -> str:
-    from torch.utils.cpp_extension import CUDA_HOME  # the CUDA toolkit torch's extensions use
+def _declare(L: ctypes.CDLL) -> None:
+    P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    L.kvzl_decode_launch.argtypes = [P, P, I, P, P, P, I, I, P, P, P, P]
+    L.kvzl_encode_launch.argtypes = [P, P, I, P, P, P, I, I, I, P, P, P, P]
+    L.kvzl_pack_launch.argtypes = [P, LL, LL, P, I, P, P, P, P]
+    L.kvzl_compact_launch.argtypes = [P, P, P, I, I, P, P]
+    L.kvzl_benc_launch.argtypes = [P, P, I, P, P, P, P, P, P, P, P, P, LL, P]
+    L.kvzl_basm_launch.argtypes = [P, P, P, P, P, I, P]
+    L.kvzl_bmant_launch.argtypes = [P, P, P, I, LL, P]
+    L.kvzl_bhead_launch.argtypes = [P, P, I, P, P]
+    L.kvzl_bdec_launch.argtypes = [P, P, P, P, P, P, I, P, P, P, P, P, P, P]
+    L.kvzl_bdec_smem_launch.argtypes = [P, P, P, P, P, P, I, I, P, P, P, P, P, P, P]
+    L.kvzl_bfold_launch.argtypes = [P, P, P, P, P, I, P, P]
+    L.kvzl_benc_smem_launch.argtypes = [P, P, I, P, P, P, I, P, P, P, P, P, P, LL, P]
 
-    if CUDA_HOME and (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return str(Path(CUDA_HOME) / "bin" / "nvcc")
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise FileNotFoundError("nvcc not found (neither CUDA_HOME/bin/nvcc nor on PATH)")
-    return nvcc
+
+_LIB = None
 
 
-def _build(capability: tuple[int, int]) -> Path:
-    pre = settings.CUDA_SO.raw()
-    if pre and Path(pre).exists():
-        return Path(pre)
-    flags = arch_flags(capability)
-    src = _SRC.read_bytes()
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvzip"
-    cache.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
-    so = cache / f"kvzl-sm{capability[0]}{capability[1]}-{key}.so"
-    if not so.exists():
-        tmp = so.with_suffix(f".{os.getpid()}.so")
-        cmd = [_nvcc(), "-O3", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp), str(_SRC)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}): {r.stderr.strip()[-500:]}")
-        tmp.replace(so)
-    return so
+def _library():
+    """The coder's ``kvzip_formats.nvcc.CudaLibrary`` (made on the first GPU use: the CPU coder
+    never imports kvzip_formats)."""
+    global _LIB
+    if _LIB is None:
+        from kvzip_formats.nvcc import CudaLibrary
+
+        _LIB = CudaLibrary(
+            _SRC, "kvzl", arch_flags, _declare, prebuilt=settings.CUDA_SO.raw, what="CUDA C coder"
+        )
+    return _LIB
 
 
 def capability_of(device=None) -> tuple[int, int]:
@@ -85,35 +81,17 @@ def capability_of(device=None) -> tuple[int, int]:
 
 def lib(device=None):
     """The CUDA C coder built for ``device``'s GPU (None: the current one), or None when it
-    cannot be built or loaded there (the reason: :func:`failure`)."""
-    cap = capability_of(device)
-    if cap not in _libs and cap not in _failed:
-        try:
-            L = ctypes.CDLL(str(_build(cap)))
-            P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-            L.kvzl_decode_launch.argtypes = [P, P, I, P, P, P, I, I, P, P, P, P]
-            L.kvzl_encode_launch.argtypes = [P, P, I, P, P, P, I, I, I, P, P, P, P]
-            L.kvzl_pack_launch.argtypes = [P, LL, LL, P, I, P, P, P, P]
-            L.kvzl_compact_launch.argtypes = [P, P, P, I, I, P, P]
-            L.kvzl_benc_launch.argtypes = [P, P, I, P, P, P, P, P, P, P, P, P, LL, P]
-            L.kvzl_basm_launch.argtypes = [P, P, P, P, P, I, P]
-            L.kvzl_bmant_launch.argtypes = [P, P, P, I, LL, P]
-            L.kvzl_bhead_launch.argtypes = [P, P, I, P, P]
-            L.kvzl_bdec_launch.argtypes = [P, P, P, P, P, P, I, P, P, P, P, P, P, P]
-            L.kvzl_bdec_smem_launch.argtypes = [P, P, P, P, P, P, I, I, P, P, P, P, P, P, P]
-            L.kvzl_bfold_launch.argtypes = [P, P, P, P, P, I, P, P]
-            L.kvzl_benc_smem_launch.argtypes = [P, P, I, P, P, P, I, P, P, P, P, P, P, LL, P]
-            _libs[cap] = L
-        except (OSError, RuntimeError, ValueError, FileNotFoundError) as e:
-            _failed[cap] = f"{type(e).__name__}: {e}"
-    return _libs.get(cap)
+    cannot be built or loaded there (the reason: :func:`failure`). Built and loaded by
+    ``kvzip_formats.nvcc`` (nvcc from ``KVZIP_NVCC``, torch's ``CUDA_HOME`` or ``PATH``;
+    cached in ``$XDG_CACHE_HOME/kvzip``)."""
+    return _library().get(capability_of(device))
 
 
 def failure(device=None) -> str | None:
     """Why the CUDA C coder is not available on ``device`` (None when it is)."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    return None if lib(device) is not None else _failed.get(capability_of(device))
+    return _library().failure(capability_of(device))
 
 
 def available(device=None) -> bool:
@@ -134,13 +112,15 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"kvzip-lossless CUDA {what} launch failed: cudaError {rc}")
 
 
-def decode(blob_dev, desc, n_chunks, tab, bmap, base, C, NB, out16, sums, err) -> None:
+def decode(blob_dev, desc, n_chunks, cum16, bmap, base, C, NB, out16, sums, err) -> None:
+    """One-blob decode (``gpu.launch_decode``); ``cum16``: the table's cumulative frequencies
+    (``_torch.cum_tensor``)."""
     _check(
         lib(blob_dev.device).kvzl_decode_launch(
             _ptr(blob_dev),
             _ptr(desc),
             n_chunks,
-            _ptr(tab),
+            _ptr(cum16),
             _ptr(bmap),
             _ptr(base),
             C,

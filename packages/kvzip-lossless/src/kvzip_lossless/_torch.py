@@ -32,6 +32,16 @@ def table_tensors(table: Table, device):
     return table._derived[key]
 
 
+def cum_tensor(table: Table, device) -> torch.Tensor:
+    """The table's cumulative frequencies on ``device`` (uint16 ``[columns, buckets, 32]`` as
+    int16, kept on the table as :func:`table_tensors`): what the CUDA C decoders search."""
+    key = ("device cum16", str(device))
+    if key not in table._derived:
+        cum = table.cum().astype(np.uint16).view(np.int16)
+        table._derived[key] = torch.from_numpy(np.ascontiguousarray(cum)).to(device)
+    return table._derived[key]
+
+
 def encode_desc(rows: int, cols: int, rpt: int, device):
     """Encoder chunk descriptors int64 ``[tiles * chunks, 4]``: (first value of the tile, rows
     of the tile, first column of the chunk, first state of the tile); and (tiles, chunks)."""

@@ -5,6 +5,7 @@ finds its symbol by a 5-step binary search in its context's packed ``cum << 16 |
 (128 bytes, L1-resident), renormalises, and the lanes that need a word take consecutive words
 through a prefix sum over the 32 lanes (what a warp ballot does). Triton reaches this with no
 shared-memory tables: a chunk touches at most 32 columns x 8 buckets x 128 B = 32 KB of table.
+The row loop is ``_triton_rans.rans_rows``, the batched decoder's too (``gpu_batch.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvzip_lossless import _cuda, settings, tiles
 from kvzip_lossless._torch import (
     as_u16,
     checksum,
+    cum_tensor,
     encode_desc,
     pack_mantissas,
     table_tensors,
@@ -32,6 +34,8 @@ from kvzip_lossless.tables import BUCKETS_NONE, MODE_SLOT, NSYM, Table, normaliz
 try:  # Triton comes with CUDA builds of torch; the CPU package never needs it.
     import triton
     import triton.language as tl
+
+    from kvzip_lossless._triton_rans import rans_rows, symbol
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
@@ -46,22 +50,6 @@ def available() -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _fmix(h):
-        h = h ^ (h >> 16)
-        h = h * 0x85EBCA6B
-        h = h ^ (h >> 13)
-        h = h * 0xC2B2AE35
-        return h ^ (h >> 16)
-
-    @triton.jit
-    def _symbol(v, colbase):
-        es = ((v >> 7) & 255) - colbase + MODE_SLOT_C
-        es = tl.where((es >= 1) & (es <= 15), es, 0)
-        return (v >> 15) * 16 + es
-
-    MODE_SLOT_C = tl.constexpr(MODE_SLOT)
 
     @triton.jit
     def _decode_kernel(blob8, blob16, blob32, tab, bmap, base, desc, out16, sums, err, C, NB):
@@ -80,49 +68,12 @@ if triton is not None:
         lm = col < C
         x = tl.load(blob32 + state_off + col, mask=lm, other=65536).to(tl.uint32)
         colbase = tl.load(base + col, mask=lm, other=0).to(tl.int32)
-        ctx0 = col * NB
-        prev = tl.zeros([32], tl.int32)
-        ptr = n_words * 0
-        bad = n_words * 0
-        acc = tl.zeros([32], tl.uint32)
-        badl = tl.zeros([32], tl.int1)
-        golden = tl.full([32], 0x9E3779B1, tl.uint32)
-        for t in range(nr):
-            b = tl.load(bmap + prev)
-            row = (ctx0 + b) * 32
-            slot = (x & 4095).to(tl.int32)
-            s = tl.zeros([32], tl.int32)
-            for k in tl.static_range(5):
-                step = 16 >> k
-                e = tl.load(tab + row + s + step, mask=lm, other=0)
-                s = tl.where((e >> 16) <= slot, s + step, s)
-            e = tl.load(tab + row + s, mask=lm, other=1)
-            cum = (e >> 16).to(tl.uint32)
-            f = (e & 0xFFFF).to(tl.uint32)
-            x = f * (x >> 12) + slot.to(tl.uint32) - cum
-            need = (x < 65536) & lm
-            ni = need.to(tl.int32)
-            pos = ptr + tl.cumsum(ni, 0) - ni
-            okp = pos < n_words
-            badl = badl | (need & (pos >= n_words))
-            w = tl.load(blob16 + word_off + pos, mask=need & okp, other=0).to(tl.int32) & 0xFFFF
-            x = tl.where(need, (x << 16) | w.to(tl.uint32), x)
-            ptr = ptr + tl.sum(ni, 0)
-            es = s & 15
-            ex = (es + colbase - MODE_SLOT_C) & 255
-            p = t * C + col
-            bit = p.to(tl.int64) * 7
-            byte = mant_off + (bit >> 3)
-            b0 = tl.load(blob8 + byte, mask=lm, other=0).to(tl.int32)
-            b1 = tl.load(blob8 + byte + 1, mask=lm, other=0).to(tl.int32)
-            m = (((b0 << 8) | b1) >> (9 - (bit & 7).to(tl.int32))) & 127
-            v = ((s >> 4) << 15) | (ex << 7) | m
-            tl.store(out16 + out_off + p, v.to(tl.int16), mask=lm)
-            h = _fmix(p.to(tl.uint32) * golden + v.to(tl.uint32))
-            acc += tl.where(lm & (es != 0), h, 0)
-            prev = s
+        x, ptr, badl, acc, _ = rans_rows(
+            x, nr, C, col, lm, colbase, col * NB, tab, bmap, blob16 + word_off, n_words,
+            blob8 + mant_off, out16 + out_off, blob32, blob16, 0, INLINE_ESCAPES=False,
+        )  # fmt: skip
         badl = badl | ((x != 65536) & lm)
-        bad = bad + tl.sum(badl.to(tl.int32), 0) + (ptr != n_words).to(tl.int32)
+        bad = tl.sum(badl.to(tl.int32), 0) + (ptr != n_words).to(tl.int32)
         tl.atomic_add(sums + tile, tl.sum(acc, 0).to(tl.int32, bitcast=True))
         tl.store(err + pid, bad)
 
@@ -143,11 +94,11 @@ if triton is not None:
         cnt = nr * 0
         sbase = pid.to(tl.int64) * RPT * 32
         v = tl.load(in16 + in_off + (nr - 1) * C + col, mask=lm, other=0).to(tl.int32) & 0xFFFF
-        cur = _symbol(v, colbase)
+        cur = symbol(v, colbase)
         for i in range(nr):
             t = nr - 1 - i
             vp = tl.load(in16 + in_off + (t - 1) * C + col, mask=lm & (t > 0), other=0)
-            sp = tl.where(t > 0, _symbol(vp.to(tl.int32) & 0xFFFF, colbase), 0)
+            sp = tl.where(t > 0, symbol(vp.to(tl.int32) & 0xFFFF, colbase), 0)
             b = tl.load(bmap + sp)
             e = tl.load(tab + (ctx0 + b) * 32 + cur, mask=lm, other=1)
             cum = (e >> 16).to(tl.uint32)
@@ -172,8 +123,9 @@ def launch_decode(backend, blob_dev, desc, tabs, table, columns, o16, sums, err)
     the CUDA C coder (``backend == "cuda"``) or the Triton one. Chunks of several blobs that
     share a table may go in one launch (kvzip-vllm's batched restore does)."""
     tab, bmap, base = tabs
-    if backend == "cuda":
-        _cuda.decode(blob_dev, desc, desc.shape[0], tab, bmap, base, columns,
+    if backend == "cuda":  # the CUDA C decoder searches the cumulative frequencies
+        cum16 = cum_tensor(table, blob_dev.device)
+        _cuda.decode(blob_dev, desc, desc.shape[0], cum16, bmap, base, columns,
                      table.n_buckets, o16, sums, err)  # fmt: skip
     else:
         _decode_kernel[(desc.shape[0],)](

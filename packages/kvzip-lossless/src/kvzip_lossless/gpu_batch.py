@@ -29,11 +29,13 @@ import torch
 from kvzip_lossless import _cuda, settings
 from kvzip_lossless._prepared import PreparedDecode
 from kvzip_lossless.blob import HEAD
-from kvzip_lossless.tables import MODE_SLOT, TableSet
+from kvzip_lossless.tables import TableSet
 
 try:
     import triton
     import triton.language as tl
+
+    from kvzip_lossless._triton_rans import MASK32_C, fmix, rans_rows, symbol
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -53,16 +55,6 @@ DEFAULT_DECODER = settings.DECODER.default  # "l1"
 #: reciprocal with one correction). Same bytes.
 CUDA_ENCODERS = settings.ENCODER.choices  # ("l1", "smem")
 DEFAULT_ENCODER = settings.ENCODER.default  # "l1"
-#: A list to have :func:`encode_batch` append ``(step, torch.cuda.Event)`` marks (profiling:
-#: the benchmark reads the time between consecutive marks); None: no marks.
-STEP_EVENTS: list | None = None
-
-
-def _mark(name: str) -> None:
-    if STEP_EVENTS is not None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        STEP_EVENTS.append((name, event))
 
 
 def _choice(name, setting, allowed, what) -> str:
@@ -181,22 +173,6 @@ def _upload(a: np.ndarray, device) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------- kernels
 if triton is not None:
-    MODE_SLOT_C = tl.constexpr(MODE_SLOT)
-    MASK32_C = tl.constexpr(MASK32)
-
-    @triton.jit
-    def _fmix(h):
-        h = h ^ (h >> 16)
-        h = h * 0x85EBCA6B
-        h = h ^ (h >> 13)
-        h = h * 0xC2B2AE35
-        return h ^ (h >> 16)
-
-    @triton.jit
-    def _sym(v, colbase):
-        es = ((v >> 7) & 255) - colbase + MODE_SLOT_C
-        es = tl.where((es >= 1) & (es <= 15), es, 0)
-        return (v >> 15) * 16 + es
 
     @triton.jit
     def _benc_kernel(in16, tab, bmap, base, desc, scratch16, counts, states, sums, ecnt, ebuf,
@@ -225,18 +201,18 @@ if triton is not None:
         cnt = nr * 0
         ne = nr * 0
         v = tl.load(in16 + in_off + (nr - 1) * C + col, mask=lm, other=0).to(tl.int32) & 0xFFFF
-        cur = _sym(v, colbase)
+        cur = symbol(v, colbase)
         for i in range(nr):
             t = nr - 1 - i
             p = t * C + col
-            acc += tl.where(lm, _fmix(p.to(tl.uint32) * golden + v.to(tl.uint32)), 0)
+            acc += tl.where(lm, fmix(p.to(tl.uint32) * golden + v.to(tl.uint32)), 0)
             isesc = lm & ((cur & 15) == 0)
             ne += tl.sum(isesc.to(tl.int32), 0)
             k = tl.atomic_add(ecnt + lanes * 0, 1, mask=isesc)
             tl.store(ebuf + k, in_off + p.to(tl.int64), mask=isesc & (k < ecap))
             vp = tl.load(in16 + in_off + (t - 1) * C + col, mask=lm & (t > 0), other=0)
             vp = vp.to(tl.int32) & 0xFFFF
-            sp = tl.where(t > 0, _sym(vp, colbase), 0)
+            sp = tl.where(t > 0, symbol(vp, colbase), 0)
             b = tl.load(bmap + bm_off + sp)
             e = tl.load(tab + tab_off + (ctx0 + b) * 32 + cur, mask=lm, other=1)
             cum = (e >> 16).to(tl.uint32)
@@ -426,7 +402,7 @@ if triton is not None:
                         v = tl.load(data16 + T // 2 + p, mask=lm, other=0)
                         tl.store(out16 + oo + p, v, mask=lm)
                         vv = v.to(tl.int32) & 0xFFFF
-                        acc += tl.where(lm, _fmix(p.to(tl.uint32) * golden + vv.to(tl.uint32)), 0)
+                        acc += tl.where(lm, fmix(p.to(tl.uint32) * golden + vv.to(tl.uint32)), 0)
             else:
                 nch = (C + 31) // 32
                 st = 4 * nch
@@ -463,64 +439,11 @@ if triton is not None:
                     x = x.to(tl.uint32, bitcast=True)
                     badv = badv | tl.sum((lm & (x < 65536)).to(tl.int32), 0)
                     colbase = tl.load(base + base_off + col, mask=lm, other=0)
-                    ctx0 = col * NB
-                    prev = tl.zeros([32], tl.int32)
-                    ptr = tl.full([], 0, tl.int64)
-                    w16 = (T + wo) // 2 + wpre
-                    badl = tl.zeros([32], tl.int1)
-                    nesc = tl.full([], 0, tl.int32)
-                    for r in range(nr):
-                        bk = tl.load(bmap + bm_off + prev)
-                        row = tab_off + (ctx0 + bk) * 32
-                        slot = (x & 4095).to(tl.int32)
-                        s = tl.zeros([32], tl.int32)
-                        for k in tl.static_range(5):
-                            step = 16 >> k
-                            e = tl.load(tab + row + s + step, mask=lm, other=0)
-                            s = tl.where((e >> 16) <= slot, s + step, s)
-                        e = tl.load(tab + row + s, mask=lm, other=1)
-                        cum = (e >> 16).to(tl.uint32)
-                        f = (e & 0xFFFF).to(tl.uint32)
-                        x = f * (x >> 12) + slot.to(tl.uint32) - cum
-                        need = (x < 65536) & lm
-                        ni = need.to(tl.int32)
-                        pos = ptr + tl.cumsum(ni, 0) - ni
-                        okp = pos < n_words
-                        badl = badl | (need & (okp == 0))
-                        w = tl.load(data16 + w16 + pos, mask=need & okp, other=0).to(tl.int32)
-                        x = tl.where(need, (x << 16) | (w & 0xFFFF).to(tl.uint32), x)
-                        ptr += tl.sum(ni, 0)
-                        es = s & 15
-                        ex = (es + colbase - MODE_SLOT_C) & 255
-                        p = r * C + col
-                        bit = p.to(tl.int64) * 7
-                        byte = T + mo + (bit >> 3)
-                        b0 = tl.load(data8 + byte, mask=lm, other=0).to(tl.int32)
-                        b1 = tl.load(data8 + byte + 1, mask=lm, other=0).to(tl.int32)
-                        m = (((b0 << 8) | b1) >> (9 - (bit & 7).to(tl.int32))) & 127
-                        v = ((s >> 4) << 15) | (ex << 7) | m
-                        isesc = lm & (es == 0)
-                        nr_esc = tl.sum(isesc.to(tl.int32), 0)
-                        if nr_esc > 0:
-                            nesc += nr_esc
-                            lo = tl.zeros([32], tl.int64)
-                            hi = tl.zeros([32], tl.int64) + ne
-                            for _i in tl.static_range(32):  # lower bound of p in the list
-                                live = isesc & (lo < hi)
-                                mid = (lo + hi) // 2
-                                q = tl.load(data32 + (T + ei) // 4 + mid, mask=live, other=0)
-                                less = live & ((q.to(tl.int64) & MASK32_C) < p)
-                                lo = tl.where(less, mid + 1, lo)
-                                hi = tl.where(live & (less == 0), mid, hi)
-                            q = tl.load(data32 + (T + ei) // 4 + lo, mask=isesc & (lo < ne),
-                                        other=-1).to(tl.int64) & MASK32_C  # fmt: skip
-                            found = isesc & (lo < ne) & (q == p)
-                            badl = badl | (isesc & (found == 0))
-                            eval_ = tl.load(data16 + (T + ev) // 2 + lo, mask=found, other=0)
-                            v = tl.where(found, eval_.to(tl.int32) & 0xFFFF, v)
-                        tl.store(out16 + oo + p, v.to(tl.int16), mask=lm)
-                        acc += tl.where(lm, _fmix(p.to(tl.uint32) * golden + v.to(tl.uint32)), 0)
-                        prev = s
+                    x, ptr, badl, acc, nesc = rans_rows(
+                        x, nr, C, col, lm, colbase, col * NB, tab + tab_off, bmap + bm_off,
+                        data16 + (T + wo) // 2 + wpre, n_words, data8 + T + mo, out16 + oo,
+                        data32 + (T + ei) // 4, data16 + (T + ev) // 2, ne, INLINE_ESCAPES=True,
+                    )  # fmt: skip
                     badl = badl | ((x != 65536) & lm)
                     badv = badv | tl.sum(badl.to(tl.int32), 0) | (ptr != n_words).to(tl.int32)
                     tl.atomic_add(ecount + g, nesc)
@@ -535,7 +458,6 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     dev = tensors[0].device
     be = _backend(dev, backend)
     enc = cuda_encoder(encoder) if be == "cuda" else None
-    _mark("start")
     n = len(tensors)
     bk = bank([tables], dev)
     slots = np.asarray(slots, np.int64)
@@ -585,10 +507,8 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     desc_d = _upload(desc.reshape(-1, ENC_W), dev)
     args_ = (flat, bk.tab, bk.bmap, bk.base, desc_d, scratch, counts, states, sums, ecnt, ebuf)
     max_nb = int(nbk.max()) if n else 1
-    _mark("setup")
     if n_items:
         _launch_encode(be, args_, n_items, ecap, enc, max_nb)
-    _mark("encode kernel")
     host = small.cpu().numpy()  # the one synchronisation
     h_counts = host[:n_items].astype(np.int64)
     h_sums = host[n_items : n_items + T].view(np.uint32).astype(np.int64)
@@ -645,16 +565,12 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
     up = _upload(np.concatenate(parts).astype(np.int64), dev)
     up_parts = torch.split(up, sizes)
     asm_d, tdesc_d, hdr_d, hidx_d, tin_d, efirst_d, tei_d, tev_d = up_parts
-    _mark("host layout")
     data = torch.zeros(total + 8, dtype=torch.uint8, device=dev)
     if hdr.size:
         data[hidx_d] = hdr_d.to(torch.uint8)
-    _mark("buffer + headers")
     if n_items:
         _launch_assemble(be, flat, data, scratch, states, asm_d, n_items)
-        _mark("assembly kernel")
         _launch_mant(be, flat, data, tdesc_d, T, int(t_nv.max()))
-        _mark("mantissa kernel")
     E = n_esc_all
     if E:
         pos = torch.sort(ebuf[:E]).values
@@ -664,7 +580,6 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
         d32, d16 = data.view(torch.int32), data.view(torch.int16)
         d32[torch.where(ei < 0, dummy, ei + rank)] = (pos - tin_d[tile]).to(torch.int32)
         d16[torch.where(ev < 0, 2 * dummy + 2, ev + rank)] = flat[pos]
-    _mark("escapes")
     plans = np.stack(
         [lengths, numel, cols, np.full(n, rpt), nt, np.array([40 + 8 * t.dim() for t in tensors]),
          h_len, slots, np.full(n, _signed(tables.table_id))], 1,

@@ -1,9 +1,10 @@
 """kvzip-lossless's environment settings: its section of kvzip's one table of settings.
 
 kvzip's settings table lives in ``kvzip_formats.settings`` (the lowest package of the
-formats/kernels/vllm/eval chain). kvzip-lossless installs alone, with numpy and torch only,
-so it cannot import that module: its five rows are declared here, in the same shape (the
-same field names as ``kvzip_formats.settings.Setting``, checked by a test), and
+formats/kernels/vllm/eval chain). kvzip-lossless depends on kvzip-formats only for its nvcc
+build helper (``kvzip_formats.nvcc``, imported at the CUDA C coder's first use); its CPU coder
+imports nothing of it. Its five rows are declared here, in the same shape (the same field
+names as ``kvzip_formats.settings.Setting``, checked by a test), and
 ``kvzip_formats.settings.all_settings()`` adds them to the table when kvzip-lossless is
 installed. The modules of this package read their settings through these rows only.
 """

@@ -17,67 +17,151 @@ __device__ __forceinline__ int symbol_of(uint32_t v, int cb) {
   return (int)(v >> 15) * 16 + es;
 }
 
+__device__ __forceinline__ uint32_t warp_sum_u32(uint32_t v) {
+  for (int k = 16; k >= 1; k >>= 1) v += __shfl_xor_sync(FULL, v, k);
+  return v;
+}
+__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
+  for (int k = 16; k >= 1; k >>= 1) v += __shfl_xor_sync(FULL, v, k);
+  return v;
+}
+
+// The rANS row loop of one chunk (spec/blob.md section 5): one warp, lane l decoding column
+// col (= the chunk's first column + l) of rows 0..nr-1 of a tile from its state x. Both
+// decoders run it: kvzl_decode (one blob) and bdec_item (the batched one). Each lane finds its
+// symbol in two rounds over its context's cumulative frequencies (crow0: uint16, 32 a row;
+// entries 8, 16, 24, then 8 in one 16-byte read); the lanes that renormalise take consecutive
+// words of the chunk's stream W (n_words) through a ballot, from two 32-word windows held
+// across the warp. kSmem: the rows are read from the item's shared-memory copy
+// (lane-interleaved, see bdec_item) instead of through L1. kInlineEscapes: an escape's value is
+// looked up in the tile's sorted list (eidx, evals; ne entries) and every value enters the
+// checksum acc; otherwise escapes are written as decoded (the caller patches them) and left
+// out of acc. Returns true when the stream runs short, is not used up, or ends in another
+// state (a damaged tile).
+template <bool kSmem, bool kInlineEscapes>
+__device__ __forceinline__ bool rans_rows(const int nr, const int C, const int col,
+    const bool active, uint32_t x, const int cb, const uint16_t* crow0,
+    const int mybm, const uint16_t* W, const uint32_t n_words,
+    const uint8_t* mant, uint16_t* o,
+    const uint32_t* eidx, const uint16_t* evals, const uint32_t ne,
+    uint32_t& acc, int& nesc) {
+  extern __shared__ uint16_t st[];
+  bool badv = false;
+
+  const int lane = threadIdx.x & 31;
+  const uint32_t lt = (1u << lane) - 1u;
+  uint32_t ptr = 0, wb = 0;
+  uint32_t cur = lane < n_words ? W[lane] : 0u;
+  uint32_t nxt = 32u + lane < n_words ? W[32 + lane] : 0u;
+  int prev = 0;
+  for (int r = 0; r < nr; ++r) {
+    const int bucket = __shfl_sync(FULL, mybm, prev);
+    const uint32_t slot = x & 4095u;
+    uint32_t c8, c16, c24, cs[8];
+    if constexpr (kSmem) {  // lane l reads only its column: st[(bucket*32 + k)*32 + l]
+      const uint16_t* row = st + bucket * 1024 + lane;
+      c8 = row[8 * 32], c16 = row[16 * 32], c24 = row[24 * 32];
+    } else {
+      const uint16_t* row = crow0 + bucket * 32;
+      c8 = row[8], c16 = row[16], c24 = row[24];
+    }
+    const bool h16 = c16 <= slot;
+    const int seg = h16 ? (c24 <= slot ? 24 : 16) : (c8 <= slot ? 8 : 0);
+    if constexpr (kSmem) {
+      const uint16_t* row = st + bucket * 1024 + lane;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) cs[k] = row[(seg + k) * 32];
+    } else {
+      const uint4 q = *reinterpret_cast<const uint4*>(crow0 + bucket * 32 + seg);
+      cs[0] = q.x & 0xffffu, cs[1] = q.x >> 16, cs[2] = q.y & 0xffffu, cs[3] = q.y >> 16;
+      cs[4] = q.z & 0xffffu, cs[5] = q.z >> 16, cs[6] = q.w & 0xffffu, cs[7] = q.w >> 16;
+    }
+    int j = 0;
+#pragma unroll
+    for (int k = 1; k < 8; ++k) j += cs[k] <= slot;
+    uint32_t lo = cs[0], hi = seg == 24 ? 4096u : (h16 ? c24 : (seg == 8 ? c16 : c8));
+#pragma unroll
+    for (int k = 1; k < 8; ++k) {
+      if (j == k) lo = cs[k];
+      if (j == k - 1) hi = cs[k];
+    }
+    const int s = seg + j;
+    x = (hi - lo) * (x >> 12) + slot - lo;
+    const bool need = active && x < 65536u;
+    const uint32_t m = __ballot_sync(FULL, need);
+    const uint32_t pos = ptr + __popc(m & lt);
+    const uint32_t idx = pos - wb;
+    const uint32_t w0 = __shfl_sync(FULL, cur, idx & 31u);
+    const uint32_t w1 = __shfl_sync(FULL, nxt, idx & 31u);
+    if (need) {
+      if (pos < n_words) x = (x << 16) | (idx < 32u ? w0 : w1);
+      else badv = true;
+    }
+    ptr += __popc(m);
+    if (ptr - wb >= 32u) {
+      wb += 32u;
+      cur = nxt;
+      nxt = wb + 32u + lane < n_words ? W[wb + 32u + lane] : 0u;
+    }
+    if (active) {
+      const uint32_t p = (uint32_t)r * (uint32_t)C + (uint32_t)col;
+      const uint32_t bit = p * 7u;
+      const uint32_t mw = ((uint32_t)mant[bit >> 3] << 8) | mant[(bit >> 3) + 1];
+      const uint32_t mm = (mw >> (9u - (bit & 7u))) & 127u;
+      const int es = s & 15;
+      uint32_t v =
+          ((uint32_t)(s >> 4) << 15) | ((uint32_t)((es + cb - 12) & 255) << 7) | mm;
+      if constexpr (kInlineEscapes) {
+        if (es == 0) {  // an escape: its value from the tile's sorted list
+          ++nesc;
+          uint32_t a = 0, z = ne;
+          while (a < z) {
+            const uint32_t mid = (a + z) >> 1;
+            if (eidx[mid] < p) a = mid + 1; else z = mid;
+          }
+          if (a < ne && eidx[a] == p) v = evals[a];
+          else badv = true;
+        }
+        o[p] = (uint16_t)v;
+        acc += fmix32(p * 0x9E3779B1u + v);
+      } else {  // escapes are patched after the launch; the checksum leaves them out
+        o[p] = (uint16_t)v;
+        if (es != 0) acc += fmix32(p * 0x9E3779B1u + v);
+      }
+    }
+    prev = s;
+  }
+  if (active && x != 65536u) badv = true;
+  if (ptr != n_words) badv = true;
+  return badv;
+}
+
 // desc: 8 int64 per chunk: state_off (u32 units), word_off (u16 units), n_words, mant_off
-// (bytes), out_off (elements), rows, col0, tile.
+// (bytes), out_off (elements), rows, col0, tile. The table: cum16 (uint16 [C, NB, 32]). The
+// row loop is the batched decoder's (rans_rows), escapes left to the caller.
 __global__ void kvzl_decode(const uint8_t* __restrict__ blob, const int64_t* __restrict__ desc,
-                            int n_chunks, const uint32_t* __restrict__ tab,
+                            int n_chunks, const uint16_t* __restrict__ cum16,
                             const int32_t* __restrict__ bmap, const int32_t* __restrict__ base,
                             int C, int NB, uint16_t* __restrict__ out, uint32_t* sums,
                             int32_t* err) {
-  __shared__ int32_t sb[32];
-  if (threadIdx.x < 32) sb[threadIdx.x] = bmap[threadIdx.x];
-  __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
   if (chunk >= n_chunks) return;
   const int64_t* d = desc + 8 * (int64_t)chunk;
   const uint32_t* blob32 = reinterpret_cast<const uint32_t*>(blob);
-  const uint16_t* words = reinterpret_cast<const uint16_t*>(blob) + d[1];
-  const int n_words = (int)d[2];
-  const uint8_t* mant = blob + d[3];
-  uint16_t* o = out + d[4];
-  const int rows = (int)d[5];
   const int col = (int)d[6] + lane;
   const bool active = col < C;
-  uint32_t x = active ? blob32[d[0] + col] : 65536u;
+  const uint32_t x = active ? blob32[d[0] + col] : 65536u;
   const int cb = active ? base[col] : 0;
-  const uint32_t* trow0 = tab + (size_t)(active ? col : 0) * NB * 32;
-  const uint32_t lt = (1u << lane) - 1u;
-  int prev = 0, ptr = 0;
-  bool bad = false;
+  const uint16_t* crow0 = cum16 + (size_t)(active ? col : 0) * NB * 32;
   uint32_t acc = 0;
-  for (int t = 0; t < rows; ++t) {
-    const uint32_t* row = trow0 + sb[prev] * 32;
-    const uint32_t slot = x & 4095u;
-    int s = 0;
-#pragma unroll
-    for (int step = 16; step >= 1; step >>= 1)
-      if ((__ldg(row + s + step) >> 16) <= slot) s += step;
-    const uint32_t e = __ldg(row + s);
-    x = (e & 0xffffu) * (x >> 12) + slot - (e >> 16);
-    const bool need = active && x < 65536u;
-    const uint32_t m = __ballot_sync(FULL, need);
-    if (need) {
-      const int pos = ptr + __popc(m & lt);
-      if (pos < n_words) x = (x << 16) | words[pos];
-      else bad = true;
-    }
-    ptr += __popc(m);
-    if (active) {
-      const uint32_t p = (uint32_t)t * (uint32_t)C + (uint32_t)col;
-      const uint32_t bit = p * 7u;
-      const uint32_t w = ((uint32_t)mant[bit >> 3] << 8) | mant[(bit >> 3) + 1];
-      const uint32_t mm = (w >> (9u - (bit & 7u))) & 127u;
-      const int es = s & 15;
-      const uint32_t v = ((uint32_t)(s >> 4) << 15) | ((uint32_t)((es + cb - 12) & 255) << 7) | mm;
-      o[p] = (uint16_t)v;
-      if (es != 0) acc += fmix32(p * 0x9E3779B1u + v);
-    }
-    prev = s;
-  }
-  bad |= active && x != 65536u;
-  for (int k = 16; k >= 1; k >>= 1) acc += __shfl_xor_sync(FULL, acc, k);
-  const bool anybad = __any_sync(FULL, bad) || ptr != n_words;
+  int nesc = 0;
+  const bool bad = rans_rows<false, false>(
+      (int)d[5], C, col, active, x, cb, crow0, bmap[lane],
+      reinterpret_cast<const uint16_t*>(blob) + d[1], (uint32_t)d[2], blob + d[3], out + d[4],
+      nullptr, nullptr, 0u, acc, nesc);
+  acc = warp_sum_u32(acc);
+  const bool anybad = __any_sync(FULL, bad);
   if (lane == 0) {
     atomicAdd(sums + d[7], acc);
     err[chunk] = anybad ? 1 : 0;
@@ -181,12 +265,12 @@ __global__ void kvzl_compact(const uint16_t* __restrict__ scratch, const int32_t
 }
 
 extern "C" {
-int kvzl_decode_launch(const void* blob, const void* desc, int n_chunks, const void* tab,
+int kvzl_decode_launch(const void* blob, const void* desc, int n_chunks, const void* cum16,
                        const void* bmap, const void* base, int C, int NB, void* out, void* sums,
                        void* err, void* stream) {
   const int warps = 4;
   kvzl_decode<<<(n_chunks + warps - 1) / warps, 32 * warps, 0, (cudaStream_t)stream>>>(
-      (const uint8_t*)blob, (const int64_t*)desc, n_chunks, (const uint32_t*)tab,
+      (const uint8_t*)blob, (const int64_t*)desc, n_chunks, (const uint16_t*)cum16,
       (const int32_t*)bmap, (const int32_t*)base, C, NB, (uint16_t*)out, (uint32_t*)sums,
       (int32_t*)err);
   return (int)cudaGetLastError();
@@ -224,15 +308,6 @@ int kvzl_compact_launch(const void* scratch, const void* counts, const void* sta
 // ------------------------------------------------------------------------------------------
 // Batched kernels (spec/blob.md section 9; descriptors built by gpu_batch.py). Tables come
 // from one bank: every slot's rows concatenated, per-blob offsets in the descriptors.
-
-__device__ __forceinline__ uint32_t warp_sum_u32(uint32_t v) {
-  for (int k = 16; k >= 1; k >>= 1) v += __shfl_xor_sync(FULL, v, k);
-  return v;
-}
-__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
-  for (int k = 16; k >= 1; k >>= 1) v += __shfl_xor_sync(FULL, v, k);
-  return v;
-}
 
 // Encode: one warp per (tile, 32-lane chunk). desc: 12 int64 per item: in_off, rows, col0,
 // state_off, C, tab_off, bmap_off, base_off, NB, scratch_off, tile, unused. Input rows are
@@ -551,86 +626,10 @@ __device__ __forceinline__ void bdec_item(int item, const uint8_t* __restrict__ 
           __syncwarp();
         }
         const uint16_t* W = reinterpret_cast<const uint16_t*>(T + wo) + wpre;
-        const uint8_t* mant = T + mo;
-        const uint32_t lt = (1u << lane) - 1u;
-        uint32_t ptr = 0, wb = 0;
-        uint32_t cur = lane < n_words ? W[lane] : 0u;
-        uint32_t nxt = 32u + lane < n_words ? W[32 + lane] : 0u;
-        int prev = 0, nesc = 0;
-        for (int r = 0; r < nr; ++r) {
-          const int bucket = __shfl_sync(FULL, mybm, prev);
-          const uint32_t slot = x & 4095u;
-          uint32_t c8, c16, c24, cs[8];
-          if constexpr (kSmem) {  // lane l reads only its column: st[(bucket*32 + k)*32 + l]
-            const uint16_t* row = st + bucket * 1024 + lane;
-            c8 = row[8 * 32], c16 = row[16 * 32], c24 = row[24 * 32];
-          } else {
-            const uint16_t* row = crow0 + bucket * 32;
-            c8 = row[8], c16 = row[16], c24 = row[24];
-          }
-          const bool h16 = c16 <= slot;
-          const int seg = h16 ? (c24 <= slot ? 24 : 16) : (c8 <= slot ? 8 : 0);
-          if constexpr (kSmem) {
-            const uint16_t* row = st + bucket * 1024 + lane;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) cs[k] = row[(seg + k) * 32];
-          } else {
-            const uint4 q = *reinterpret_cast<const uint4*>(crow0 + bucket * 32 + seg);
-            cs[0] = q.x & 0xffffu, cs[1] = q.x >> 16, cs[2] = q.y & 0xffffu, cs[3] = q.y >> 16;
-            cs[4] = q.z & 0xffffu, cs[5] = q.z >> 16, cs[6] = q.w & 0xffffu, cs[7] = q.w >> 16;
-          }
-          int j = 0;
-#pragma unroll
-          for (int k = 1; k < 8; ++k) j += cs[k] <= slot;
-          uint32_t lo = cs[0], hi = seg == 24 ? 4096u : (h16 ? c24 : (seg == 8 ? c16 : c8));
-#pragma unroll
-          for (int k = 1; k < 8; ++k) {
-            if (j == k) lo = cs[k];
-            if (j == k - 1) hi = cs[k];
-          }
-          const int s = seg + j;
-          x = (hi - lo) * (x >> 12) + slot - lo;
-          const bool need = active && x < 65536u;
-          const uint32_t m = __ballot_sync(FULL, need);
-          const uint32_t pos = ptr + __popc(m & lt);
-          const uint32_t idx = pos - wb;
-          const uint32_t w0 = __shfl_sync(FULL, cur, idx & 31u);
-          const uint32_t w1 = __shfl_sync(FULL, nxt, idx & 31u);
-          if (need) {
-            if (pos < n_words) x = (x << 16) | (idx < 32u ? w0 : w1);
-            else badv = true;
-          }
-          ptr += __popc(m);
-          if (ptr - wb >= 32u) {
-            wb += 32u;
-            cur = nxt;
-            nxt = wb + 32u + lane < n_words ? W[wb + 32u + lane] : 0u;
-          }
-          if (active) {
-            const uint32_t p = (uint32_t)r * (uint32_t)C + (uint32_t)col;
-            const uint32_t bit = p * 7u;
-            const uint32_t mw = ((uint32_t)mant[bit >> 3] << 8) | mant[(bit >> 3) + 1];
-            const uint32_t mm = (mw >> (9u - (bit & 7u))) & 127u;
-            const int es = s & 15;
-            uint32_t v =
-                ((uint32_t)(s >> 4) << 15) | ((uint32_t)((es + cb - 12) & 255) << 7) | mm;
-            if (es == 0) {  // an escape: its value from the tile's sorted list
-              ++nesc;
-              uint32_t a = 0, z = ne;
-              while (a < z) {
-                const uint32_t mid = (a + z) >> 1;
-                if (eidx[mid] < p) a = mid + 1; else z = mid;
-              }
-              if (a < ne && eidx[a] == p) v = evals[a];
-              else badv = true;
-            }
-            o[p] = (uint16_t)v;
-            acc += fmix32(p * 0x9E3779B1u + v);
-          }
-          prev = s;
-        }
-        if (active && x != 65536u) badv = true;
-        if (ptr != n_words) badv = true;
+        int nesc = 0;
+        if (rans_rows<kSmem, true>(nr, C, col, active, x, cb, crow0, mybm, W, n_words, T + mo,
+                                   o, eidx, evals, ne, acc, nesc))
+          badv = true;
         nesc = (int)warp_sum_u32((uint32_t)nesc);
         if (lane == 0 && nesc) atomicAdd(ecount + g, nesc);
       }
