@@ -44,9 +44,7 @@ CASES = [
 COMPACT = ["4bit", "3.5bit", "3bit"]
 
 
-def _check(
-    name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, recent=0, variant="v5"
-):
+def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, recent=0, variant="v5"):
     (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, block_size, lens, seed, "cuda")
     sk = win = None
     g = torch.Generator().manual_seed(9)

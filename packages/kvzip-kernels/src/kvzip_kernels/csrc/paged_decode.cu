@@ -741,11 +741,21 @@ struct RepLut6 {
   }
 };
 
-// v5's KRow::pairs with the bytes taken by byte_of (4-bit group only; the 3-bit group of
-// 3bit builds its 6-bit indices as v5 does)
+// 3bit's K 3-bit group: the 6-bit indices of a thread's row, all at once: byte kk of x0 holds
+// that of channels (c, c+1) of k-step KS4 + kk (low 4 bits from byte kk of the 2-bit plane,
+// bits 4-5 from nibble kk of the 1-bit plane), byte kk of x1 that of (c+2, c+3): the indices
+// v5's KRow::pairs builds one by one
+__device__ __forceinline__ void k3_indices(uint32_t lo, uint32_t hi, uint32_t& x0, uint32_t& x1) {
+  const uint32_t t = prmt(hi, 0u, 0x1100u);  // bytes: hi.b0, hi.b0, hi.b1, hi.b1
+  const uint32_t hs = (t & 0x000F000Fu) | ((t >> 4) & 0x0F000F00u);  // nibble kk -> byte kk
+  x0 = (lo & 0x0F0F0F0Fu) + ((hs & 0x03030303u) << 4);
+  x1 = ((lo >> 4) & 0x0F0F0F0Fu) + ((hs & 0x0C0C0C0Cu) << 2);
+}
+
+// v5's KRow::pairs with the bytes taken by byte_of; x0/x1: k3_indices of the row (3bit)
 template <int FMT, int D, typename LUT>
-__device__ __forceinline__ void k_pairs6(const KRow<FMT, D>& kr, int ks, const LUT& T,
-                                         uint32_t& p0, uint32_t& p1) {
+__device__ __forceinline__ void k_pairs6(const KRow<FMT, D>& kr, uint32_t x0, uint32_t x1,
+                                         int ks, const LUT& T, uint32_t& p0, uint32_t& p1) {
   using F = Fmt<FMT, D>;
   if (ks < F::KS4) {
     const uint32_t w = kr.w[ks >> 1];
@@ -753,7 +763,8 @@ __device__ __forceinline__ void k_pairs6(const KRow<FMT, D>& kr, int ks, const L
     p0 = T(T_K4, byte_of(w, b));
     p1 = T(T_K4, byte_of(w, b + 1));
   } else {
-    kr.pairs(ks, T, p0, p1);
+    p0 = T(T_K3, byte_of(x0, ks - F::KS4));
+    p1 = T(T_K3, byte_of(x1, ks - F::KS4));
   }
 }
 
@@ -769,8 +780,33 @@ __device__ __forceinline__ void v_frag6(const uint8_t* vrow, int ST, int mt, int
     a[1] = prmt(t0l, t0h, 0x7632);
     a[2] = prmt(t1l, t1h, 0x5410);
     a[3] = prmt(t1l, t1h, 0x7632);
-  } else {
+  } else if constexpr (FMT == FMT_INT4) {
     v_frag<FMT, D>(vrow, ST, mt, g, T, a);
+  } else {
+    // 3.5bit / 3bit: the 4 tokens' indices at once in the bytes of one word (v5 built them
+    // per 16-bit half): X byte k = the index of token 4q + k (v5's token order)
+    using F = Fmt<FMT, D>;
+    uint32_t X;
+    int tab;
+    if (mt < F::MT3) {  // 3-bit group 0: 2-bit plane at 0, 1-bit plane at D/4
+      const int j = 4 * mt + (g >> 1), j1 = D / 4 + 2 * mt + (g >> 2);
+      const int sl = 4 * (g & 1), sh = 2 * (g & 3);
+      const uint32_t W = *reinterpret_cast<const uint32_t*>(vrow + j * ST);
+      const uint32_t H = *reinterpret_cast<const uint32_t*>(vrow + j1 * ST);
+      X = ((W >> sl) & 0x0F0F0F0Fu) + (((H >> sh) & 0x03030303u) << 4);
+      tab = T_V0;
+    } else {  // 3bit's 2-bit group: its plane at D/8
+      const int j = D / 8 + 4 * (mt - F::MT3) + (g >> 1);
+      const int sl = 4 * (g & 1);
+      X = (*reinterpret_cast<const uint32_t*>(vrow + j * ST) >> sl) & 0x0F0F0F0Fu;
+      tab = T_V2;
+    }
+    const uint32_t t0l = T(tab, byte_of(X, 0)), t0h = T(tab, byte_of(X, 1));
+    const uint32_t t1l = T(tab, byte_of(X, 2)), t1h = T(tab, byte_of(X, 3));
+    a[0] = prmt(t0l, t0h, 0x5410);
+    a[1] = prmt(t0l, t0h, 0x7632);
+    a[2] = prmt(t1l, t1h, 0x5410);
+    a[3] = prmt(t1l, t1h, 0x7632);
   }
 }
 
@@ -792,6 +828,11 @@ struct Warp6 : Warp<FMT, D> {
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[i] = 0.f;
+    uint32_t x0[2] = {0u, 0u}, x1[2] = {0u, 0u};
+    if constexpr (F::K3) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) k3_indices(kr[r].lo, kr[r].hi, x0[r], x1[r]);
+    }
 #pragma unroll
     for (int ks = 0; ks < F::KS; ++ks) {
       uint32_t a[4];
@@ -799,8 +840,8 @@ struct Warp6 : Warp<FMT, D> {
         kr[0].int4(ks, a[0], a[2]);
         kr[1].int4(ks, a[1], a[3]);
       } else {
-        k_pairs6<FMT, D>(kr[0], ks, T, a[0], a[2]);
-        k_pairs6<FMT, D>(kr[1], ks, T, a[1], a[3]);
+        k_pairs6<FMT, D>(kr[0], x0[0], x1[0], ks, T, a[0], a[2]);
+        k_pairs6<FMT, D>(kr[1], x0[1], x1[1], ks, T, a[1], a[3]);
       }
       mma16816<BF16>(s, a, this->bq[ks][0], this->bq[ks][1]);
     }
