@@ -5,8 +5,9 @@ Times, per shape (Llama-3.1-8B: 32 q / 8 kv heads; 70B per GPU under TP8: 8 q / 
 batch (8/16/32/64) and context (32k/128k), page size 16:
   ours-<fmt>  kvzip_kernels.paged_decode for each kvzip format (int4, fp8, compact formats),
               Triton kernels (backend="triton")
-  cuda-v5-<fmt>
-              the same call with backend="cuda" (csrc/paged_decode.cu, design v5: int4,
+  cuda-<variant>-<fmt>
+              the same call with backend="cuda" (csrc/paged_decode.cu, design v5 and with
+              --cuda-variants the research designs, e.g. v6: int4,
               int4-rot, 4bit, 3.5bit, 3bit; keys as in the runs that timed v4a beside it,
               results/kernels/bench_paged_decode_v5.*), built first (build time and ptxas
               resources in the JSON), its output checked against ours-<fmt> of the same
@@ -27,6 +28,7 @@ bench_xqa.py is imported at run time for its set-up and timing helpers:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -55,6 +57,12 @@ def parse():
     p.add_argument(
         "--backends", default="triton,cuda", help="our backends: triton (ours-*), cuda (cuda-*)"
     )
+    p.add_argument(
+        "--cuda-variants",
+        default="v5",
+        help="designs of the CUDA split kernel to time (_cuda.VARIANTS: v5 shipped; research "
+        "v6, v6s3), keys cuda-<variant>-<fmt>",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
@@ -81,7 +89,7 @@ def parse():
     a.formats = [x for x in a.formats.split(",") if x]
     a.baselines = [x for x in a.baselines.split(",") if x]
     a.backends = [x for x in a.backends.split(",") if x]
-    a.cuda_variants = ["v5"]  # the one design shipped (its keys: cuda-v5-<fmt>)
+    a.cuda_variants = [x for x in a.cuda_variants.split(",") if x]
     return a
 
 
@@ -404,6 +412,8 @@ def main():
                         if tail and not name[0].isdigit():
                             continue  # sinks and windows: the compact formats only
                         o = torch.empty_like(q)
+                        if variant is not None:
+                            cfg = dataclasses.replace(cfg, cuda_variant=variant)
                         fn = functools.partial(
                             paged_decode,
                             fmt,
@@ -433,8 +443,12 @@ def main():
                             say(f"!! {key}: {type(ex).__name__}: {ex}")
                             continue
                         outs[key] = o
-                        twin = "ours" + key.removeprefix(prefix)
-                        if backend != "triton" and twin in outs:
+                        twins = ["ours" + key.removeprefix(prefix)]
+                        if variant not in (None, "v5"):  # a research design against v5
+                            twins.append("cuda-v5" + key.removeprefix(prefix))
+                        for twin in twins:
+                            if backend == "triton" or twin not in outs:
+                                continue
                             o1, o2 = o.float(), outs[twin].float()
                             e = ((o1 - o2).norm() / o2.norm()).item()
                             checks.append(

@@ -6,11 +6,14 @@ lane holds which token, head and channel in the mma and movmatrix fragments of t
 not the compiled code; a change of the kernel's mappings needs the same change here.
 
     TRITON_INTERPRET=1 PYTHONPATH=packages/kvzip-kernels/tests python3 \
-        packages/kvzip-kernels/benchmarks/cuda_model.py [int4 4bit 3.5bit 3bit] [-- v5 v4a]
+        packages/kvzip-kernels/benchmarks/cuda_model.py [int4 4bit 3.5bit 3bit] [-- v5 v6 v4a]
 
 The shipped design is v5: the fragment logic on the bytes its cp.async ring stages hold
 (``stage_tile``: K rows, V byte rows of 16 tokens, metadata). v4a (the design v5 replaced,
-NOTES.md; its kernel is in git history) is modelled too, on the pages.
+NOTES.md; its kernel is in git history) is modelled too, on the pages. The research design v6
+(NOTES.md) on the same stages: a warp's tile is two 16-token units sharing one online-softmax
+update, and its index builders (k3_indices, v_frag6's word-wide 3-bit indices, byte_of as
+PTX prmt) replace v5's.
 """
 
 import math
@@ -150,7 +153,7 @@ def krow_load(FMT, D, mem, row, q):
     return w, lo, hi
 
 
-def krow_pairs(FMT, D, kr, ks, T):
+def krow_pairs(FMT, D, kr, ks, T, v6=False):
     """KRow::pairs (compact) or KRow::int4: the values of (a_lo pair, a_hi pair)."""
     K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
     w, lo, hi = kr
@@ -162,11 +165,42 @@ def krow_pairs(FMT, D, kr, ks, T):
         x = (w[ks >> 1] >> 16) if ks & 1 else w[ks >> 1] & 0xFFFF
         return list(T[("K4", x & 0xFF)]), list(T[("K4", x >> 8)])
     kk = ks - KS4
+    if v6:  # k3_indices: the row's indices 4 at a time, byte kk of x0 / x1
+        x0, x1 = k3_indices(lo, hi)
+        return list(T[("K3", byte_of(x0, kk))]), list(T[("K3", byte_of(x1, kk))])
     L, H = lo >> (8 * kk), hi >> (4 * kk)
     return (
         list(T[("K3", (L & 0xF) | ((H & 3) << 4))]),
         list(T[("K3", ((L >> 4) & 0xF) | ((H & 0xC) << 2))]),
     )
+
+
+def prmt(a, b, sel):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (sel nibble i & 7) of the
+    8 bytes b:a, or that byte's sign bit replicated when the nibble's bit 3 is set."""
+    src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    out = 0
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (n & 7))) & 0xFF
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def byte_of(w, k):  # csrc byte_of: prmt(w, 0, 0x4440 | k)
+    return prmt(w, 0, 0x4440 | k)
+
+
+def k3_indices(lo, hi):
+    """csrc k3_indices (v6): byte kk of x0 / x1 = the 6-bit index of channels (c, c+1) /
+    (c+2, c+3) of the 3-bit group's k-step kk."""
+    t = prmt(hi, 0, 0x1100)
+    hs = (t & 0x000F000F) | ((t >> 4) & 0x0F000F00)
+    x0 = ((lo & 0x0F0F0F0F) + ((hs & 0x03030303) << 4)) & 0xFFFFFFFF
+    x1 = (((lo >> 4) & 0x0F0F0F0F) + ((hs & 0x0C0C0C0C) << 2)) & 0xFFFFFFFF
+    return x0, x1
 
 
 def v_pairs(mem, p, paired):
@@ -177,7 +211,7 @@ def v_pairs(mem, p, paired):
     return u(mem, p, 2), u(mem, p + 8, 2)
 
 
-def v_frag(FMT, D, mem, vrow, ST, mt, g, T, paired=False):
+def v_frag(FMT, D, mem, vrow, ST, mt, g, T, paired=False, v6=False):
     """v_frag: a[0..3] as pairs of values (k-rows 2q, 2q+1 / 2q+8, 2q+9)."""
     K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
 
@@ -202,17 +236,26 @@ def v_frag(FMT, D, mem, vrow, ST, mt, g, T, paired=False):
     if mt < MT3:
         j, j1 = 4 * mt + (g >> 1), D // 4 + 2 * mt + (g >> 2)
         sl, sh = 4 * (g & 1), 2 * (g & 3)
-        w0, w1 = v_pairs(mem, vrow + j * ST, paired)
-        h0, h1 = v_pairs(mem, vrow + j1 * ST, paired)
-        x0 = ((w0 >> sl) & 0x0F0F) | (((h0 >> sh) & 0x0303) << 4)
-        x1 = ((w1 >> sl) & 0x0F0F) | (((h1 >> sh) & 0x0303) << 4)
+        if v6:  # v_frag6: the 4 tokens' indices in the bytes of one word
+            W, H = u(mem, vrow + j * ST, 4), u(mem, vrow + j1 * ST, 4)
+            X = ((W >> sl) & 0x0F0F0F0F) + (((H >> sh) & 0x03030303) << 4)
+            x0, x1 = byte_of(X, 0) | byte_of(X, 1) << 8, byte_of(X, 2) | byte_of(X, 3) << 8
+        else:
+            w0, w1 = v_pairs(mem, vrow + j * ST, paired)
+            h0, h1 = v_pairs(mem, vrow + j1 * ST, paired)
+            x0 = ((w0 >> sl) & 0x0F0F) | (((h0 >> sh) & 0x0303) << 4)
+            x1 = ((w1 >> sl) & 0x0F0F) | (((h1 >> sh) & 0x0303) << 4)
         tab = "V3"
     else:
         j = D // 8 + 4 * (mt - MT3) + (g >> 1)
         sl = 4 * (g & 1)
-        w0, w1 = v_pairs(mem, vrow + j * ST, paired)
-        x0 = (w0 >> sl) & 0x0F0F
-        x1 = (w1 >> sl) & 0x0F0F
+        if v6:
+            X = (u(mem, vrow + j * ST, 4) >> sl) & 0x0F0F0F0F
+            x0, x1 = byte_of(X, 0) | byte_of(X, 1) << 8, byte_of(X, 2) | byte_of(X, 3) << 8
+        else:
+            w0, w1 = v_pairs(mem, vrow + j * ST, paired)
+            x0 = (w0 >> sl) & 0x0F0F
+            x1 = (w1 >> sl) & 0x0F0F
         tab = "V2"
     a0, a1 = split(T[(tab, x0 & 0xFF)], T[(tab, x0 >> 8)])
     a2, a3 = split(T[(tab, x1 & 0xFF)], T[(tab, x1 >> 8)])
@@ -239,7 +282,7 @@ def split_cta(
     K3, KCB, VCB, MB, KS4, NW4, MT3 = fmt_consts(FMT, D)
     KS = D // 16
     BF = INT4
-    T = None if INT4 else (rep_tables(FMT, lv) if variant == "v5" else tables(FMT, lv))
+    T = None if INT4 else (tables(FMT, lv) if variant == "v4a" else rep_tables(FMT, lv))
     # per-lane B fragments of q
     qpad = np.zeros((8, D))
     qpad[:G] = q
@@ -269,101 +312,125 @@ def split_cta(
     sm = []
     tile_lo = tok_lo // 16
     tile_hi = (tok_hi + 15) // 16 if tok_lo < tok_hi else tile_lo
+    staged = variant in ("v5", "v6")  # fragments read from the ring stages' bytes
+    v6 = variant == "v6"
+
+    def unit_scores(tile):
+        """One 16-token unit (v4a/v5: a tile): its scores s [32, 4] (-inf where invalid) and
+        what its P.V needs."""
+        t0 = tile * 16
+        blk = int(bt_row[t0 // PS])
+        toff = t0 % PS
+        kpage = blk * kbs + kho
+        vpage = blk * vbs + vho
+        if staged:  # the stage's bytes; rows, V rows and metadata inside it
+            st = stage_tile(FMT, D, kc, vc, kpage, vpage, toff, PS)
+            kmem, krow0, kmeta = st, 0, 16 * KCB + 16 * VCB
+            vmem, vrow0, vst, vmeta = st, 16 * KCB, 16, 16 * KCB + 16 * VCB + 16 * MB
+            rowoff = 0
+        else:
+            kmem, krow0, kmeta = kc, kpage, kpage + PS * KCB
+            vmem, vrow0, vst, vmeta = vc, vpage + toff, PS, vpage + PS * VCB
+            rowoff = toff
+        ks_r = np.zeros((32, 2))
+        kz_r = np.zeros((32, 2))
+        vs_r = np.zeros((32, 2))
+        vz_r = np.zeros((32, 2))
+        valid = np.zeros((32, 2), bool)
+        krows = {}
+        for l in range(32):
+            for r in range(2):
+                # v5, v6: score row g + 8r is token 4(g/2) + 2r + g%2 of the unit (v_pairs)
+                tr = 4 * (G_[l] >> 1) + 2 * r + (G_[l] & 1) if staged else G_[l] + 8 * r
+                t = rowoff + tr
+                tok = t0 + tr
+                valid[l, r] = tok_lo <= tok < tok_hi
+                krows[l, r] = krow_load(FMT, D, kmem, krow0 + t * KCB, Q_[l])
+                if valid[l, r]:
+                    km = kmem[kmeta + t * MB : kmeta + (t + 1) * MB].copy().view(np.float16)
+                    vm = vmem[vmeta + t * MB : vmeta + (t + 1) * MB].copy().view(np.float16)
+                    ks_r[l, r] = km[0]
+                    vs_r[l, r] = vm[0] * (1 if INT4 else 64)
+                    if INT4:
+                        kz_r[l, r] = km[1]
+                        vz_r[l, r] = vm[1]
+        s = np.zeros((32, 4))
+        for ks in range(KS):
+            a = np.zeros((32, 4, 2))
+            for l in range(32):
+                a[l, 0], a[l, 2] = krow_pairs(FMT, D, krows[l, 0], ks, T, v6)
+                a[l, 1], a[l, 3] = krow_pairs(FMT, D, krows[l, 1], ks, T, v6)
+            s = mma(s, a, bq[:, ks, 0], bq[:, ks, 1])
+        for i in range(4):
+            r, c = i >> 1, i & 1
+            v = (
+                (s[:, i] * ks_r[:, r] + (kz_r[:, r] - 128 * ks_r[:, r]) * colc[:, c]) * qk_scale
+                if INT4
+                else s[:, i] * ks_r[:, r] * colc[:, c]
+            )
+            s[:, i] = np.where(valid[:, r], v, -np.inf)
+        return s, (vs_r, vz_r, vmem, vrow0, vst)
+
+    def unit_pv(acc, acc_c, p, pvargs):
+        """O^T += V^T P'^T of one unit (p: its probabilities [32, 4]; acc, acc_c already
+        rescaled); returns acc_c."""
+        vs_r, vz_r, vmem, vrow0, vst = pvargs
+        plo = r16(np.stack([p[:, 0] * vs_r[:, 0], p[:, 1] * vs_r[:, 0]], 1), BF)
+        phi = r16(np.stack([p[:, 2] * vs_r[:, 1], p[:, 3] * vs_r[:, 1]], 1), BF)
+        if INT4:
+            acc_c = acc_c.copy()
+            acc_c[:, 0] += (
+                p[:, 0] * vz_r[:, 0] + p[:, 2] * vz_r[:, 1] - 128 * (plo[:, 0] + phi[:, 0])
+            )
+            acc_c[:, 1] += (
+                p[:, 1] * vz_r[:, 0] + p[:, 3] * vz_r[:, 1] - 128 * (plo[:, 1] + phi[:, 1])
+            )
+        bp0 = movtrans(plo)
+        bp1 = movtrans(phi)
+        for mt in range(KS):
+            a = np.zeros((32, 4, 2))
+            for l in range(32):
+                vr = vrow0 + (4 if staged else 2) * Q_[l]
+                a[l] = v_frag(FMT, D, vmem, vr, vst, mt, G_[l], T, paired=staged, v6=v6)
+            acc[mt] = mma(acc[mt], a, bp0, bp1)
+        return acc_c
+
     for w in range(NW):
         m_i = np.full((32, 2), -np.inf)
         l_i = np.zeros((32, 2))
         acc_c = np.zeros((32, 2))
         acc = np.zeros((KS, 32, 4))
-        for tile in range(tile_lo + w, tile_hi, NW):
-            t0 = tile * 16
-            blk = int(bt_row[t0 // PS])
-            toff = t0 % PS
-            kpage = blk * kbs + kho
-            vpage = blk * vbs + vho
-            if variant == "v5":  # the stage's bytes; rows, V rows and metadata inside it
-                st = stage_tile(FMT, D, kc, vc, kpage, vpage, toff, PS)
-                kmem, krow0, kmeta = st, 0, 16 * KCB + 16 * VCB
-                vmem, vrow0, vst, vmeta = st, 16 * KCB, 16, 16 * KCB + 16 * VCB + 16 * MB
-                rowoff = 0
-            else:
-                kmem, krow0, kmeta = kc, kpage, kpage + PS * KCB
-                vmem, vrow0, vst, vmeta = vc, vpage + toff, PS, vpage + PS * VCB
-                rowoff = toff
-            ks_r = np.zeros((32, 2))
-            kz_r = np.zeros((32, 2))
-            vs_r = np.zeros((32, 2))
-            vz_r = np.zeros((32, 2))
-            valid = np.zeros((32, 2), bool)
-            krows = {}
-            v5 = variant == "v5"
-            for l in range(32):
-                for r in range(2):
-                    # v5: score row g + 8r is token 4(g/2) + 2r + g%2 of the tile (v_pairs)
-                    tr = 4 * (G_[l] >> 1) + 2 * r + (G_[l] & 1) if v5 else G_[l] + 8 * r
-                    t = rowoff + tr
-                    tok = t0 + tr
-                    valid[l, r] = tok_lo <= tok < tok_hi
-                    krows[l, r] = krow_load(FMT, D, kmem, krow0 + t * KCB, Q_[l])
-                    if valid[l, r]:
-                        km = kmem[kmeta + t * MB : kmeta + (t + 1) * MB].copy().view(np.float16)
-                        vm = vmem[vmeta + t * MB : vmeta + (t + 1) * MB].copy().view(np.float16)
-                        ks_r[l, r] = km[0]
-                        vs_r[l, r] = vm[0] * (1 if INT4 else 64)
-                        if INT4:
-                            kz_r[l, r] = km[1]
-                            vz_r[l, r] = vm[1]
-            s = np.zeros((32, 4))
-            for ks in range(KS):
-                a = np.zeros((32, 4, 2))
-                for l in range(32):
-                    a[l, 0], a[l, 2] = krow_pairs(FMT, D, krows[l, 0], ks, T)
-                    a[l, 1], a[l, 3] = krow_pairs(FMT, D, krows[l, 1], ks, T)
-                s = mma(s, a, bq[:, ks, 0], bq[:, ks, 1])
-            for i in range(4):
-                r, c = i >> 1, i & 1
-                v = (
-                    (s[:, i] * ks_r[:, r] + (kz_r[:, r] - 128 * ks_r[:, r]) * colc[:, c]) * qk_scale
-                    if INT4
-                    else s[:, i] * ks_r[:, r] * colc[:, c]
-                )
-                s[:, i] = np.where(valid[:, r], v, -np.inf)
+        if v6:  # warp w's tile n: units tile_lo + 2w + 2nNW and the next one (if in range)
+            tiles = [
+                [u for u in (u0, u0 + 1) if u < tile_hi]
+                for u0 in range(tile_lo + 2 * w, tile_hi, 2 * NW)
+            ]
+        else:
+            tiles = [[t] for t in range(tile_lo + w, tile_hi, NW)]
+        for units in tiles:
+            got = [unit_scores(t) for t in units]
+            s_all = np.concatenate([g_[0] for g_ in got], 1)  # [32, 4 * units]
             alpha = np.zeros((32, 2))
-            p = np.zeros((32, 4))
+            ps = [np.zeros((32, 4)) for _ in got]
             for c in range(2):
-                mx = np.maximum(s[:, c], s[:, 2 + c])
+                mx = s_all[:, c::2].max(axis=1)  # the unit(s)' columns c, 2 + c
                 mx = xor_red(mx, np.maximum, (4, 8, 16))
                 m_new = np.maximum(m_i[:, c], mx)
                 none = m_new == -np.inf
                 m_use = np.where(none, 0, m_new)
                 alpha[:, c] = np.where(none, 1, np.exp2(m_i[:, c] - m_use))
-                p[:, c] = np.exp2(s[:, c] - m_use)
-                p[:, 2 + c] = np.exp2(s[:, 2 + c] - m_use)
-                l_i[:, c] = l_i[:, c] * alpha[:, c] + p[:, c] + p[:, 2 + c]
+                tot = 0
+                for (su, _), pu in zip(got, ps, strict=True):
+                    pu[:, c] = np.exp2(su[:, c] - m_use)
+                    pu[:, 2 + c] = np.exp2(su[:, 2 + c] - m_use)
+                    tot = tot + pu[:, c] + pu[:, 2 + c]
+                l_i[:, c] = l_i[:, c] * alpha[:, c] + tot
                 m_i[:, c] = m_new
-            plo = r16(np.stack([p[:, 0] * vs_r[:, 0], p[:, 1] * vs_r[:, 0]], 1), BF)
-            phi = r16(np.stack([p[:, 2] * vs_r[:, 1], p[:, 3] * vs_r[:, 1]], 1), BF)
-            if INT4:
-                acc_c[:, 0] = (
-                    acc_c[:, 0] * alpha[:, 0]
-                    + p[:, 0] * vz_r[:, 0]
-                    + p[:, 2] * vz_r[:, 1]
-                    - 128 * (plo[:, 0] + phi[:, 0])
-                )
-                acc_c[:, 1] = (
-                    acc_c[:, 1] * alpha[:, 1]
-                    + p[:, 1] * vz_r[:, 0]
-                    + p[:, 3] * vz_r[:, 1]
-                    - 128 * (plo[:, 1] + phi[:, 1])
-                )
-            bp0 = movtrans(plo)
-            bp1 = movtrans(phi)
-            for mt in range(KS):
-                a = np.zeros((32, 4, 2))
-                for l in range(32):
-                    vr = vrow0 + (4 if v5 else 2) * Q_[l]
-                    a[l] = v_frag(FMT, D, vmem, vr, vst, mt, G_[l], T, paired=v5)
-                acc[mt] *= np.stack([alpha[:, 0], alpha[:, 1], alpha[:, 0], alpha[:, 1]], 1)
-                acc[mt] = mma(acc[mt], a, bp0, bp1)
+            a4 = np.stack([alpha[:, 0], alpha[:, 1], alpha[:, 0], alpha[:, 1]], 1)
+            acc *= a4[None]
+            acc_c = acc_c * alpha
+            for (_, pvargs), pu in zip(got, ps, strict=True):
+                acc_c = unit_pv(acc, acc_c, pu, pvargs)
         for c in range(2):
             l_i[:, c] = xor_red(l_i[:, c], np.add, (4, 8, 16))
             acc_c[:, c] = xor_red(acc_c[:, c], np.add, (4, 8, 16))
@@ -420,8 +487,10 @@ def fake_split(
     tokens_per_split,
     num_splits,
     skip=0,
+    variant="v5",
 ):
     FMT = C.FORMATS[fmt_name]
+    variant = "v4a" if VARIANT == "v4a" else ("v6" if variant.startswith("v6") else variant)
     b, hq, d = q.shape
     G = hq // num_kv_heads
     qf = q.float().numpy()
@@ -460,7 +529,7 @@ def fake_split(
                     v_blk_stride,
                     G,
                     qk_scale,
-                    variant=VARIANT,
+                    variant=variant,
                 )
                 op[rows, s] = torch.tensor(o, dtype=torch.float32)
                 lp[rows, s] = torch.tensor(l, dtype=torch.float32)
@@ -528,7 +597,7 @@ def main():
         VARIANT = v
         for name in names:
             print("--", v, end=" ")
-            cfg = {}
+            cfg = {"cuda_variant": v} if v in C.VARIANTS else {}
             run(name, 4, 1, 64, 16, [37, 5], DecodeConfig(block_n=16, num_splits=2, **cfg))
             print("--", v, end=" ")
             run(name, 8, 1, 128, 64, [130], DecodeConfig(block_n=64, num_splits=2, **cfg))

@@ -2,8 +2,8 @@
 """sm_90a SASS of the CUDA decode kernels (csrc/paged_decode.cu), compiled on the CPU machine
 with nvcc (no GPU): per kernel (design, format, head_dim) the ptxas registers, spills and shared
 memory, and the instructions of the token loop (the shortest backward branch around the mma
-instructions: one warp's 16-token tile) by opcode class. Per token and KV head: loop
-instructions / 16.
+instructions: one warp's 16-token tile; v6: 32 tokens) by opcode class. Per token and KV head:
+loop instructions / 16 (v6: / 32).
 
     KVZIP_NVCC=.../nvcc uv run python packages/kvzip-kernels/benchmarks/cuda_sass.py \\
         --out results/kernels
@@ -46,8 +46,10 @@ CLASSES = {
 
 
 def kernel_name(mangled: str) -> tuple[str, str, int] | None:
-    m = re.search(r"split_(v4a|v5)ILi(\d)ELi(\d+)E", mangled)
-    return (m[1], FMT[int(m[2])], int(m[3])) if m else None
+    m = re.search(r"split_(v4a|v5|v6)ILi(\d)ELi(\d+)ELi\d+ELi(\d+)E", mangled)
+    if not m:
+        return None
+    return (m[1] if m[1] != "v6" else f"v6s{m[4]}", FMT[int(m[2])], int(m[3]))
 
 
 def main():
@@ -108,22 +110,23 @@ def main():
                 head_dim=key[2],
                 **res.get(key, {}),
                 loop_instr=len(body),
-                per_token_head=round(len(body) / 16, 1),
+                per_token_head=round(len(body) / (32 if key[0].startswith("v6") else 16), 1),
                 by_class=dict(sorted(by.items())),
             )
         )
     for x in rows:  # v5's dynamic shared memory (csrc: v5_smem): replicated tables + the ring
-        if x["variant"] == "v5":
+        if x["variant"] == "v5" or x["variant"].startswith("v6"):
             d, f = x["head_dim"], x["format"]
             kcb = 7 * d // 16 if f == "3bit" else d // 2
             vcb = {"int4": d // 2, "4bit": d // 2, "3.5bit": 3 * d // 8, "3bit": 5 * d // 16}[f]
             mb = 4 if f == "int4" else 2
             entries = {"int4": 0, "4bit": 256, "3.5bit": 320, "3bit": 336}[f]
-            x["dynamic_smem_bytes"] = entries * 128 + 4 * 4 * 16 * (kcb + vcb + 2 * mb)
+            ring = 4 * 4 if x["variant"] == "v5" else 4 * 2 * int(x["variant"][3:])  # units of 16
+            x["dynamic_smem_bytes"] = entries * 128 + ring * 16 * (kcb + vcb + 2 * mb)
     rows.sort(key=lambda x: (x["format"], x["head_dim"], x["variant"]))
     for x in rows:
         print(
-            f"{x['variant']:4s} {x['format']:7s} d{x['head_dim']:<4d} regs {x.get('regs')} "
+            f"{x['variant']:5s} {x['format']:7s} d{x['head_dim']:<4d} regs {x.get('regs')} "
             f"spill {x.get('spill_bytes')} smem {x.get('smem_bytes')}"
             f"+{x.get('dynamic_smem_bytes', 0)} loop {x['loop_instr']} "
             f"= {x['per_token_head']} /token-head  {x['by_class']}"

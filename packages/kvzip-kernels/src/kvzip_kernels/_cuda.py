@@ -43,6 +43,11 @@ MIN_CAPABILITY = (8, 0)
 AUTO_CAPABILITIES = ((9, 0),)
 MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
 FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1, "3.5bit": 2, "3bit": 3}
+#: The split kernel's designs (``DecodeConfig(cuda_variant=)``): ``v5`` (shipped) and the
+#: research design v6 (NOTES.md: 32-token tiles per warp, 3-instruction table lookups; the
+#: same bytes and values) with 2 (``v6``) or 3 (``v6s3``) ring stages of 32 tokens per warp.
+#: v6 stays a research variant until the H200 run decides which one design ships.
+VARIANTS = {"v5": 0, "v6": 2, "v6s3": 3}
 BACKENDS = KERNELS_BACKEND.choices  # ("auto", "cuda", "triton")
 
 
@@ -119,6 +124,8 @@ def _declare(L: ctypes.CDLL) -> None:
         I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
     ]  # fmt: skip
     L.kvzd_split_launch.restype = I
+    L.kvzd_split_launch_v6.argtypes = [*L.kvzd_split_launch.argtypes, I]
+    L.kvzd_split_launch_v6.restype = I
 
 
 #: The kernel's library per GPU architecture (built, cached and loaded by kvzip_formats.nvcc).
@@ -217,10 +224,13 @@ def split(
     tokens_per_split: int,
     num_splits: int,
     skip: int = 0,
+    variant: str = "v5",
 ) -> None:
     """Launch the split stage on the current stream (inputs validated by ``paged_decode``;
     ``q`` contiguous: bf16 for int4, the fp16 q' of the compact formats with ``qs`` and the
-    level table ``lut16`` (:func:`level_table`))."""
+    level table ``lut16`` (:func:`level_table`)); ``variant``: a key of :data:`VARIANTS`."""
+    if variant not in VARIANTS:
+        raise FormatError(f"cuda_variant must be one of {tuple(VARIANTS)}, got {variant!r}")
     b, hq, d = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.data_ptr() % 16:  # cp.async and the vector loads read 16-byte aligned pages
@@ -228,7 +238,10 @@ def split(
                 f"{name} must start 16-byte aligned for the CUDA kernel (data_ptr % 16 = "
                 f"{t.data_ptr() % 16}); use backend='triton' for this cache"
             )
-    rc = lib(q.device).kvzd_split_launch(
+    L = lib(q.device)
+    stages = VARIANTS[variant]
+    fn, extra = (L.kvzd_split_launch, ()) if stages == 0 else (L.kvzd_split_launch_v6, (stages,))
+    rc = fn(
         FORMATS[fmt_name],
         d,
         _ptr(q),
@@ -254,6 +267,7 @@ def split(
         num_splits,
         skip,
         ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream),
+        *extra,
     )
     if rc:
         raise RuntimeError(f"kvzip-kernels CUDA decode launch failed: error {rc}")

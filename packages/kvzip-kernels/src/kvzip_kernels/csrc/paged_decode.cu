@@ -713,19 +713,386 @@ int launch_d(int head_dim, const Params& p, int gx, cudaStream_t s) {
   return 1000;
 }
 
+
+// ---- v6 (research variant beside v5; NOTES.md "v6"): 32-token tiles, 3-op lookups ---------
+// The same bytes, fragments and exact values as v5, with two changes read off v5's SASS:
+//  1. A warp's tile is 32 tokens: two v5 units of 16 (each within one page, each with v5's
+//     token order), copied into one ring stage by one issue and sharing one online-softmax
+//     update: one running-max reduction (3 shuffles per column), one rescale test and one
+//     cp.async wait per 32 tokens instead of per 16.
+//  2. A table lookup is 3 instructions (v5: 4): the code byte extracted by one PRMT, its
+//     address by one IMAD (byte * 128 + this lane's base, the region folded into the base),
+//     one LDS (v5 spent a LOP3 on the lane and an IADD on the dynamic shared memory's base).
+__device__ __forceinline__ uint32_t byte_of(uint32_t w, int k) {  // byte k of w, zero-extended
+  return prmt(w, 0u, 0x4440u | (uint32_t)k);
+}
+
+template <int FMT>
+struct RepLut6 {
+  uint32_t base;  // shared-window address of the tables + 4 * lane
+  __device__ __forceinline__ uint32_t operator()(int region, uint32_t idx) const {
+    const uint32_t off = region == T_K4                     ? 0u
+                         : region == T_K3                   ? 256u * 128u
+                         : region == T_V0                   ? (FMT == FMT_4BIT ? 0u : 256u * 128u)
+                                                            : 320u * 128u;
+    uint32_t r;
+    asm("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(idx * 128u + (base + off)));
+    return r;
+  }
+};
+
+// 3bit's K 3-bit group: the 6-bit indices of a thread's row, all at once: byte kk of x0 holds
+// that of channels (c, c+1) of k-step KS4 + kk (low 4 bits from byte kk of the 2-bit plane,
+// bits 4-5 from nibble kk of the 1-bit plane), byte kk of x1 that of (c+2, c+3): the indices
+// v5's KRow::pairs builds one by one
+__device__ __forceinline__ void k3_indices(uint32_t lo, uint32_t hi, uint32_t& x0, uint32_t& x1) {
+  const uint32_t t = prmt(hi, 0u, 0x1100u);  // bytes: hi.b0, hi.b0, hi.b1, hi.b1
+  const uint32_t hs = (t & 0x000F000Fu) | ((t >> 4) & 0x0F000F00u);  // nibble kk -> byte kk
+  x0 = (lo & 0x0F0F0F0Fu) + ((hs & 0x03030303u) << 4);
+  x1 = ((lo >> 4) & 0x0F0F0F0Fu) + ((hs & 0x0C0C0C0Cu) << 2);
+}
+
+// v5's KRow::pairs with the bytes taken by byte_of; x0/x1: k3_indices of the row (3bit)
+template <int FMT, int D, typename LUT>
+__device__ __forceinline__ void k_pairs6(const KRow<FMT, D>& kr, uint32_t x0, uint32_t x1,
+                                         int ks, const LUT& T, uint32_t& p0, uint32_t& p1) {
+  using F = Fmt<FMT, D>;
+  if (ks < F::KS4) {
+    const uint32_t w = kr.w[ks >> 1];
+    const int b = 2 * (ks & 1);
+    p0 = T(T_K4, byte_of(w, b));
+    p1 = T(T_K4, byte_of(w, b + 1));
+  } else {
+    p0 = T(T_K3, byte_of(x0, ks - F::KS4));
+    p1 = T(T_K3, byte_of(x1, ks - F::KS4));
+  }
+}
+
+template <int FMT, int D, typename LUT>
+__device__ __forceinline__ void v_frag6(const uint8_t* vrow, int ST, int mt, int g, const LUT& T,
+                                        uint32_t a[4]) {
+  if constexpr (FMT == FMT_4BIT) {
+    const int j = 8 * mt + g;  // byte row: channels 2j (low nibbles), 2j+1 (high)
+    const uint32_t x = *reinterpret_cast<const uint32_t*>(vrow + j * ST);
+    const uint32_t t0l = T(T_V0, byte_of(x, 0)), t0h = T(T_V0, byte_of(x, 1));
+    const uint32_t t1l = T(T_V0, byte_of(x, 2)), t1h = T(T_V0, byte_of(x, 3));
+    a[0] = prmt(t0l, t0h, 0x5410);
+    a[1] = prmt(t0l, t0h, 0x7632);
+    a[2] = prmt(t1l, t1h, 0x5410);
+    a[3] = prmt(t1l, t1h, 0x7632);
+  } else if constexpr (FMT == FMT_INT4) {
+    v_frag<FMT, D>(vrow, ST, mt, g, T, a);
+  } else {
+    // 3.5bit / 3bit: the 4 tokens' indices at once in the bytes of one word (v5 built them
+    // per 16-bit half): X byte k = the index of token 4q + k (v5's token order)
+    using F = Fmt<FMT, D>;
+    uint32_t X;
+    int tab;
+    if (mt < F::MT3) {  // 3-bit group 0: 2-bit plane at 0, 1-bit plane at D/4
+      const int j = 4 * mt + (g >> 1), j1 = D / 4 + 2 * mt + (g >> 2);
+      const int sl = 4 * (g & 1), sh = 2 * (g & 3);
+      const uint32_t W = *reinterpret_cast<const uint32_t*>(vrow + j * ST);
+      const uint32_t H = *reinterpret_cast<const uint32_t*>(vrow + j1 * ST);
+      X = ((W >> sl) & 0x0F0F0F0Fu) + (((H >> sh) & 0x03030303u) << 4);
+      tab = T_V0;
+    } else {  // 3bit's 2-bit group: its plane at D/8
+      const int j = D / 8 + 4 * (mt - F::MT3) + (g >> 1);
+      const int sl = 4 * (g & 1);
+      X = (*reinterpret_cast<const uint32_t*>(vrow + j * ST) >> sl) & 0x0F0F0F0Fu;
+      tab = T_V2;
+    }
+    const uint32_t t0l = T(tab, byte_of(X, 0)), t0h = T(tab, byte_of(X, 1));
+    const uint32_t t1l = T(tab, byte_of(X, 2)), t1h = T(tab, byte_of(X, 3));
+    a[0] = prmt(t0l, t0h, 0x5410);
+    a[1] = prmt(t0l, t0h, 0x7632);
+    a[2] = prmt(t1l, t1h, 0x5410);
+    a[3] = prmt(t1l, t1h, 0x7632);
+  }
+}
+
+template <int FMT, int D>
+struct Warp6 : Warp<FMT, D> {
+  using F = Fmt<FMT, D>;
+  using B = Warp<FMT, D>;
+  static constexpr bool BF16 = F::INT4;
+
+  template <typename LUT>
+  __device__ __forceinline__ void score6(const KRow<FMT, D> kr[2], const uint32_t km[2],
+                                         const bool valid[2], float qk_scale, const LUT& T,
+                                         float s[4]) const {
+    float ks_r[2], kz_r[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      ks_r[r] = f16_to_f32(km[r] & 0xFFFFu);
+      kz_r[r] = F::INT4 ? f16_to_f32(km[r] >> 16) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = 0.f;
+    uint32_t x0[2] = {0u, 0u}, x1[2] = {0u, 0u};
+    if constexpr (F::K3) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) k3_indices(kr[r].lo, kr[r].hi, x0[r], x1[r]);
+    }
+#pragma unroll
+    for (int ks = 0; ks < F::KS; ++ks) {
+      uint32_t a[4];
+      if constexpr (F::INT4) {
+        kr[0].int4(ks, a[0], a[2]);
+        kr[1].int4(ks, a[1], a[3]);
+      } else {
+        k_pairs6<FMT, D>(kr[0], x0[0], x1[0], ks, T, a[0], a[2]);
+        k_pairs6<FMT, D>(kr[1], x0[1], x1[1], ks, T, a[1], a[3]);
+      }
+      mma16816<BF16>(s, a, this->bq[ks][0], this->bq[ks][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = i >> 1, c = i & 1;
+      float v = F::INT4 ? (s[i] * ks_r[r] + (kz_r[r] - 128.f * ks_r[r]) * this->colc[c]) * qk_scale
+                        : s[i] * ks_r[r] * this->colc[c];
+      s[i] = valid[r] ? v : neg_inf();
+    }
+  }
+
+  // The online softmax of the two units' scores at once, then O^T += V^T P'^T per unit.
+  template <typename LUT>
+  __device__ __forceinline__ void pv6(float s[2][4], const uint32_t vm[2][2],
+                                      const uint8_t* const vrow[2], int g, const LUT& T) {
+    float vs_r[2][2], vz_r[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (F::INT4) {
+          vs_r[h][r] = f16_to_f32(vm[h][r] & 0xFFFFu);
+          vz_r[h][r] = f16_to_f32(vm[h][r] >> 16);
+        } else {
+          vs_r[h][r] = f16_to_f32(vm[h][r] & 0xFFFFu) * 64.f;
+          vz_r[h][r] = 0.f;
+        }
+      }
+    float alpha[2], p[2][4];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float mx = fmaxf(fmaxf(s[0][c], s[0][2 + c]), fmaxf(s[1][c], s[1][2 + c]));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 16));
+      const float m_new = fmaxf(this->m_i[c], mx);
+      const bool none = m_new == neg_inf();
+      const float m_use = none ? 0.f : m_new;
+      alpha[c] = none ? 1.f : fast_exp2(this->m_i[c] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        p[h][c] = fast_exp2(s[h][c] - m_use);
+        p[h][2 + c] = fast_exp2(s[h][2 + c] - m_use);
+        sum += p[h][c] + p[h][2 + c];
+      }
+      this->l_i[c] = this->l_i[c] * alpha[c] + sum;
+      this->m_i[c] = m_new;
+    }
+    if (__any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int mt = 0; mt < F::KS; ++mt) {
+        this->acc[mt][0] *= alpha[0];
+        this->acc[mt][1] *= alpha[1];
+        this->acc[mt][2] *= alpha[0];
+        this->acc[mt][3] *= alpha[1];
+      }
+      if constexpr (F::INT4) {
+        this->acc_c[0] *= alpha[0];
+        this->acc_c[1] *= alpha[1];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t plo = pack2<BF16>(p[h][0] * vs_r[h][0], p[h][1] * vs_r[h][0]);
+      const uint32_t phi = pack2<BF16>(p[h][2] * vs_r[h][1], p[h][3] * vs_r[h][1]);
+      if constexpr (F::INT4) {
+        this->acc_c[0] += p[h][0] * vz_r[h][0] + p[h][2] * vz_r[h][1] -
+                          128.f * (lo_f32<true>(plo) + lo_f32<true>(phi));
+        this->acc_c[1] += p[h][1] * vz_r[h][0] + p[h][3] * vz_r[h][1] -
+                          128.f * (hi_f32<true>(plo) + hi_f32<true>(phi));
+      }
+      const uint32_t bp0 = movmatrix_trans(plo);
+      const uint32_t bp1 = movmatrix_trans(phi);
+#pragma unroll
+      for (int mt = 0; mt < F::KS; ++mt) {
+        uint32_t a[4];
+        v_frag6<FMT, D>(vrow[h], 16, mt, g, T, a);
+        mma16816<BF16>(this->acc[mt], a, bp0, bp1);
+      }
+    }
+  }
+};
+
+// The replicated tables, 16 bytes per store: 8 threads per entry, each writing 4 of its 32
+// copies (fill_rep: one word per store, every thread computing each of its entries once per
+// word: ~4x the instructions, ~15% of a 512-token split's loop at 4bit)
+template <int FMT>
+__device__ void fill_rep6(uint32_t* rep, const uint16_t* lv, int tid, int nthreads) {
+  for (int i = tid; i < RepLut<FMT>::ENTRIES * 8; i += nthreads) {
+    const uint32_t v = level_pair(lv, i >> 3);
+    reinterpret_cast<uint4*>(rep)[i] = make_uint4(v, v, v, v);
+  }
+}
+
+template <int FMT, int D>
+constexpr int v6_min_ctas(int S) {
+  return FMT == FMT_INT4 ? 4 : (S <= 2 ? 3 : 2);
+}
+
+template <int FMT, int D, int NW, int S>
+constexpr int v6_smem() { return RepLut<FMT>::ENTRIES * 128 + NW * S * 2 * Stage<FMT, D>::BYTES; }
+
+template <int FMT, int D, int NW, int S>
+__global__ void __launch_bounds__(NW * 32, v6_min_ctas<FMT, D>(S)) split_v6(const Params P) {
+  using F = Fmt<FMT, D>;
+  using ST = Stage<FMT, D>;
+  static_assert(NW * S * 2 * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
+  uint32_t* rep = reinterpret_cast<uint32_t*>(v5_dyn);
+  auto ring = reinterpret_cast<uint8_t(*)[S][2 * ST::BYTES]>(v5_dyn + RepLut<FMT>::ENTRIES * 128);
+  __shared__ float sm_m[NW][8], sm_l[NW][8];
+
+  const int bh = blockIdx.x, split = blockIdx.y;
+  const int b = bh / P.num_kv_heads, h = bh % P.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, q = lane & 3;
+
+  const int seq_len = P.sl[b];
+  const int tok_lo = max(split * P.tokens_per_split, P.skip);
+  const int tok_hi = min(seq_len, split * P.tokens_per_split + P.tokens_per_split);
+  const int tile_lo = tok_lo / 16;  // units of 16 tokens
+  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 15) / 16 : tile_lo;
+  const int64_t kho = (int64_t)h * P.k_page_bytes;
+  const int64_t vho = (int64_t)h * P.v_page_bytes;
+  const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
+  // this warp's tile n: units first + 2 n NW and the next one
+  const int first = tile_lo + 2 * warp;
+  const int ntiles = first < tile_hi ? (tile_hi - first + 2 * NW - 1) / (2 * NW) : 0;
+
+  int bids0 = 0, bids1 = 0;  // lane l: the blocks of tile base + l's two units
+  auto load_bids = [&](int base) {
+    const int u = first + 2 * (base + lane) * NW;
+    bids0 = u < tile_hi ? btrow[(u * 16) >> P.ps_log2] : 0;
+    bids1 = u + 1 < tile_hi ? btrow[((u + 1) * 16) >> P.ps_log2] : 0;
+  };
+  constexpr int MC = ST::M / 16;
+  const uint8_t* ksrc = P.kc + kho + 16 * lane;
+  const uint8_t* vsrc = P.vc + vho + (int64_t)lane * P.PS;
+  const bool kmeta = lane < MC;
+  const uint8_t* msrc = kmeta ? P.kc + kho + P.PS * F::KCB + 16 * lane
+                              : P.vc + vho + P.PS * F::VCB + 16 * (lane - MC);
+  const int64_t mstride = kmeta ? P.k_blk_stride : P.v_blk_stride;
+  const int mdst = ST::K + ST::V + 16 * lane;
+  auto issue = [&](int n) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int u = first + 2 * n * NW + hf;
+      if (u >= tile_hi) break;  // warp-uniform
+      const int64_t blk = __shfl_sync(FULL_MASK, hf ? bids1 : bids0, n & 31);
+      const int toff = (u * 16) & (P.PS - 1);
+      uint8_t* dst = ring[warp][n % S] + hf * ST::BYTES;
+      const uint8_t* kp = ksrc + blk * P.k_blk_stride + toff * F::KCB;
+#pragma unroll
+      for (int i = 0; i < ST::K / 16; i += 32)
+        if (ST::K / 16 % 32 == 0 || i + lane < ST::K / 16)
+          cp_async16(dst + 16 * (i + lane), kp + 16 * i);
+      const uint8_t* vp = vsrc + blk * P.v_blk_stride + toff;
+#pragma unroll
+      for (int j = 0; j < F::VCB; j += 32)
+        if (F::VCB % 32 == 0 || j + lane < F::VCB)
+          cp_async16(dst + ST::K + 16 * (j + lane), vp + (int64_t)j * P.PS);
+      if (lane < 2 * MC) cp_async16(dst + mdst, msrc + blk * mstride + toff * F::MB);
+    }
+  };
+
+  load_bids(0);
+#pragma unroll
+  for (int n = 0; n < S - 1; ++n) {
+    if (n < ntiles) issue(n);
+    cp_async_commit();
+  }
+  if constexpr (!F::INT4) fill_rep6<FMT>(rep, P.lut16, threadIdx.x, NW * 32);
+  const RepLut6<FMT> lut{static_cast<uint32_t>(__cvta_generic_to_shared(v5_dyn)) + 4u * lane};
+  const int64_t row0 = (int64_t)bh * P.G;
+  Warp6<FMT, D> W;
+  W.init(P, row0, g, q);
+  if constexpr (!F::INT4) __syncthreads();
+
+  for (int n = 0; n < ntiles; ++n) {
+    cp_async_wait<S - 2>();
+    __syncwarp();
+    const int nn = n + S - 1;
+    if ((nn & 31) == 0) load_bids(nn);
+    if (nn < ntiles) issue(nn);
+    cp_async_commit();
+
+    const uint8_t* st0 = ring[warp][n % S];
+    float s[2][4];
+    uint32_t vm[2][2];
+    const uint8_t* vrow[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const uint8_t* st = st0 + hf * ST::BYTES;
+      const int t0 = (first + 2 * n * NW + hf) * 16;
+      KRow<FMT, D> kr[2];
+      uint32_t km[2];
+      bool valid[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int t = 4 * (g >> 1) + 2 * r + (g & 1), tok = t0 + t;
+        valid[r] = tok >= tok_lo && tok < tok_hi;
+        kr[r].load(st + t * F::KCB, q);
+        km[r] = valid[r] ? ld_meta(st + ST::K + ST::V + t * F::MB, F::INT4) : 0u;
+        vm[hf][r] = valid[r] ? ld_meta(st + ST::K + ST::V + ST::M + t * F::MB, F::INT4) : 0u;
+      }
+      W.score6(kr, km, valid, P.qk_scale, lut, s[hf]);
+      vrow[hf] = st + ST::K + 4 * q;
+    }
+    W.pv6(s, vm, vrow, g, lut);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  merge_store<FMT, D, NW>(W, P, sm_m, sm_l, reinterpret_cast<float(*)[8][D]>(&ring[0][0][0]),
+                          row0, split, warp, g, q);
+}
+
+template <int FMT, int D, int S>
+int launch6(const Params& p, int grid_x, cudaStream_t stream) {
+  dim3 grid(grid_x, p.num_splits);
+  constexpr int smem = v6_smem<FMT, D, NWARPS, S>();
+  static bool attr = false;
+  if (!attr) {
+    const cudaError_t e = cudaFuncSetAttribute(split_v6<FMT, D, NWARPS, S>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    attr = true;
+  }
+  split_v6<FMT, D, NWARPS, S><<<grid, NWARPS * 32, smem, stream>>>(p);
+  return (int)cudaGetLastError();
+}
+
+template <int FMT>
+int launch6_d(int head_dim, int stages, const Params& p, int gx, cudaStream_t s) {
+  if (stages != 2 && stages != 3) return 1003;
+  if (head_dim == 128) return stages == 2 ? launch6<FMT, 128, 2>(p, gx, s) : launch6<FMT, 128, 3>(p, gx, s);
+  if (head_dim == 64) return stages == 2 ? launch6<FMT, 64, 2>(p, gx, s) : launch6<FMT, 64, 3>(p, gx, s);
+  return 1000;
+}
+
 }  // namespace
 
 extern "C" {
 
-// fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q'
-// with per-row scale qs, fp16 level table [4][16]). Returns a cudaError_t (0 = launched);
-// 1000 + x for an unsupported argument.
-int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
-                      const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl,
-                      float* o_part, float* lse, float qk_scale, long long stride_btb, int batch,
-                      int num_kv_heads, int G, long long k_page_bytes, long long v_page_bytes,
-                      long long k_blk_stride, long long v_blk_stride, int PS,
-                      int tokens_per_split, int num_splits, int skip, void* stream) {
+namespace {
+// v6_stages 0: design v5; 2 or 3: design v6 with that many 32-token stages per warp
+int split_launch(int v6_stages, int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
+    const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
+    float* lse, float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
+    long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
+    long long v_blk_stride, int PS, int tokens_per_split, int num_splits, int skip, void* stream) {
   if (G < 1 || G > 8) return 1001;
   if (PS < 16 || (PS & (PS - 1)) || tokens_per_split % 16) return 1002;
   if (k_blk_stride % 16 || v_blk_stride % 16 || k_page_bytes % 16 || v_page_bytes % 16)
@@ -754,6 +1121,15 @@ int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, con
            skip};
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int gx = batch * num_kv_heads;
+  if (v6_stages) {
+    switch (fmt) {
+      case FMT_INT4: return launch6_d<FMT_INT4>(head_dim, v6_stages, p, gx, s);
+      case FMT_4BIT: return launch6_d<FMT_4BIT>(head_dim, v6_stages, p, gx, s);
+      case FMT_35BIT: return launch6_d<FMT_35BIT>(head_dim, v6_stages, p, gx, s);
+      case FMT_3BIT: return launch6_d<FMT_3BIT>(head_dim, v6_stages, p, gx, s);
+    }
+    return 1000;
+  }
   switch (fmt) {
     case FMT_INT4: return launch_d<FMT_INT4>(head_dim, p, gx, s);
     case FMT_4BIT: return launch_d<FMT_4BIT>(head_dim, p, gx, s);
@@ -761,6 +1137,28 @@ int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, con
     case FMT_3BIT: return launch_d<FMT_3BIT>(head_dim, p, gx, s);
   }
   return 1000;
+}
+}  // namespace
+
+// fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q' with per-row scale qs, fp16
+// level table [4][16]). Returns a cudaError_t (0 = launched); 1000 + x for an unsupported
+// argument. Design v5.
+int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
+    const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
+    float* lse, float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
+    long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
+    long long v_blk_stride, int PS, int tokens_per_split, int num_splits, int skip, void* stream) {
+  return split_launch(0, fmt, head_dim, q, qs, lut16, kc, vc, bt, sl, o_part, lse, qk_scale, stride_btb, batch, num_kv_heads, G, k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride, PS, tokens_per_split, num_splits, skip, stream);
+}
+
+// The research design v6 (NOTES.md), same arguments and outputs, plus its ring depth: 2 or 3
+// stages of 32 tokens per warp.
+int kvzd_split_launch_v6(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
+    const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
+    float* lse, float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
+    long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
+    long long v_blk_stride, int PS, int tokens_per_split, int num_splits, int skip, void* stream, int stages) {
+  return split_launch(stages, fmt, head_dim, q, qs, lut16, kc, vc, bt, sl, o_part, lse, qk_scale, stride_btb, batch, num_kv_heads, G, k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride, PS, tokens_per_split, num_splits, skip, stream);
 }
 
 }  // extern "C"
