@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One H200 call for the compact formats' cache-write (issue 27 item 5), from the checkout's
+# root, results under $OUT (about 3-4 minutes in all):
+#   1. the write's tests on the GPU: the one-kernel write (tests/test_write_compact.py, its
+#      gpu-marked many-token cases included) and the shipped split path's compact cases
+#      (tests/test_cache_write.py -k "compact or rejected")                       (<= 150 s)
+#   2. bench_cache_write.py: fp8, int4 and the compact formats' split (shipped), fused (FMA
+#      transform) and compact (tensor-core transform, 3 configs) writes against a prefill
+#      layer of the same tokens, 2k/8k/32k tokens, vLLM's slot pattern and random slots,
+#      in one process                                                              (<= 120 s)
+# KVZIP_TREE: a snapshot of the checkout to run (default: the current directory)
+set -uo pipefail
+: "${OUT:?set OUT}"
+mkdir -p "$OUT"
+P=${KVZIP_TREE:-.}/packages
+export PYTHONPATH=$P/kvzip-formats/src:$P/kvzip-kernels/src:$P/kvzip-kernels/tests:$P/kvzip-kernels/benchmarks
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+( time timeout ${TESTS_LIMIT_S:-150} python3 -m pytest -q -p no:cacheprovider \
+    $P/kvzip-kernels/tests/test_write_compact.py \
+    $P/kvzip-kernels/tests/test_cache_write.py -k "compact or rejected or many" ) \
+  2>&1 | tee $OUT/gpu_tests_cwrite.log | tail -8
+timeout ${CW_LIMIT_S:-150} python3 $P/kvzip-kernels/benchmarks/bench_cache_write.py \
+  --tag cwrite --out $OUT 2>&1 | tee $OUT/bench_cache_write_cwrite.log | tail -5
