@@ -58,7 +58,11 @@ def main():
         "research variant), compact = one kernel with the transform on the tensor cores "
         "(kvzip_kernels._write_compact)",
     )
-    p.add_argument("--compact-configs", default="128/8,64/4,64/8", help="BT/num_warps,...")
+    p.add_argument(
+        "--compact-configs",
+        default="128/8/2/-1,64/4/2/-1,128/8/1/0,64/4/1/0",
+        help="BT/num_warps/num_stages/programs per KV head (-1: SMs / heads, 0: one per tile)",
+    )
     p.add_argument("--slots", default="blocks,tokens", help="slot patterns: blocks, tokens")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -191,8 +195,8 @@ def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
             kern = codebook_write_fused if path == "fused" else compact_write
             kw = {}
             if path == "compact":
-                bt, nw = map(int, cfg.split("/"))
-                kw = dict(block_t=bt, num_warps=nw)
+                bt, nw, ns, pr = map(int, cfg.split("/"))
+                kw = dict(block_t=bt, num_warps=nw, num_stages=ns, programs=pr)
 
             def write(kc=kc, vc=vc, kern=kern, kw=kw):
                 for kind, x, c in (("k", k, kc), ("v", v, vc)):

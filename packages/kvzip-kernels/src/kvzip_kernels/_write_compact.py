@@ -29,6 +29,8 @@ constants (the frozen codebooks, section 7). The interpreter (no exact ``fma``, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -105,33 +107,36 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _group_y(
-    x0, x1, x2, at_ptr, bias_ptr, h,
-    BT: tl.constexpr, START: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-    XP: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """y of channels START..START+N of the tile: [BT, N] float32. Terms smallest first."""
+def _load_a(at_ptr, bias_ptr, h, START: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+    """One group's A^T pieces ([D, N] bfloat16 each) and bias ([N] float32) of head h."""
     k = tl.arange(0, D)
     c = START + tl.arange(0, N)
     a = at_ptr + h.to(tl.int64) * (3 * D * D) + k[:, None] * D + c[None, :]
-    bias = tl.load(bias_ptr + h * D + c)
-    acc = tl.zeros([BT, N], tl.float32) - bias[None, :]
-    if XP >= 3:
-        acc = _dot(x2, tl.load(a), acc, INTERPRET)
-    if XP >= 2:
-        acc = _dot(x1, tl.load(a + D * D), acc, INTERPRET)
-    acc = _dot(x0, tl.load(a + 2 * D * D), acc, INTERPRET)
-    if XP >= 2:
-        acc = _dot(x1, tl.load(a), acc, INTERPRET)
-    acc = _dot(x0, tl.load(a + D * D), acc, INTERPRET)
-    return _dot(x0, tl.load(a), acc, INTERPRET)
+    return tl.load(a), tl.load(a + D * D), tl.load(a + 2 * D * D), tl.load(bias_ptr + h * D + c)
 
 
 @triton.jit
-def _quantize(y, s0, r, BITS: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+def _group_y(x0, x1, x2, a0, a1, a2, bias, BT: tl.constexpr, XP: tl.constexpr,
+             INTERPRET: tl.constexpr):  # fmt: skip
+    """y = x A^T - bias of one group: [BT, N] float32. Terms smallest first."""
+    acc = tl.zeros([BT, bias.shape[0]], tl.float32) - bias[None, :]
+    if XP >= 3:
+        acc = _dot(x2, a0, acc, INTERPRET)
+    if XP >= 2:
+        acc = _dot(x1, a1, acc, INTERPRET)
+    acc = _dot(x0, a2, acc, INTERPRET)
+    if XP >= 2:
+        acc = _dot(x1, a0, acc, INTERPRET)
+    acc = _dot(x0, a1, acc, INTERPRET)
+    return _dot(x0, a0, acc, INTERPRET)
+
+
+@triton.jit
+def _quantize(y, s0, r, BITS: tl.constexpr, E: tl.constexpr, LB: tl.constexpr,
               INTERPRET: tl.constexpr):  # fmt: skip
     """Codes ([BT, N] int32) of y and the least-squares sums (sum y l, sum l l) per row.
-    E: the positive decision edges, L: the positive levels (ascending, constexpr). ``r`` is
+    E: the positive decision edges, LB: the positive levels' float32 bits + their index
+    (ascending, constexpr). ``r`` is
     1 / s0 per row, 0 where s0 == 0 (then u = 0, as the reference)."""
     rr = r[:, None]
     if INTERPRET:
@@ -141,23 +146,28 @@ def _quantize(y, s0, r, BITS: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
         q = y * rr
         u = tl.fma(tl.fma(-q, s0[:, None], y), rr, q)
     # u > 0 of the IEEE quotient, exactly: y / s0 > 2**-150 (the quotient rounds to a
-    # nonzero float), compared as y * 2**64 > s0 * 2**-86 (both products exact); the
-    # corrected quotient above is exact where it is a normal float, which the edges need
+    # nonzero float), i.e. y * 2**64 > s0 * 2**-86 (both products exact; the corrected
+    # quotient is exact wherever it is a normal float, which is all the edges need). Kept as
+    # the sign bit of t = s0 * 2**-86 - y * 2**64 (exact in sign; +0 or +inf: not > 0), an
+    # integer: a predicate kept across the row would be parked in register bits
     tpos = tl.where(s0 > 0, s0 * 1.2924697071141057e-26, float("inf"))  # s0 * 2**-86
-    pos = y * 1.8446744073709552e19 > tpos[:, None]  # y * 2**64
-    a = tl.abs(u)
+    tb = (tpos[:, None] - y * 1.8446744073709552e19).to(tl.int32, bitcast=True)  # y * 2**64
+    pm = tb >> 31  # -1 where u > 0, else 0
     # u <= 0: the code counts edges e < u, i.e. positive edges E > |u|: ties go to the lower
     # level, so |u| == E counts as above E, which |u|'s next float does (|u| >= 0 here)
-    a = tl.where(pos, a, (a.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True))
-    m = tl.zeros(y.shape, tl.int32)
-    lv = tl.zeros(y.shape, tl.float32) + L[0]
-    for i in tl.static_range(len(E)):
-        gt = a > E[i]
-        m += gt.to(tl.int32)
-        lv = tl.where(gt, L[i + 1], lv)
+    a = ((u.to(tl.int32, bitcast=True) & 0x7FFFFFFF) + 1 + pm).to(tl.float32, bitcast=True)
+    # one select per edge: LB[i] = the float32 bits of level i, whose 13 low bits are zero
+    # (float16 values), with i in the lowest bits: the magnitude index and the level come
+    # out of one chain (a compare and a select per edge, no count kept beside it)
     HALF: tl.constexpr = 1 << (BITS - 1)
-    c = m ^ tl.where(pos, HALF, HALF - 1)  # HALF + m, or HALF - 1 - m (m < HALF)
-    return c, tl.sum(y * tl.where(pos, lv, -lv), 1), tl.sum(lv * lv, 1)
+    lb = tl.zeros(y.shape, tl.int32) + LB[0]
+    for i in tl.static_range(len(E)):
+        lb = tl.where(a > E[i], LB[i + 1], lb)
+    lv = lb & -HALF  # the level's float32 bits
+    c = (lb & (HALF - 1)) ^ (HALF - 1) ^ (pm & (2 * HALF - 1))  # HALF + m or HALF - 1 - m
+    slv = (lv | (~tb & -2147483648)).to(tl.float32, bitcast=True)  # the level, u's sign
+    lvf = lv.to(tl.float32, bitcast=True)
+    return c, tl.sum(y * slv, 1), tl.sum(lvf * lvf, 1)
 
 
 @triton.jit
@@ -171,54 +181,63 @@ def _compact_write_kernel(
     E1: tl.constexpr, L1: tl.constexpr,
     XP: tl.constexpr, Y_OUT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    """Program (i, h): tiles i, i + P, ... (P programs per head) of KV head h; the head's A
+    is loaded once per program."""
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + tok, mask=tok < n, other=-1).to(tl.int64)
-    ok = slot >= 0  # skipped tokens (slot -1) and the tile's tail are not inputs
-    blk = tl.where(ok, slot, 0) // PS
-    t = tl.where(ok, slot, 0) % PS
-    d = tl.arange(0, D)
-    xp = x_ptr + tok.to(tl.int64)[:, None] * stride_xt + h.to(tl.int64) * stride_xh + d[None, :]
-    x = tl.load(xp, mask=ok[:, None], other=0.0)
-    xf = x.to(tl.float32)
-    x_bad = (tl.max(((tl.abs(xf) <= 65504.0) == 0).to(tl.int32), 1) != 0) & ok  # NaN too
-    if XP == 1:  # bfloat16: exact as it is
-        x0 = x
-        x1 = x
-        x2 = x
+    a00, a01, a02, bias0 = _load_a(at_ptr, bias_ptr, h, 0, N0, D)
+    if N1 > 0:
+        a10, a11, a12, bias1 = _load_a(at_ptr, bias_ptr, h, N0, N1, D)
     else:
-        x0, rest = _trunc_bf16(xf)
-        x1, x2 = _trunc_bf16(rest)
-    y0 = _group_y(x0, x1, x2, at_ptr, bias_ptr, h, BT, 0, N0, D, XP, INTERPRET)
-    ss = tl.sum(y0 * y0, 1)
-    if N1 > 0:
-        y1 = _group_y(x0, x1, x2, at_ptr, bias_ptr, h, BT, N0, N1, D, XP, INTERPRET)
-        ss += tl.sum(y1 * y1, 1)
-    s0 = tl.math.sqrt_rn(ss / D).to(tl.float16).to(tl.float32)
-    r = tl.where(s0 > 0, tl.math.div_rn(1.0, tl.where(s0 > 0, s0, 1.0)), 0.0)
-    c0, num, den = _quantize(y0, s0, r, B0, E0, L0, INTERPRET)
-    if N1 > 0:
-        c1, n1, d1 = _quantize(y1, s0, r, B1, E1, L1, INTERPRET)
-        num += n1
-        den += d1
-    s = tl.math.div_rn(num, den).to(tl.float16).to(tl.float32)
-    s = tl.where((s > 0) & (s < float("inf")), s, s0)
-    rms_bad = ((s0 < float("inf")) == 0) & ok & (x_bad == 0)
-    s = tl.where(x_bad | rms_bad, float("nan"), s)  # a rejected row decodes to NaN
-    flags = x_bad.to(tl.int32) | rms_bad.to(tl.int32) * 2  # X_BAD, RMS_BAD
-    zero = tl.zeros([BT], tl.int32)
-    tl.atomic_or(status_ptr + zero, flags, mask=flags != 0)
-    tl.atomic_max(status_ptr + 1 + zero, 2147483647 - tok, mask=flags != 0)
-    base = blk * blk_stride + h * page_bytes
-    _planes(cache_ptr, base, t, c0, ok, BT, N0, B0, O0, P0, CB, PS, CM)
-    if N1 > 0:
-        _planes(cache_ptr, base, t, c1, ok, BT, N1, B1, O1, P1, CB, PS, CM)
-    tl.store(cache16_ptr + (base + PS * CB + 2 * t) // 2, s.to(tl.float16), mask=ok)
-    if Y_OUT:  # the kernel's y, [n, H, D] float32 (tests)
-        yrow = y_out_ptr + (tok.to(tl.int64) * num_kv_heads + h) * D
-        tl.store(yrow[:, None] + tl.arange(0, N0)[None, :], y0, mask=(tok < n)[:, None])
+        a10, a11, a12, bias1 = a00, a01, a02, bias0
+    for tile in range(tl.program_id(0), tl.cdiv(n, BT), tl.num_programs(0)):
+        tok = tile * BT + tl.arange(0, BT)
+        slot = tl.load(slot_ptr + tok, mask=tok < n, other=-1).to(tl.int64)
+        ok = slot >= 0  # skipped tokens (slot -1) and the tile's tail are not inputs
+        blk = tl.where(ok, slot, 0) // PS
+        t = tl.where(ok, slot, 0) % PS
+        d = tl.arange(0, D)
+        xp = x_ptr + tok.to(tl.int64)[:, None] * stride_xt + h.to(tl.int64) * stride_xh
+        x = tl.load(xp + d[None, :], mask=ok[:, None], other=0.0)
+        xf = x.to(tl.float32)
+        x_bad = (tl.max(((tl.abs(xf) <= 65504.0) == 0).to(tl.int32), 1) != 0) & ok  # NaN too
+        if XP == 1:  # bfloat16: exact as it is
+            x0 = x
+            x1 = x
+            x2 = x
+        else:
+            x0, rest = _trunc_bf16(xf)
+            x1, x2 = _trunc_bf16(rest)
+        y0 = _group_y(x0, x1, x2, a00, a01, a02, bias0, BT, XP, INTERPRET)
+        ss = tl.sum(y0 * y0, 1)
         if N1 > 0:
-            tl.store(yrow[:, None] + N0 + tl.arange(0, N1)[None, :], y1, mask=(tok < n)[:, None])
+            y1 = _group_y(x0, x1, x2, a10, a11, a12, bias1, BT, XP, INTERPRET)
+            ss += tl.sum(y1 * y1, 1)
+        s0 = tl.math.sqrt_rn(ss / D).to(tl.float16).to(tl.float32)
+        r = tl.where(s0 > 0, tl.math.div_rn(1.0, tl.where(s0 > 0, s0, 1.0)), 0.0)
+        c0, num, den = _quantize(y0, s0, r, B0, E0, L0, INTERPRET)
+        if N1 > 0:
+            c1, n1, d1 = _quantize(y1, s0, r, B1, E1, L1, INTERPRET)
+            num += n1
+            den += d1
+        s = tl.math.div_rn(num, den).to(tl.float16).to(tl.float32)
+        s = tl.where((s > 0) & (s < float("inf")), s, s0)
+        rms_bad = ((s0 < float("inf")) == 0) & ok & (x_bad == 0)
+        s = tl.where(x_bad | rms_bad, float("nan"), s)  # a rejected row decodes to NaN
+        flags = x_bad.to(tl.int32) | rms_bad.to(tl.int32) * 2  # X_BAD, RMS_BAD
+        zero = tl.zeros([BT], tl.int32)
+        tl.atomic_or(status_ptr + zero, flags, mask=flags != 0)
+        tl.atomic_max(status_ptr + 1 + zero, 2147483647 - tok, mask=flags != 0)
+        base = blk * blk_stride + h * page_bytes
+        _planes(cache_ptr, base, t, c0, ok, BT, N0, B0, O0, P0, CB, PS, CM)
+        if N1 > 0:
+            _planes(cache_ptr, base, t, c1, ok, BT, N1, B1, O1, P1, CB, PS, CM)
+        tl.store(cache16_ptr + (base + PS * CB + 2 * t) // 2, s.to(tl.float16), mask=ok)
+        if Y_OUT:  # the kernel's y, [n, H, D] float32 (tests)
+            yrow = y_out_ptr + (tok.to(tl.int64) * num_kv_heads + h) * D
+            ym = (tok < n)[:, None]
+            tl.store(yrow[:, None] + tl.arange(0, N0)[None, :], y0, mask=ym)
+            if N1 > 0:
+                tl.store(yrow[:, None] + N0 + tl.arange(0, N1)[None, :], y1, mask=ym)
 
 
 def _trunc_split(a: torch.Tensor) -> list[torch.Tensor]:
@@ -248,23 +267,33 @@ def _codebook_consts(bits: int):
     from kvzip_formats.compact import codebook
 
     if bits == 0:
-        return (0.0,), (0.0, 0.0)
+        return (0.0,), (0, 0)
     lv = codebook.levels(bits)
     e = codebook.edges(bits)
     half = 1 << (bits - 1)
-    return tuple(float(v) for v in e[half:]), tuple(float(v) for v in lv[half:])
+    lb = lv[half:].view(torch.int32)
+    assert not (lb & 0x1FFF).any(), "levels are float16 values: 13 low float32 bits zero"
+    return tuple(float(v) for v in e[half:]), tuple(int(b) + i for i, b in enumerate(lb))
+
+
+@functools.cache
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 XPIECES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
 def compact_write(
-    f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, y_out=None, block_t=64,
-    num_warps=4, num_stages=1,
+    f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, y_out=None, block_t=128,
+    num_warps=8, num_stages=2, programs=-1,
 ) -> None:  # fmt: skip
     """The compact formats' write as one kernel; inputs validated by ``cache_write``.
     ``y_out``: a float32 ``[T, H, d]`` tensor that receives the kernel's transformed rows
-    (tests: the bytes are the reference quantizer's of exactly these)."""
+    (tests: the bytes are the reference quantizer's of exactly these). ``programs``:
+    programs per KV head, each looping over tiles (0: one per tile of ``block_t`` tokens; -1:
+    the GPU's SMs divided by the KV heads, at least 1: one wave, the head's A loaded once per
+    program)."""
     from kvzip_kernels._formats import _kernel_groups
 
     n, h, d = x.shape
@@ -282,7 +311,14 @@ def compact_write(
     ):
         raise FormatError(f"y_out must be a contiguous float32 tensor of shape {tuple(x.shape)}")
     interpret = x.device.type != "cuda"
-    _compact_write_kernel[(triton.cdiv(n, block_t), h)](
+    if x.dtype != torch.bfloat16 and block_t > 64:
+        # float16 / float32 x: its 2 / 3 bfloat16 pieces are dot operands in shared memory
+        # too, beside A's 96 KiB: a smaller tile, no prefetch
+        block_t, num_warps, num_stages = 64, 4, 1
+    tiles = triton.cdiv(n, block_t)
+    if programs < 0:
+        programs = max(1, _sm_count(x.device) // h) if x.device.type == "cuda" else 2
+    _compact_write_kernel[(min(tiles, programs) if programs else tiles, h)](
         x, at, bias, cache, cache.view(torch.float16), slot_mapping, status,
         y_out if y_out is not None else status, n, x.stride(0), x.stride(1), h, lay.page_bytes,
         blk_stride, BT=block_t, D=d, PS=lay.block_size, CB=lay.code_bytes, CM=kind == "v",
