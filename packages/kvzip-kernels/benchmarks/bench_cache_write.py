@@ -60,7 +60,7 @@ def main():
     )
     p.add_argument(
         "--compact-configs",
-        default="128/8/2/-1,64/4/2/-1,128/8/1/0,64/4/1/0",
+        default="128/8/2/-1,64/4/2/-1,128/8/1/0",
         help="BT/num_warps/num_stages/programs per KV head (-1: SMs / heads, 0: one per tile)",
     )
     p.add_argument("--slots", default="blocks,tokens", help="slot patterns: blocks, tokens")
