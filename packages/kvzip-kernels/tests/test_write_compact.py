@@ -50,8 +50,18 @@ def _check(
     want = fmt.quantize(y, kind=kind)
     rows = gather_rows(cache.cpu(), lay, torch.arange(pages), pages * 16, kind)
     got = rows[slots[keep]]
+    # s0 = f16(RMS of y) sums y*y in the kernel's order, the reference in torch's: where the
+    # RMS lies within float32 summation error (taken as 1e-6 relative) of a float16 rounding
+    # boundary, the two s0 may be neighbours and every code of the row may move; such rows
+    # (~0.2-0.4% of random rows) are left out, all others must match
+    rms = y.double().square().mean(-1).sqrt()
+    sure = (rms * (1 - 1e-6)).half() == (rms * (1 + 1e-6)).half()
+    assert (~sure).sum() <= max(3, 0.01 * sure.numel())
+    got, want = got[sure], want[sure]
     cb = lay.code_bytes
-    assert torch.equal(got[..., :cb], want[..., :cb]), _diff_report(got, want, lay)
+    assert torch.equal(got[..., :cb], want[..., :cb]), _diff_report(
+        got[:, None], want[:, None], lay
+    )
     # the scale: within 1 fp16 ulp (the kernel sums in another order: spec section 4)
     d16 = got[..., cb:].contiguous().view(torch.int16).int()
     assert (d16 - want[..., cb:].contiguous().view(torch.int16).int()).abs().max() <= 1
