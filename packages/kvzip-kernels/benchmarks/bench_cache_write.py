@@ -198,12 +198,18 @@ def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
                 bt, nw, ns, pr = map(int, cfg.split("/"))
                 kw = dict(block_t=bt, num_warps=nw, num_stages=ns, programs=pr)
 
-            def write(kc=kc, vc=vc, kern=kern, kw=kw):
+            def write(kc=kc, vc=vc, kern=kern, kw=kw, kinds="kv"):
                 for kind, x, c in (("k", k, kc), ("v", v, vc)):
-                    lay = lays[kind]
-                    kern(fmt, x, c, slots, lay, kind, 0, hkv * lay.page_bytes, status, **kw)
+                    if kind in kinds:
+                        lay = lays[kind]
+                        kern(fmt, x, c, slots, lay, kind, 0, hkv * lay.page_bytes, status, **kw)
 
         us = timeit(torch, write)
+        apart = {}
+        if path == "compact" and cfg == a.compact_configs.split(",")[0]:  # K and V apart
+            apart = {
+                f"us_{kd}": round(timeit(torch, lambda kd=kd: write(kinds=kd)), 2) for kd in "kv"
+            }
         moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
         label = name if path == "split" else f"{name}-{path}"
         row = dict(
@@ -216,6 +222,7 @@ def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
             prefill_us=round(prefill_us, 1),
             pct_of_prefill=round(100 * us / prefill_us, 3),
             write_gbps=round(moved / us / 1e3, 1),
+            **apart,
         )
         if first is None:
             first = (kc, vc)

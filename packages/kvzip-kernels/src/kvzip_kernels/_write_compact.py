@@ -316,6 +316,8 @@ def compact_write(
         # too, beside A's 96 KiB: a smaller tile, no prefetch
         block_t, num_warps, num_stages = 64, 4, 1
     tiles = triton.cdiv(n, block_t)
+    if tiles == 0:
+        return
     if programs < 0:
         programs = max(1, _sm_count(x.device) // h) if x.device.type == "cuda" else 2
     _compact_write_kernel[(min(tiles, programs) if programs else tiles, h)](
