@@ -4,8 +4,14 @@
 For T new tokens of one Llama-3.1-8B layer (8 KV heads, d 128) the cache-write quantises and
 scatters K and V (two kvzip_kernels.cache_write calls). The prefill of the same T tokens through
 that layer (bf16, random weights: RMSNorm, QKV, causal GQA attention via SDPA, O, SwiGLU MLP)
-is timed beside it; the ratio is the write's share of the prefill. Writes
-bench_cache_write.json/.md to $OUT (or --out).
+is timed beside it in the same run; the ratio is the write's share of the prefill (issue 27
+item 5: under 2%). Write paths of the compact formats: ``split`` (torch ``sub`` + float32
+``bmm`` + the quantize/pack kernel), ``fused`` (write_fused.py: one kernel, float32 FMA
+transform) and ``compact`` (``_write_compact.py``: one kernel, the transform as exact bfloat16
+pieces on the tensor cores; one row per ``--compact-configs`` entry). Slots: ``blocks`` = as
+vLLM writes a prompt (consecutive tokens fill a block, the blocks in random order), ``tokens``
+= every token at a random slot (the pattern of the earlier runs). Writes
+bench_cache_write[_tag].json/.md to $OUT (or --out).
 """
 
 from __future__ import annotations
@@ -46,24 +52,24 @@ def main():
     p.add_argument("--formats", default="fp8,int4,4bit,3.5bit,3bit")
     p.add_argument(
         "--write-paths",
-        default="split,fused",
+        default="split,fused,compact",
         help="compact formats' write paths: split = sub + bmm + quantize/pack kernel (the "
         "package's cache_write), fused = one kernel (write_fused.py beside this script, a "
-        "research variant; rows <fmt>-fused)",
+        "research variant), compact = one kernel with the transform on the tensor cores "
+        "(kvzip_kernels._write_compact)",
     )
+    p.add_argument(
+        "--compact-configs",
+        default="128/8/2/-1,64/4/2/-1,128/8/1/0",
+        help="BT/num_warps/num_stages/programs per KV head (-1: SMs / heads, 0: one per tile)",
+    )
+    p.add_argument("--slots", default="blocks,tokens", help="slot patterns: blocks, tokens")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     a = p.parse_args()
     import torch
     import torch.nn.functional as F
     import triton
-    from write_fused import codebook_write_fused
-
-    from kvzip_formats import get_format
-    from kvzip_formats.ops import PagedLayout, new_paged_cache
-    from kvzip_kernels import cache_write
-    from kvzip_kernels.cache_write import new_status
-    from kvzip_kernels.testing import synthetic_calibration
 
     dev = torch.device("cuda")
     hid, hq, hkv, d, inter, ps = 4096, 32, 8, 128, 14336, 16
@@ -99,47 +105,14 @@ def main():
         k = torch.randn(T, hkv, d, device=dev, generator=g, dtype=torch.bfloat16)
         v = torch.randn(T, hkv, d, device=dev, generator=g, dtype=torch.bfloat16)
         nb = T // ps + 8
-        slots = torch.randperm(nb * ps, device=dev, generator=g)[:T]
-        for name in a.formats.split(","):
-            cal = synthetic_calibration(hkv, d) if name[0].isdigit() else None
-            fmt = get_format(name, calibration=cal)
-            paths = a.write_paths.split(",") if name[0].isdigit() else ["split"]
-            first = None
-            for path in paths:
-                kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="k")
-                vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="v")
-
-                def write(fmt=fmt, kc=kc, vc=vc, k=k, v=v, slots=slots):
-                    cache_write(fmt, k, kc, slots, kind="k", block_size=ps, check_slots=False)
-                    cache_write(fmt, v, vc, slots, kind="v", block_size=ps, check_slots=False)
-
-                if path == "fused":
-                    lays = {kd: PagedLayout.of(fmt, d, ps, kd) for kd in "kv"}
-                    status = new_status(dev)
-
-                    def write(fmt=fmt, kc=kc, vc=vc, k=k, v=v, slots=slots, lays=lays, st=status):
-                        for kind, x, c in (("k", k, kc), ("v", v, vc)):
-                            lay = lays[kind]
-                            stride = hkv * lay.page_bytes
-                            codebook_write_fused(fmt, x, c, slots, lay, kind, 0, stride, st)
-
-                us = timeit(torch, write)
-                moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
-                row = dict(
-                    tokens=T,
-                    format=name if path == "split" else f"{name}-{path}",
-                    write_us=round(us, 2),
-                    prefill_layer_us=round(prefill_us, 1),
-                    pct_of_prefill=round(100 * us / prefill_us, 3),
-                    write_gbps=round(moved / us / 1e3, 1),
-                )
-                if first is None:
-                    first = (kc, vc)
-                else:  # bytes equal to the first path's (codes flip only where y's rounding does)
-                    same = sum(int((x == y).sum()) for x, y in zip(first, (kc, vc), strict=True))
-                    row["same_bytes_as_split"] = round(same / (kc.numel() + vc.numel()), 6)
-                rows.append(row)
-                print(row, flush=True)
+        for pattern in a.slots.split(","):
+            if pattern == "tokens":
+                slots = torch.randperm(nb * ps, device=dev, generator=g)[:T]
+            else:  # consecutive tokens fill a block; the blocks in random order
+                blocks = torch.randperm(nb, device=dev, generator=g)[: -(-T // ps)]
+                slots = (blocks[:, None] * ps + torch.arange(ps, device=dev)).flatten()[:T]
+            for name in a.formats.split(","):
+                rows += _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us)
     prop = torch.cuda.get_device_properties(dev)
     meta = dict(
         device=prop.name,
@@ -165,15 +138,101 @@ def main():
         "",
         meta["note"],
         "",
-        "| tokens | format | write (K+V) us | prefill layer us | % of prefill | write GB/s |",
-        "|---|---|---|---|---|---|",
+        "| tokens | slots | format | config | write (K+V) us | prefill layer us | % of prefill "
+        "| write GB/s | bytes = split |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     md += [
-        f"| {r['tokens']} | {r['format']} | {r['write_us']} | {r['prefill_layer_us']} | "
-        f"{r['pct_of_prefill']} | {r['write_gbps']} |"
+        f"| {r['tokens']} | {r['slots']} | {r['format']} | {r['config']} | {r['us']} | "
+        f"{r['prefill_us']} | {r['pct_of_prefill']} | {r['write_gbps']} | "
+        f"{r.get('same_bytes_as_split', '')} |"
         for r in rows
     ]
     (out / f"bench_cache_write{tag}.md").write_text("\n".join(md) + "\n")
+
+
+def _variants(a, name):
+    """(path, config) pairs timed for one format."""
+    if not name[0].isdigit():
+        return [("split", "")]
+    out = []
+    for path in a.write_paths.split(","):
+        if path == "compact":
+            out += [("compact", c) for c in a.compact_configs.split(",")]
+        else:
+            out.append((path, ""))
+    return out
+
+
+def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
+    from write_fused import codebook_write_fused
+
+    from kvzip_formats import get_format
+    from kvzip_formats.ops import PagedLayout, new_paged_cache
+    from kvzip_kernels import cache_write
+    from kvzip_kernels._write_compact import compact_write
+    from kvzip_kernels.cache_write import new_status
+    from kvzip_kernels.testing import synthetic_calibration
+
+    dev, hkv, d, ps = k.device, k.shape[1], k.shape[2], 16
+    cal = synthetic_calibration(hkv, d) if name[0].isdigit() else None
+    fmt = get_format(name, calibration=cal)
+    lays = {kd: PagedLayout.of(fmt, d, ps, kd) for kd in "kv"}
+    status = new_status(dev)
+    rows, first = [], None
+    for path, cfg in _variants(a, name):
+        kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="k")
+        vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="v")
+        if path == "split":
+            # as kvzip-vllm's backend calls it: no host read of the slots or of the verdict
+            # (the runs before 2026-12-02 checked the values: a device sync in every call)
+            def write(kc=kc, vc=vc):
+                for kind, x, c in (("k", k, kc), ("v", v, vc)):
+                    cache_write(fmt, x, c, slots, kind=kind, block_size=ps, check_slots=False,
+                                check_values=False, status=status)  # fmt: skip
+
+        else:
+            kern = codebook_write_fused if path == "fused" else compact_write
+            kw = {}
+            if path == "compact":
+                bt, nw, ns, pr = map(int, cfg.split("/"))
+                kw = dict(block_t=bt, num_warps=nw, num_stages=ns, programs=pr)
+
+            def write(kc=kc, vc=vc, kern=kern, kw=kw, kinds="kv"):
+                for kind, x, c in (("k", k, kc), ("v", v, vc)):
+                    if kind in kinds:
+                        lay = lays[kind]
+                        kern(fmt, x, c, slots, lay, kind, 0, hkv * lay.page_bytes, status, **kw)
+
+        us = timeit(torch, write)
+        apart = {}
+        if path == "compact" and cfg == a.compact_configs.split(",")[0]:  # K and V apart
+            apart = {
+                f"us_{kd}": round(timeit(torch, lambda kd=kd: write(kinds=kd)), 2) for kd in "kv"
+            }
+        moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
+        label = name if path == "split" else f"{name}-{path}"
+        row = dict(
+            tokens=T,
+            slots=pattern,
+            format=label,
+            path=path,
+            config=cfg,
+            us=round(us, 2),
+            prefill_us=round(prefill_us, 1),
+            pct_of_prefill=round(100 * us / prefill_us, 3),
+            write_gbps=round(moved / us / 1e3, 1),
+            **apart,
+        )
+        if first is None:
+            first = (kc, vc)
+        else:  # bytes equal to the split path's (codes flip only where y's rounding does)
+            same = sum(int((x == y).sum()) for x, y in zip(first, (kc, vc), strict=True))
+            row["same_bytes_as_split"] = round(same / (kc.numel() + vc.numel()), 7)
+        rows.append(row)
+        print(row, flush=True)
+    assert not status.any(), "a write rejected random normal rows"
+    return rows
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 1024
 
 
-def on_device(src, device, make):
-    """``make(src)`` moved to ``device``, computed and uploaded once per (src object, device)."""
-    key = (id(src), str(device))
+def on_device(src, device, make, tag: str = ""):
+    """``make(src)`` moved to ``device``, computed and uploaded once per (src object, device,
+    ``tag``: what ``make`` derives, when one source has several derived forms)."""
+    key = (id(src), str(device), tag)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is src:
         _CACHE.move_to_end(key)

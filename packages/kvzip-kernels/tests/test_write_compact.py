@@ -1,0 +1,184 @@
+"""The compact formats' one-kernel cache-write (``_write_compact.py``: the transform on the
+tensor cores as exact bfloat16 pieces, the quantizer and the bit planes from registers).
+
+Given its own transformed rows y (returned by ``y_out=``), its bytes are the reference
+quantizer's (spec/4bit.md section 4: conformance given y), and its y is the float64
+transform within float32 accumulation error, no farther from it than the split path's float32
+``bmm``."""
+
+import pytest
+import torch
+from test_cache_write import _bad_case, _diff_report
+
+from kvzip_formats import FormatError, get_format
+from kvzip_formats.ops import PagedLayout, gather_rows, new_paged_cache
+from kvzip_kernels.cache_write import check_status, codebook_y, new_status
+from kvzip_kernels.testing import synthetic_calibration
+
+
+def _write(fmt, x, cache, slots, kind, lay, block_t, status=None, num_warps=4, programs=-1):
+    from kvzip_kernels._write_compact import compact_write
+
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    status = new_status(x.device) if status is None else status
+    stride = cache.shape[1] * lay.page_bytes
+    compact_write(
+        fmt, x, cache, slots, lay, kind, 0, stride, status, y_out=y, block_t=block_t,
+        num_warps=num_warps, programs=programs,
+    )  # fmt: skip
+    return y, status
+
+
+def _y64(fmt, x, kind):
+    t = fmt.transform_of(kind, 0)
+    xc = x.double() - t.mean.double()
+    return torch.einsum("hij,thj->thi", t.encode.double(), xc)
+
+
+def _check(
+    fmt, x, slots, kind, heads, head_dim, device, block_t, pages=8, num_warps=4, programs=-1
+):
+    lay = PagedLayout.of(fmt, head_dim, 16, kind)
+    cache = new_paged_cache(fmt, pages, heads, 16, head_dim, kind=kind, device=device)
+    y, status = _write(
+        fmt, x.to(device), cache, slots.to(device), kind, lay, block_t, num_warps=num_warps,
+        programs=programs,
+    )  # fmt: skip
+    assert not status.any()
+    keep = slots >= 0
+    y = y.cpu()[keep]
+    want = fmt.quantize(y, kind=kind)
+    rows = gather_rows(cache.cpu(), lay, torch.arange(pages), pages * 16, kind)
+    got = rows[slots[keep]]
+    # s0 = f16(RMS of y) sums y*y in the kernel's order, the reference in torch's: where the
+    # RMS lies within float32 summation error (taken as 1e-6 relative) of a float16 rounding
+    # boundary, the two s0 may be neighbours and every code of the row may move; such rows
+    # (~0.2-0.4% of random rows) are left out, all others must match
+    rms = y.double().square().mean(-1).sqrt()
+    sure = (rms * (1 - 1e-6)).half() == (rms * (1 + 1e-6)).half()
+    assert (~sure).sum() <= max(3, 0.01 * sure.numel())
+    got, want = got[sure], want[sure]
+    cb = lay.code_bytes
+    assert torch.equal(got[..., :cb], want[..., :cb]), _diff_report(
+        got[:, None], want[:, None], lay
+    )
+    # the scale: within 1 fp16 ulp (the kernel sums in another order: spec section 4)
+    d16 = got[..., cb:].contiguous().view(torch.int16).int()
+    assert (d16 - want[..., cb:].contiguous().view(torch.int16).int()).abs().max() <= 1
+    written = torch.zeros(pages * 16, dtype=torch.bool)
+    written[slots[keep]] = True
+    assert not rows[~written].any()  # no other slot written
+    exact = _y64(fmt, x.cpu(), kind)[keep]
+    bmm = codebook_y(fmt, x.to(device), kind, 0).cpu()[keep].double()
+    scale = exact.abs().max()
+    err, err_bmm = ((y - exact).abs().max() / scale).item(), ((bmm - exact).abs().max() / scale)
+    # float32 accumulation (the tensor cores' included): the split path's float32 bmm is
+    # ~2e-7 of the largest |y| off here; the bound is the earlier fused write's (1e-5)
+    assert err < 1e-5, f"y off by {err:.1e} of max |y| (the bmm: {err_bmm:.1e})"
+
+
+@pytest.mark.parametrize("name", ["4bit", "3.5bit", "3bit"])
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize(("heads", "head_dim", "tokens"), [(3, 128, 45), (2, 64, 37)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compact_write_is_the_quantizer_of_its_y(
+    name, kind, heads, head_dim, tokens, dtype, device
+):
+    """Codes byte for byte, scales within 1 fp16 ulp (reduction order); skipped tokens (-1)
+    untouched; a tile's tail masked (45 and 37 tokens in tiles of 32); bf16 x is one bfloat16
+    piece, fp16 two, fp32 three; one program per head loops over the tiles."""
+    g = torch.Generator().manual_seed(11 + tokens)
+    fmt = get_format(name, calibration=synthetic_calibration(heads, head_dim))
+    x = (torch.randn(tokens, heads, head_dim, generator=g) * 3).to(dtype)
+    slots = torch.randperm(8 * 16, generator=g)[:tokens]
+    slots[5] = slots[40 % tokens] = -1
+    _check(fmt, x, slots, kind, heads, head_dim, device, block_t=32, programs=1)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_compact_write_ties_zero_rows_and_offsets(kind, device):
+    """Values on the decision edges (u exactly an edge: y = s0 * edge with s0 a power of two;
+    ties go to the lower level on both sides of 0), an all-zero row (s0 = 0: every u is 0,
+    code 2**(b-1) - 1), a row whose mean is far from zero (the folded bias A mean), and
+    contiguous slots of whole pages as vLLM writes a prompt."""
+    from kvzip_formats.compact import codebook
+
+    heads, d = 2, 128
+    cal = synthetic_calibration(heads, d)
+    fmt = get_format("4bit", calibration=cal)
+    t = fmt.transform_of(kind, 0)
+    e = codebook.edges(4)
+    # y rows with u on the edges: y = s0 * (+-edges), s0 = RMS rounded to fp16; pick y then
+    # x = B y + mean (float64), rounded to bf16 moves y off the edges, so build the rows in
+    # float32 x and check the quantizer of the kernel's own y (the tie rule then applies
+    # wherever y / s0 lands on an edge exactly)
+    yrow = torch.cat((e, -e, e[:8], torch.zeros(128 - 38)))[:d] * 0.5
+    x = torch.zeros(34, heads, d, dtype=torch.float64)
+    for hh in range(heads):
+        x[0, hh] = t.decode[hh].double() @ yrow.double() + t.mean[hh].double()
+    x[1] = t.mean.double()  # y = 0 up to rounding
+    x[2:] = torch.randn(32, heads, d, generator=torch.Generator().manual_seed(3)) + 40.0
+    slots = torch.cat((torch.tensor([70, 71]), torch.arange(32)))  # two whole pages 0, 1
+    _check(fmt, x.float(), slots, kind, heads, d, device, block_t=32, pages=8)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 70000.0, "rms"])
+def test_compact_write_rejects_as_the_split_path(value, device):
+    """A bad row raises the reference's error naming its token; unchecked, it decodes to NaN
+    and the token's other head is written."""
+    rms = value == "rms"
+    fmt, x = _bad_case("4bit", "k", None if rms else value, 128, rms=rms)
+    match = "RMS exceeds" if rms else "finite values within the float16 range"
+    slots = torch.tensor([3, 17, 20, 8]).to(device)
+    got = new_paged_cache(fmt, 2, 2, 16, 128, kind="k", device=device)
+    lay = PagedLayout.of(fmt, 128, 16, "k")
+    _, status = _write(fmt, x.to(device), got, slots, "k", lay, block_t=32)
+    with pytest.raises(FormatError, match=match + r".*token 2 of this write"):
+        check_status(fmt, status, "k")
+    rows = gather_rows(got.cpu(), lay, torch.arange(2), 32, "k")[slots.cpu()]
+    bad = fmt.decode(rows[2:3], kind="k", layer=0, head_dim=128)
+    assert torch.isnan(bad[0, 1]).all() and torch.isfinite(bad[0, 0]).all()
+
+
+def _gpu_codes(y: torch.Tensor, s0: torch.Tensor, bits: int) -> torch.Tensor:
+    """The GPU path's codes, emulated: r = RN(1/s0), q = RN(y r), e = RN(y - q s0), u =
+    RN(q + e r) (float64 holds the products of two float32 exactly; the last sum is rounded
+    to float64 and then to float32, which can differ from one fma only within 2**-53 of a
+    float32 midpoint), the sign of u by y * 2**64 > s0 * 2**-86, then the edge count on |u|
+    (or its next float for u <= 0) as the kernel does it."""
+    from kvzip_formats.compact import codebook
+
+    r = (1.0 / s0.double()).float()
+    q = (y.double() * r.double()).float()
+    e = (y.double() - q.double() * s0.double()).float()
+    u = (q.double() + e.double() * r.double()).float()
+    pos = y * 2.0**64 > s0 * 2.0**-86
+    a = u.abs()
+    a = torch.where(pos, a, (a.view(torch.int32) + 1).view(torch.float32))
+    half = 1 << (bits - 1)
+    m = (a[:, None] > codebook.edges(bits)[half:][None, :]).sum(1)
+    return torch.where(pos, half + m, half - 1 - m)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gpu_quotient_and_codes_are_the_references(bits):
+    """Codes from u = y / s0 by one Newton correction and the exact sign test equal the
+    reference's codes (IEEE division, then the count of edges below u) for s0 an fp16 value:
+    random y over the float32 range a row holds, y on and next to s0 * edge (ties), and the
+    subnormal quotients where the correction alone is not exact (y = +-2**-149)."""
+    from kvzip_formats.compact import codebook
+
+    g = torch.Generator().manual_seed(bits)
+    n = 1_000_000
+    s0 = torch.randn(n, generator=g).abs().mul(30).add(2**-14).half().float()
+    y = torch.randn(n, generator=g) * s0 * 2
+    edges = codebook.edges(bits)
+    e = edges[torch.randint(0, len(edges), (n // 4,), generator=g)]
+    s = s0[: n // 4]
+    near = [torch.nextafter(e * s, e * s + d) for d in (-1e9, 0, 1e9)]
+    tiny = torch.tensor([2**-149, -(2**-149), 3 * 2**-149, 0.0, -0.0]).repeat(n // 20)
+    y = torch.cat((y, *near, tiny, y * 1e-20, y * 1e20))
+    s0 = torch.cat((s0, s, s, s, s0[: len(tiny)], s0, s0))
+    want = torch.bucketize(y / s0, edges, right=False)
+    got = _gpu_codes(y, s0, bits)
+    assert torch.equal(got, want), f"{int((got != want).sum())} codes differ"
