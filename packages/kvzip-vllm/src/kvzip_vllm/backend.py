@@ -157,12 +157,30 @@ def window_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> WindowPool:
 BENCH_CONNECTOR_KEY = "kvzip_placeholder_kv"
 
 
-def _connector_refused(cfg) -> bool:
+def _connector_refused(cfg, fmt=None, recent: int = 0) -> bool:
+    """Whether the KV connector of ``cfg`` cannot run beside this backend. Allowed: kvzip's own
+    tier (``KvzipConnector``) with a format whose blocks hold all their state (``fmt`` without
+    sink tokens, ``recent == 0``: no residual window; the tier stores the K and V pages, and
+    the sink and window reserves are per-sequence state: ``kvzip_vllm.core.pages``), and
+    benchmark connectors that load no real KV (``BENCH_CONNECTOR_KEY``)."""
     kt = getattr(cfg, "kv_transfer_config", None)
     if kt is None:
         return False
     extra = getattr(kt, "kv_connector_extra_config", None) or {}
-    return extra.get(BENCH_CONNECTOR_KEY) is not True
+    if extra.get(BENCH_CONNECTOR_KEY) is True:
+        return False
+    return not (
+        getattr(kt, "kv_connector", None) == "KvzipConnector"
+        and fmt is not None
+        and not int(getattr(fmt, "sink_tokens", 0))
+        and not recent
+    )
+
+
+#: the compact formats the tier can hold (blocks without per-sequence state): said in refusals
+TIER_FORMATS = (
+    "formats without sink tokens and without a residual window (int4, int4-rot, turbo4, fp8)"
+)
 
 
 @compat.kv_cache_api
@@ -304,7 +322,7 @@ class KvzipAttentionImpl(AttentionImpl):
             **{k: v is not None for k, v in extra.items()},
             # a connector's loaded blocks would arrive without their sink slots (the pool
             # gives a slot when the backend writes a sequence's first chunk)
-            "a KV connector": _connector_refused(cfg),
+            "a KV connector": _connector_refused(cfg, _active_format(), _active_window()[0]),
         }
         bad = [k for k, v in unsupported.items() if v]
         if bad or attn_type != AttentionType.DECODER:
@@ -312,7 +330,7 @@ class KvzipAttentionImpl(AttentionImpl):
                 f"kvzip-vllm attention backend: {', '.join(bad) or attn_type} is not supported; "
                 "supported: causal decoder self-attention without ALiBi, sliding window, "
                 "soft cap or sinks, kv_cache_dtype 'auto' (the format sets the cache bytes), "
-                "no KV connector"
+                f"no KV connector but KvzipConnector with {TIER_FORMATS}"
             )
         if getattr(cfg.compilation_config, "use_inductor_graph_partition", False):
             raise support.UnsupportedConfigError(

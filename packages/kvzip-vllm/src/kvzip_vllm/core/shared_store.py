@@ -61,7 +61,7 @@ except ImportError as e:  # pragma: no cover  (the extra is not installed)
         "kvzip_vllm.shared_store needs the Redis client: pip install 'kvzip-vllm[shared]'"
     ) from e
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvzip_vllm.shared_store")  # its name before the move
 
 MAGIC = b"KVZS"
 FORMAT_VERSION = 1
