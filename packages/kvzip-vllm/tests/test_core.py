@@ -228,3 +228,36 @@ def test_the_cuda_pipeline_behind_the_same_interface():
             assert torch.equal(c[5], c[1])
     finally:
         tier.shutdown()
+
+
+def test_a_first_chunk_carries_its_sequences_sinks_into_a_new_slot():
+    """4bit keeps every sequence's first token in bf16 in a sink slot owned by its first block:
+    a first chunk's store takes the slot's values along, its restore gives the new first
+    block a slot and writes them there; a later chunk carries none; a first chunk whose slot
+    was given away is not stored."""
+    from kvzip_vllm.core.pages import SequenceSinks
+
+    caches, lay, pa = _compact("4bit", n_blocks=48)
+    pool = pa.new_pool(caches[0])
+    assert pool.num_slots == 3
+    lay = CompactPages.of(caches[0], lay.page_bytes // H // 2, lay.page_bytes // H // 2)
+    lay = CompactPages(*[getattr(lay, f) for f in ("kv_heads", "block_size", "content_bytes")],
+                       lay.page_bytes, SequenceSinks(pa, lambda c: pool))  # fmt: skip
+    tier = _tier(caches, lay)
+    slots, _ = pool.begin_step(torch.tensor([3]), [0])  # the sequence's first chunk computed
+    sinks = [pa.sink_store(c)[int(slots[0])].clone() for c in caches]
+    keys = [b"\x05" * 32, b"\x06" * 32, b"\x08" * 32]
+    tier.submit_store(1, [ChunkStore(keys[0], (3, 4), True), ChunkStore(keys[1], (5, 6))])
+    assert tier.get_finished()[0].stored == keys[:2]
+    assert len(tier.store.get_blobs(keys[0])) == LAYERS + 1
+    assert len(tier.store.get_blobs(keys[1])) == LAYERS
+    tier.submit_store(2, [ChunkStore(keys[2], (7, 8), True)])  # block 7 owns no slot
+    assert tier.get_finished()[0].dropped == [keys[2]]
+    tier.submit_load(3, [ChunkLoad("r", keys[0], (20, 21), 0, True)])
+    assert tier.get_finished()[0].success
+    j = int(pool.slot_of_block[20])
+    assert j >= 0 and int(pool.owner[j]) == 20 and j != int(slots[0])
+    for c, want in zip(caches, sinks, strict=True):
+        assert torch.equal(pa.sink_store(c)[j].view(torch.uint8), want.view(torch.uint8))
+        rows = c.view(c.shape[0], -1)
+        assert torch.equal(rows[[20, 21], : lay.page_bytes], rows[[3, 4], : lay.page_bytes])

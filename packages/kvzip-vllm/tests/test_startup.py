@@ -148,16 +148,18 @@ def test_backend_refuses_what_its_layers_would_refuse_later(env, change, match):
         startup.check_config(_cfg(**change))
 
 
-def test_backend_takes_the_tier_only_for_formats_whose_blocks_hold_all_their_state(env):
-    """KvzipConnector beside the compact backend: int4 (no sink tokens, no window) passes; a
-    format with sink tokens, or a residual window, keeps per-sequence state in the blocks'
-    reserves that a restored block cannot bring: refused, naming what is supported."""
+def test_backend_takes_the_tier_only_without_a_residual_window(env):
+    """KvzipConnector beside the compact backend: int4 and 4bit (its sinks go with a
+    sequence's first chunk) pass; a residual window (a running sequence's ring in the blocks'
+    reserves, which the tier does not restore) is refused, naming what is supported."""
     pytest.importorskip("vllm")
     env.setenv("KVZIP_KV_FORMAT", "int4")
     startup.check_config(_cfg(connector="KvzipConnector"))
     env.setenv("KVZIP_KV_FORMAT", "4bit")
     env.setenv("KVZIP_CALIBRATION", str(_shipped_calibration()))
-    with pytest.raises(support.UnsupportedConfigError, match="without sink tokens and without"):
+    startup.check_config(_cfg(connector="KvzipConnector"))
+    env.setenv("KVZIP_KV_FORMAT", "4bit+r128")
+    with pytest.raises(support.UnsupportedConfigError, match="without a residual window"):
         startup.check_config(_cfg(connector="KvzipConnector"))
 
 

@@ -159,28 +159,21 @@ BENCH_CONNECTOR_KEY = "kvzip_placeholder_kv"
 
 def _connector_refused(cfg, fmt=None, recent: int = 0) -> bool:
     """Whether the KV connector of ``cfg`` cannot run beside this backend. Allowed: kvzip's own
-    tier (``KvzipConnector``) with a format whose blocks hold all their state (``fmt`` without
-    sink tokens, ``recent == 0``: no residual window; the tier stores the K and V pages, and
-    the sink and window reserves are per-sequence state: ``kvzip_vllm.core.pages``), and
-    benchmark connectors that load no real KV (``BENCH_CONNECTOR_KEY``)."""
+    tier (``KvzipConnector``: it stores the K and V pages, and carries a sequence's sink slot
+    with its first chunk, ``kvzip_vllm.core.pages``) without a residual window (``recent ==
+    0``: a window ring is a running sequence's state, not restored), and benchmark connectors
+    that load no real KV (``BENCH_CONNECTOR_KEY``)."""
     kt = getattr(cfg, "kv_transfer_config", None)
     if kt is None:
         return False
     extra = getattr(kt, "kv_connector_extra_config", None) or {}
     if extra.get(BENCH_CONNECTOR_KEY) is True:
         return False
-    return not (
-        getattr(kt, "kv_connector", None) == "KvzipConnector"
-        and fmt is not None
-        and not int(getattr(fmt, "sink_tokens", 0))
-        and not recent
-    )
+    return not (getattr(kt, "kv_connector", None) == "KvzipConnector" and not recent)
 
 
-#: the compact formats the tier can hold (blocks without per-sequence state): said in refusals
-TIER_FORMATS = (
-    "formats without sink tokens and without a residual window (int4, int4-rot, turbo4, fp8)"
-)
+#: the compact formats the tier can hold (said in refusals): a window ring is not restored
+TIER_FORMATS = "a format without a residual window (no +rN)"
 
 
 @compat.kv_cache_api

@@ -126,8 +126,9 @@ class CompactPages:
     The reserves after them are not a block's state: a sink slot holds the bf16 sinks of the
     sequence whose first block owns it, in the reserves of ``blocks_per_slot`` consecutive
     blocks, and a window ring the last tokens of a running sequence; a restored block lands in
-    another physical block, under another sequence. What a restored sequence reads instead is
-    the backend's business (its rows hold every token, the sinks' too)."""
+    another physical block, under another sequence. The sinks are carried with the sequence's
+    first chunk instead (``sinks``: :class:`SequenceSinks`); a residual window is not (the
+    connector refuses formats with one)."""
 
     kv_heads: int
     block_size: int
@@ -135,9 +136,13 @@ class CompactPages:
     page_bytes: int  # K and V pages of one block: kv_heads * (Pk + Pv)
     kind = "compact"
     dtype = torch.uint8
+    #: the sequences' sink slots (:class:`SequenceSinks`), for formats with sink tokens
+    sinks: SequenceSinks | None = None
 
     @classmethod
-    def of(cls, cache: torch.Tensor, k_page_bytes: int, v_page_bytes: int) -> CompactPages:
+    def of(
+        cls, cache: torch.Tensor, k_page_bytes: int, v_page_bytes: int, sinks=None
+    ) -> CompactPages:
         """The layout of ``cache`` whose K and V pages (one block, one head) are
         ``k_page_bytes`` and ``v_page_bytes`` (``kvzip_kernels.paged.PagedAttention.layouts``)."""
         if cache.dtype != torch.uint8 or cache.dim() != 4:
@@ -152,7 +157,7 @@ class CompactPages:
                 f"K and V pages of {k_page_bytes} + {v_page_bytes} bytes per head do not fit a "
                 f"block of {h} x {n} x {c} bytes (or are not a multiple of 16 bytes)"
             )
-        return cls(h, n, c, pages)
+        return cls(h, n, c, pages, sinks)
 
     @property
     def tensors_per_layer(self) -> int:
@@ -235,3 +240,40 @@ def unpack_pages(blob, device="cpu") -> torch.Tensor:
     if got != (s1, s2):
         raise CorruptPagesError("compact-pages blob fails its checksum: damaged")
     return body
+
+
+class SequenceSinks:
+    """The sink slot of a sequence (compact formats with sink tokens, spec/4bit.md section 8),
+    carried with the sequence's first chunk: the bf16 sinks a sequence's attention reads lie in
+    a slot of the sink pool owned by its first block, so a first chunk restored into another
+    block needs them too, or the restored sequence would read other values than the stored
+    one did. Stored: the slot's values (every layer's, ``[sink_tokens, 2, kv_heads,
+    head_size]`` bf16) beside the first chunk's pages; restored: a slot given to the new first
+    block in the pool (as the backend gives one to a sequence's first chunk) and the values
+    written there. ``paged``: a ``kvzip_kernels.paged.PagedAttention`` of the cache's geometry
+    (its ``sink_store`` view); ``pool_of(cache)``: the server's ``SinkPool`` for the cache."""
+
+    def __init__(self, paged, pool_of):
+        self.paged, self.pool_of = paged, pool_of
+
+    def read(self, caches: list[torch.Tensor], first_block: int) -> torch.Tensor | None:
+        """The sinks of the sequence whose first block is ``first_block``: uint8 ``[layers,
+        slot_bytes]``, or None when the block owns no slot (given away: not stored then)."""
+        pool = self.pool_of(caches[0])
+        j = int(pool.slot_of_block[first_block])
+        if j < 0 or int(pool.owner[j]) != first_block:
+            return None
+        return torch.stack([self.paged.sink_store(c)[j].reshape(-1) for c in caches]).view(
+            torch.uint8
+        )
+
+    def write(self, caches: list[torch.Tensor], first_block: int, sinks: torch.Tensor) -> None:
+        """Give ``first_block`` a slot and write ``sinks`` (as :meth:`read` gave them) there."""
+        pool = self.pool_of(caches[0])
+        dev = pool.slot_of_block.device
+        slots, _ = pool.begin_step(torch.tensor([first_block], device=dev), [0])
+        j = int(slots[0])
+        values = sinks.reshape(len(caches), -1).view(torch.bfloat16)
+        for c, v in zip(caches, values, strict=True):
+            store = self.paged.sink_store(c)
+            store[j] = v.to(c.device).view(store.shape[1:])

@@ -49,6 +49,7 @@ class ChunkLoad(NamedTuple):
     key: bytes
     block_ids: tuple[int, ...]
     skip: int = 0
+    first: bool = False  # the sequence's first chunk (compact formats: its sinks come too)
 
 
 class ChunkStore(NamedTuple):
@@ -56,6 +57,15 @@ class ChunkStore(NamedTuple):
 
     key: bytes
     block_ids: tuple[int, ...]
+    first: bool = False  # the sequence's first chunk (compact formats: its sinks go too)
+
+
+def _as_load(x) -> ChunkLoad:
+    return x if isinstance(x, ChunkLoad) else ChunkLoad(*x)
+
+
+def _as_store(x) -> ChunkStore:
+    return x if isinstance(x, ChunkStore) else ChunkStore(*x)
 
 
 @dataclass
@@ -180,25 +190,29 @@ class KvTier(TierTransfers):
         """The stored tensors of ``key`` decoded on ``device`` (CPU by default), or None when
         not held or damaged (dropped then)."""
         if isinstance(self.layout, CompactPages):
-            return self._read_pages(key, device)
+            got = self._read_pages(key, device)
+            return None if got is None else got[0]
         outs = self.outputs(device)
         return outs if self.store.get(key, outs) else None
 
-    def _read_pages(self, key: bytes, device) -> list[torch.Tensor] | None:
+    def _read_pages(self, key: bytes, device):
+        """Compact: ``(pages per layer, the sequence's sinks or None)`` of ``key``, checked;
+        None when not held or damaged (dropped then)."""
         entry = self.store.lease(key)
         if entry is None:
             return None
         try:
             shape = self.layout.chunk_shape(self.bpc)
-            if len(entry.blobs) != len(self.caches):
-                raise CorruptPagesError(f"{len(entry.blobs)} blobs for {len(self.caches)} layers")
-            outs = [unpack_pages(b, device).view(shape) for b in entry.blobs]
+            n = len(self.caches)
+            if len(entry.blobs) not in (n, n + 1):
+                raise CorruptPagesError(f"{len(entry.blobs)} blobs for {n} layers")
+            outs = [unpack_pages(b, device) for b in entry.blobs]
         except (CorruptPagesError, RuntimeError):
             self.store.drop(key)
             return None
         finally:
             self.store.unlease([entry])
-        return outs
+        return [o.view(shape) for o in outs[:n]], (outs[n] if len(outs) > n else None)
 
     # -- loads ----------------------------------------------------------------------------
     def _fetch_shared(self, loads: list[ChunkLoad], res: TransferResult) -> set[bytes]:
@@ -222,7 +236,7 @@ class KvTier(TierTransfers):
     def submit_load(self, job_id: int, loads: list[ChunkLoad]) -> bool:
         t0 = time.perf_counter()
         res = TransferResult(job_id, True)
-        loads = [ChunkLoad(r, k, as_ids(i), s) for r, k, i, s in loads]
+        loads = [ld._replace(block_ids=as_ids(ld.block_ids)) for ld in map(_as_load, loads)]
         for ld in loads:
             self._check(ld.block_ids, ld.skip)
         fetched = self._fetch_shared(loads, res) if self.shared is not None else set()
@@ -235,10 +249,13 @@ class KvTier(TierTransfers):
         for ld in loads:
             ok = False
             try:
-                tensors = self.read(ld.key, self.device) if ld.key in self.store else None
-                if tensors is not None:
-                    self.scatter(ld.block_ids, tensors, ld.skip)
-                    ok = True
+                if isinstance(self.layout, CompactPages):
+                    ok = self._load_pages(ld)
+                else:
+                    tensors = self.read(ld.key, self.device) if ld.key in self.store else None
+                    if tensors is not None:
+                        self.scatter(ld.block_ids, tensors, ld.skip)
+                        ok = True
             except (ValueError, kvzip_lossless.CorruptBlobError):
                 logger.exception("kvzip tier: restoring chunk %s failed", ld.key[:4].hex())
                 self.store.drop(ld.key)
@@ -249,6 +266,23 @@ class KvTier(TierTransfers):
                 self._fail(res, ld, fetched)
         self._finish_load(res, t0)
         self._finished.append(res)
+        return True
+
+    def _load_pages(self, ld: ChunkLoad) -> bool:
+        """Compact: one chunk's pages (and, for a sequence's first chunk written from its first
+        block, its sinks) into the cache; False, writing nothing, when it cannot be served."""
+        got = self._read_pages(ld.key, self.device) if ld.key in self.store else None
+        if got is None:
+            return False
+        pages, sinks = got
+        carry = self.layout.sinks is not None and ld.first and ld.skip == 0
+        if carry and sinks is None:
+            logger.warning("kvzip tier: first chunk %s holds no sinks: dropped", ld.key[:4].hex())
+            self.store.drop(ld.key)
+            return False
+        self.scatter(ld.block_ids, pages, ld.skip)
+        if carry:
+            self.layout.sinks.write(self.caches, ld.block_ids[0], sinks)
         return True
 
     def _fail(self, res: TransferResult, ld: ChunkLoad, fetched: set[bytes]) -> None:
@@ -291,7 +325,7 @@ class KvTier(TierTransfers):
     # -- stores ---------------------------------------------------------------------------
     def submit_store(self, job_id: int, stores: list[ChunkStore]) -> bool:
         t0 = time.perf_counter()
-        stores = [ChunkStore(k, as_ids(i)) for k, i in stores]
+        stores = [st._replace(block_ids=as_ids(st.block_ids)) for st in map(_as_store, stores)]
         for st in stores:
             self._check(st.block_ids)
         res = TransferResult(job_id, True)
@@ -306,6 +340,17 @@ class KvTier(TierTransfers):
                 tensors = self.gather(st.block_ids)
                 if compact:
                     blobs = tuple(pack_pages(t) for t in tensors)
+                    if st.first and self.layout.sinks is not None:
+                        sinks = self.layout.sinks.read(self.caches, st.block_ids[0])
+                        blobs += (pack_pages(sinks),) if sinks is not None else (None,)
+                if compact and blobs[-1] is None:  # its sink slot was given away: not stored
+                    logger.warning(
+                        "kvzip tier: first chunk %s not stored: its sequence's sink slot was "
+                        "given away (vLLM recomputes it)",
+                        st.key[:4].hex(),
+                    )
+                    nbytes, evicted = 0, []
+                elif compact:
                     nbytes, evicted = self.store.put_blobs(
                         st.key, blobs, self._raw_bytes(), seconds=time.perf_counter() - t0
                     )

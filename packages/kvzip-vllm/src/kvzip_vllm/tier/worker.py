@@ -218,7 +218,7 @@ class KvzipWorker:
     def _compact_layout(self, cache: torch.Tensor) -> pages.CompactPages:
         """The compact backend's cache (``KVZIP_KV_FORMAT``): its K and V page bytes."""
         from kvzip_kernels.paged import PagedAttention
-        from kvzip_vllm.backend import _active_format, _active_window
+        from kvzip_vllm.backend import _active_format, _active_window, sink_pool
 
         mc = self.vllm_config.model_config
         recent, slot_tokens = _active_window()
@@ -239,7 +239,10 @@ class KvzipWorker:
                 "caches, or kvzip's compact backend (KVZIP_KV_FORMAT)"
             )
         pk, pv = paged.layouts["k"].page_bytes, paged.layouts["v"].page_bytes
-        return pages.CompactPages.of(cache, pk, pv)
+        sinks = None
+        if paged.sink_tokens:  # the backend's sink pool of this cache: carried by first chunks
+            sinks = pages.SequenceSinks(paged, lambda c: sink_pool(paged, c))
+        return pages.CompactPages.of(cache, pk, pv, sinks)
 
     def _gather_block(self, block_id: int) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``
@@ -281,7 +284,7 @@ class KvzipWorker:
         if not meta.loads:
             return
         self._job += 1
-        loads = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip) for ld in meta.loads]
+        loads = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in meta.loads]
         self._loads = {(ld.req_id, ld.key): ld for ld in meta.loads}
         self.tier.submit_load(self._job, loads)
         if self._cuda is not None:
@@ -401,7 +404,9 @@ class KvzipWorker:
             return
         stores = self._admit(meta)
         self._job += 1
-        self.tier.submit_store(self._job, [ChunkStore(st.key, st.ids) for st in stores])
+        self.tier.submit_store(
+            self._job, [ChunkStore(st.key, st.ids, st.pos == 0) for st in stores]
+        )
         if self._cuda is not None:
             return
         self._take_finished()
