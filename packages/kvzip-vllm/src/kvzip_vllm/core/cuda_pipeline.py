@@ -51,7 +51,7 @@ import kvzip_lossless
 from kvzip_formats import settings as table
 from kvzip_vllm.core.blocks import as_ids
 from kvzip_vllm.core.pages import Bf16Pages
-from kvzip_vllm.core.store import RECORD_ALIGN, BlockStore
+from kvzip_vllm.core.store import BlockStore
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
@@ -210,7 +210,7 @@ class CudaTierPipeline:
         load = self._load = _Load(time.perf_counter())
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
-        good, plans, records, offs = [], [], [], []
+        good, plans, records = [], [], []
         for item in loads:
             req_id, key, ids, skip = _load_item(item)
             if len(ids) != self.bpc or not 0 <= skip < self.bpc:
@@ -231,8 +231,7 @@ class CudaTierPipeline:
             if isinstance(plan, np.ndarray) and self._plans_match(plan, entry, n_tensors, numel):
                 good.append((req_id, key, ids, skip))
                 plans.append(plan)
-                records.append(self.store.record(entry))
-                offs.append(entry.off)
+                records.append(entry)
                 continue
             # no batch plan (blobs embedding their tables): decoded here, chunk by chunk
             outs = [
@@ -246,7 +245,7 @@ class CudaTierPipeline:
                 load.failed.update(ids[skip:])
                 load.dropped.append(key)
         if good:
-            self._start_batched(load, good, plans, records, offs)
+            self._start_batched(load, good, plans, records)
         load.host_s = time.perf_counter() - load.t0
 
     def _wait_for_store(self, key: bytes) -> bool:
@@ -447,7 +446,6 @@ class CudaTierPipeline:
             with self._queued_lock:
                 self._spilled -= nbytes
             return False
-        arena = self.store.arena.buf
         cuda = self.device.type == "cuda"
         for j0 in range(0, m, SPILL_GROUP):
             j1 = min(m, j0 + SPILL_GROUP)
@@ -459,7 +457,7 @@ class CudaTierPipeline:
             )  # fmt: skip
             for j in range(j0, j1):
                 off, n = extents[j]
-                dst = arena[off : off + n].view(torch.bfloat16)
+                dst = self.store.extent(off, n).view(torch.bfloat16)
                 dst.copy_(group[j - j0].view(-1), non_blocking=cuda)  # page-locked: async
         if not self.store.stats.stores_spilled_host:
             logger.warning(
@@ -487,9 +485,8 @@ class CudaTierPipeline:
             self._queued += nbytes
         job.nbytes = nbytes
         dev = torch.empty((m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device)
-        arena = self.store.arena.buf
         for j, (off, n) in enumerate(job.spill):
-            src = arena[off : off + n].view(torch.bfloat16)
+            src = self.store.extent(off, n).view(torch.bfloat16)
             dev[j].view(-1).copy_(src, non_blocking=self.store_stream is not None)
         if self.store_stream is not None:
             self.store_stream.synchronize()  # the copies have landed: the extents are free
@@ -590,27 +587,23 @@ class CudaTierPipeline:
             and int(plans[:, 0].sum()) <= entry.size
         )
 
-    def _start_batched(self, load: _Load, good, plans, records, offs) -> None:
+    def _start_batched(self, load: _Load, good, plans, records) -> None:
         """A load step through ``kvzip_lossless.decode_batch``: the records (blobs back to
         back) copied to one device buffer (one copy per run of records lying back to back in
         the arena), one decode call per chunk group as its copies land."""
         n, S = len(good), 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
-        order = sorted(range(n), key=lambda j: offs[j])
-        good, plans, records, offs = ([x[j] for j in order] for x in (good, plans, records, offs))
+        order = self.store.record_order(records)
+        good, plans, records = ([x[j] for j in order] for x in (good, plans, records))
         load.blocks = good
         t_host = time.perf_counter()
-        sizes = np.array([r.numel() for r in records], np.int64)
-        ext = -(-sizes // RECORD_ALIGN) * RECORD_ALIGN
-        rec_base = np.concatenate([[0], np.cumsum(ext)[:-1]]).astype(np.int64)
         all_plans = np.concatenate(plans)  # [n * S, PLAN_WIDTH], chunk-major
-        lengths = all_plans[:, 0].reshape(n, S)
-        in_rec = np.cumsum(lengths, 1) - lengths
-        offsets = (rec_base[:, None] + in_rec).ravel()
+        batch = self.store.record_batch(records, all_plans[:, 0].reshape(n, S))
+        offsets = batch.offsets
         j_idx, s_idx = np.divmod(np.arange(n * S), S)
         out_offsets = (s_idx * n + j_idx) * numel  # out is [S, n, *chunk shape]: slot-major
         load.host_plan_s = time.perf_counter() - t_host
-        blob_dev = torch.empty(int(ext.sum()), dtype=torch.uint8, device=self.device)
+        blob_dev = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device)
         out = torch.empty((S, n, *self.block_shape), dtype=torch.bfloat16, device=self.device)
         cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
         for stream in (self.copy_stream, self.decode_stream):
@@ -619,7 +612,6 @@ class CudaTierPipeline:
         groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
         bounds = np.linspace(0, n, groups + 1).astype(int)
         events = []
-        arena = self.store.arena.buf
         flat = out.view(-1)
         bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
 
@@ -640,15 +632,7 @@ class CudaTierPipeline:
             if early:
                 preps = [prepare(j0, j1) for j0, j1 in bounds]
             for j0, j1 in bounds:
-                j = j0
-                while j < j1:
-                    k = j + 1
-                    while k < j1 and offs[k] - offs[j] == int(rec_base[k] - rec_base[j]):
-                        k += 1
-                    a, end = int(rec_base[j]), offs[k - 1] + int(sizes[k - 1])
-                    blob_dev[a : a + end - offs[j]].copy_(arena[offs[j] : end], non_blocking=True)
-                    load.copies += 1
-                    j = k
+                load.copies += self.store.copy_records(batch, blob_dev, int(j0), int(j1))
                 if self.copy_stream is not None:
                     events.append(torch.cuda.Event())
                     events[-1].record(self.copy_stream)
@@ -697,7 +681,7 @@ class CudaTierPipeline:
             return
         t_enc = time.perf_counter()
         raw = sum(t.numel() * t.element_size() for t in tensors[:S])
-        arena, pending = self.store.arena.buf, []
+        pending = []
         for c, j in enumerate(todo):
             i0, i1 = c * S, (c + 1) * S
             a = int(enc.offsets[i0])
@@ -707,7 +691,7 @@ class CudaTierPipeline:
             if off is None:  # larger than the budget, or no room now
                 self._done.put((keys[j], 0, evicted))
                 continue
-            arena[off : off + size].copy_(enc.data[a : a + size], non_blocking=True)
+            self.store.extent(off, size).copy_(enc.data[a : a + size], non_blocking=True)
             pending.append((keys[j], off, size, enc.lengths[i0:i1], plans, evicted))
         if self.store_stream is not None:
             self.store_stream.synchronize()  # the job's copies are in the arena

@@ -296,6 +296,19 @@ class TierStats:
 
 
 @dataclass
+class RecordBatch:
+    """Records of a batched read (:meth:`BlockStore.record_batch`): each blob's start in the
+    destination buffer (``offsets``, ``[n * blobs]``), the buffer's bytes, and per record its
+    start there, its offset in the arena and its size (for :meth:`BlockStore.copy_records`)."""
+
+    offsets: np.ndarray
+    nbytes: int
+    base: np.ndarray
+    src: np.ndarray
+    size: np.ndarray
+
+
+@dataclass
 class _Entry:
     blobs: tuple[memoryview, ...]  # views into the arena
     nbytes: int  # arena extent plus ``aux_bytes``: what it holds against the budget
@@ -610,6 +623,46 @@ class BlockStore:
 
     def record(self, entry: _Entry) -> torch.Tensor:
         return self.arena.view(entry.off, entry.size)
+
+    # -- what a batched reader needs, without the record layout -------------------------
+    def extent(self, off: int, n: int) -> torch.Tensor:
+        """The ``n`` bytes of an extent from :meth:`reserve` or :meth:`reserve_spill` (a uint8
+        view into the arena, page-locked where it is): where a writer puts a record's blobs
+        back to back from its start, or a spill its raw chunks."""
+        return self.arena.view(off, n)
+
+    def record_order(self, entries) -> list[int]:
+        """The order in which to read ``entries`` (leased): as they lie in the arena, so that
+        records stored one after another are copied by one :meth:`copy_records` call."""
+        return sorted(range(len(entries)), key=lambda j: entries[j].off)
+
+    def record_batch(self, entries, blob_lengths: np.ndarray) -> RecordBatch:
+        """Where the records of ``entries`` (leased, in :meth:`record_order`) land when copied
+        back to back into one buffer, each from an aligned start, and where each of their blobs
+        (``blob_lengths`` ``[n, blobs]``) starts there."""
+        sizes = np.array([e.size for e in entries], np.int64)
+        ext = -(-sizes // RECORD_ALIGN) * RECORD_ALIGN
+        base = np.concatenate([[0], np.cumsum(ext)[:-1]]).astype(np.int64)
+        in_rec = np.cumsum(blob_lengths, 1) - blob_lengths  # blobs back to back in a record
+        offsets = (base[:, None] + in_rec).ravel()
+        src = np.array([e.off for e in entries], np.int64)
+        return RecordBatch(offsets, int(ext.sum()), base, src, sizes)
+
+    def copy_records(self, batch: RecordBatch, dst: torch.Tensor, j0: int, j1: int) -> int:
+        """Copy the records ``j0 .. j1 - 1`` of ``batch`` into ``dst`` (asynchronously from
+        page-locked memory): one copy per run of records lying back to back in the arena.
+        Returns the copies issued."""
+        src, base, sizes, buf = batch.src, batch.base, batch.size, self.arena.buf
+        copies, j = 0, j0
+        while j < j1:
+            k = j + 1
+            while k < j1 and src[k] - src[j] == base[k] - base[j]:
+                k += 1
+            a, s0, end = int(base[j]), int(src[j]), int(src[k - 1] + sizes[k - 1])
+            dst[a : a + end - s0].copy_(buf[s0:end], non_blocking=True)
+            copies += 1
+            j = k
+        return copies
 
     def get_blobs(self, key: bytes) -> tuple[bytes, ...] | None:
         """The blobs of ``key`` (marking it most recently used), or None if not held."""
