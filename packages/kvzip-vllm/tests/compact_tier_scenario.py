@@ -31,21 +31,28 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompt-tokens", type=int, default=769)  # 12 whole chunks + 1 token
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument(
+        "--dummy",
+        action="store_true",
+        help="a tiny Llama with dummy weights and random prompt tokens, a synthetic calibration "
+        "(the GPU machine: no model download, no tokenizer), as tests/vllm_gpu_backend.py",
+    )
     args = ap.parse_args(argv)
 
     import torch
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm_scenarios import _llm, _prompts
 
     stats_path = Path(tempfile.mkdtemp(prefix="kvzip-")) / "stats.json"
-    llm = _llm(
+    common = dict(
         enable_prefix_caching=True,
         block_size=BS,
         async_scheduling=False,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvzipConnector",
+            # by module too: where kvzip-vllm's entry points are not installed (PYTHONPATH)
+            kv_connector_module_path="kvzip_vllm.connector",
             kv_role="kv_both",
             kv_connector_extra_config={
                 "budget_bytes": 64 << 20,
@@ -54,6 +61,37 @@ def main(argv=None) -> int:
             },
         ),
     )
+    if args.dummy:
+        from vllm import LLM
+        from vllm_gpu_backend import SHAPES, calibration_dir, model_dir
+
+        from kvzip_vllm import plugin
+
+        root = Path(tempfile.mkdtemp(prefix="kvzip-dummy-"))
+        if os.environ.get("KVZIP_KV_FORMAT", "").startswith(("4bit", "3.5bit", "3bit")):
+            os.environ["KVZIP_CALIBRATION"] = calibration_dir("tiny", root)
+        plugin.register_backend_if_enabled()  # (a no-op repeat where the plugin is installed)
+        llm = LLM(
+            model=str(model_dir("tiny", root)),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            attention_backend="CUSTOM",
+            enforce_eager=True,
+            max_model_len=2048,
+            max_num_seqs=4,
+            gpu_memory_utilization=0.3,
+            seed=0,
+            **common,
+        )
+        g = torch.Generator().manual_seed(1)
+        vocab = SHAPES["tiny"]["vocab_size"]
+        prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist()
+    else:
+        from vllm_scenarios import _llm, _prompts
+
+        llm = _llm(**common)
+        prompt = _prompts(llm.get_tokenizer(), 1, args.prompt_tokens)[0]
     worker = get_kv_transfer_group().worker
     tier = worker.tier
     stored: dict[bytes, list] = {}  # key -> the pages gathered for it (per layer, on the CPU)
@@ -79,7 +117,6 @@ def main(argv=None) -> int:
         return ok
 
     tier.submit_store, tier.submit_load = submit_store, submit_load
-    prompt = _prompts(llm.get_tokenizer(), 1, args.prompt_tokens)[0]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=5)
 
     def gen():
@@ -133,7 +170,31 @@ def main(argv=None) -> int:
         "tokens_per_byte": stats["raw_bytes_held"] and (n_stored * CHUNK) / stats["bytes_held"],
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    import vllm
+
+    result["provenance"] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": torch.cuda.get_device_name(0) if tier.device.type == "cuda" else "cpu",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "model": "tiny Llama, dummy weights" if args.dummy else "embedded SmolLM2-135M",
+        "command": "KVZIP_KV_FORMAT="
+        + str(result["kv_format"])
+        + " python "
+        + " ".join(["packages/kvzip-vllm/tests/compact_tier_scenario.py", *sys.argv[1:]]),
+    }
     args.out.write_text(json.dumps(result, indent=1))
+    s = result["stats"]
+    args.out.with_suffix(".md").write_text(
+        f"# The tier with compact pages: {result['kv_format']} on {result['provenance']['device']}"
+        f"\n\n{result['provenance']}\n\n"
+        "| chunks stored / restored | blocks checked | pages equal | blobs equal | output = "
+        "local hit | output = cold run | bytes held | tokens per byte |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        f"| {n_stored} / {len(restored)} | {checked} | {result['pages_equal']} | {blobs_equal} "
+        f"| {result['restored_equals_local_hit']} | {result['restored_equals_recompute']} "
+        f"| {s['bytes_held']} | {result['tokens_per_byte']:.3e} |\n"
+    )
     print("RESULT " + json.dumps({k: v for k, v in result.items() if k != "stats"}))
     return 0
 

