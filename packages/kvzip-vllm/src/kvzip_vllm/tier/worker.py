@@ -1,7 +1,10 @@
-"""The tier's worker half: a :class:`~kvzip_vllm.store.BlockStore` of kvzip-lossless blobs in
-CPU memory, loads decoded into the paged cache before the forward, stores after it. The unit
-is a chunk of ``chunk_tokens`` tokens (``chunk_tokens / block_size`` paged-cache blocks, coded
-as one blob per layer and kind); a load or a store names the chunk's block ids.
+"""The tier's worker half: vLLM's steps mapped onto the tier core's transfer jobs
+(:class:`~kvzip_vllm.core.transfer.KvTier`: the store, the cache layout's gather / scatter, the
+CPU path or the CUDA pipeline, the shared store), loads before the forward, stores after it.
+The unit is a chunk of ``chunk_tokens`` tokens (``chunk_tokens / block_size`` paged-cache
+blocks, coded as one blob per layer and kind, or with the compact backend stored as its pages);
+a load or a store names the chunk's block ids. What stays here is vLLM's: shard keys, the
+refusals after a failed load, the report to the scheduler.
 
 A load that fails (the entry was evicted since the scheduler counted it, or fails its
 checksum) is reported through ``get_block_ids_with_load_errors``: vLLM recomputes the request
