@@ -124,6 +124,7 @@ class KvzipWorker:
         self._bad_reqs: dict[str, tuple[int, int]] = {}  # req_id -> (first bad pos, report)
         self._bad_blocks: dict[int, int] = {}  # block id -> report
         self._job = 0  # transfer jobs submitted to the core
+        self._load_job: int | None = None  # the step's load job (waited for before the forward)
         self._stats_dirty = False
         self.world, self.rank = _tp_rank(vllm_config)
         if self.world > 1 and self.stats_path:  # one file per rank: stats.json -> stats.rank1.json
@@ -289,6 +290,7 @@ class KvzipWorker:
         self._job += 1
         loads = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in meta.loads]
         self._loads = {(ld.req_id, ld.key): ld for ld in meta.loads}
+        self._load_job = self._job
         self.tier.submit_load(self._job, loads)
         if self._cuda is not None:
             self._stats_dirty = True
@@ -364,7 +366,9 @@ class KvzipWorker:
     def _finish_cuda_loads(self) -> None:
         if self._cuda is None:
             return
-        self.tier.wait({self._job})  # the step's loads written (or failed)
+        if self._load_job is not None:  # the step's loads written (or failed); never the
+            self.tier.wait({self._load_job})  # stores: they are coded in the background
+            self._load_job = None
         self._take_finished()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
