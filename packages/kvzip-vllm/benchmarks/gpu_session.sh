@@ -15,6 +15,7 @@
 #   gpu_session.sh window    # the residual window's GPU tests (then serving with SERVING_FORMATS=fp8,4bit,4bit+r128)
 #   gpu_session.sh serve     # serve_h200.py: `vllm serve` with the tier and 4bit+r128 (.whl carried: serve_wheels.sh)
 #   gpu_session.sh offload   # tier_vs_offload.py: the tier beside vLLM's OffloadingConnector, same CPU bytes and traffic (.carry/smollm2/p1 carried)
+#   gpu_session.sh compacttier  # the tier core's CUDA paths and compact pages in the tier (test_cuda_pipeline, test_core, test_compact_tier)
 #   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
 #   gpu_session.sh tp2serving  # nvidia-h200-x2: bench_serving.py --tp 2, fp8 and 4bit at 32k (not yet run)
 set -uo pipefail
@@ -165,6 +166,16 @@ offload)
   timeout ${OFFLOAD_LIMIT_S:-530} python3 $R/kvzip-vllm/benchmarks/tier_vs_offload.py --out $RES \
     --name ${OFFLOAD_NAME:-tier_vs_offload_h200} --models $models $pieces \
     --deadline-s ${OFFLOAD_DEADLINE_S:-490} ${OFFLOAD_ARGS:-} 2>&1 | tee $RES/offload.log | tail -45
+  ;;
+compacttier)
+  env_line
+  # the tier core's CUDA pipeline (its gather/scatter now through core/pages.py), the core's
+  # unit tests, then the tier with int4 and 4bit pages in vLLM 0.26 (tiny dummy-weight Llama)
+  timeout 200 python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_cuda_pipeline.py 2>&1 \
+    | tee $RES/cuda_pipeline.log | tail -3
+  timeout 120 python3 -m pytest -q $R/kvzip-vllm/tests/test_core.py 2>&1 | tee $RES/core.log | tail -3
+  timeout 400 python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_compact_tier.py 2>&1 \
+    | tee $RES/compact_tier.log | tail -5
   ;;
 tp2)
   env_line

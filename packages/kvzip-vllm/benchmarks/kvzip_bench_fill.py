@@ -47,11 +47,11 @@ def allow_fill_connector(backend) -> object:
     in place."""
     shipped = getattr(backend, "_shipped_connector_refused", backend._connector_refused)
 
-    def refused(cfg) -> bool:
+    def refused(cfg, *args, **kwargs) -> bool:
         kt = getattr(cfg, "kv_transfer_config", None)
         if kt is not None and getattr(kt, "kv_connector", None) == CONNECTOR:
             return False
-        return shipped(cfg)
+        return shipped(cfg, *args, **kwargs)
 
     backend._shipped_connector_refused = shipped
     backend._connector_refused = refused

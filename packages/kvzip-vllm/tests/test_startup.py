@@ -136,7 +136,7 @@ def test_the_backend_with_its_own_models_calibration_passes(env):
     "change, match",
     [
         ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported with KVZIP_KV_FORMAT"),
-        ({"connector": "KvzipConnector"}, "a KV connector .KvzipConnector. is not supported"),
+        ({"connector": "OffloadingConnector"}, "a KV connector .OffloadingConnector. is not"),
         ({"tp": 3}, "tensor_parallel_size=3"),
         ({"arch": "Qwen2ForCausalLM"}, "supported: LlamaForCausalLM"),
     ],
@@ -146,6 +146,21 @@ def test_backend_refuses_what_its_layers_would_refuse_later(env, change, match):
     env.setenv("KVZIP_KV_FORMAT", "int4")
     with pytest.raises(support.UnsupportedConfigError, match=match):
         startup.check_config(_cfg(**change))
+
+
+def test_backend_takes_the_tier_only_without_a_residual_window(env):
+    """KvzipConnector beside the compact backend: int4 and 4bit (its sinks go with a
+    sequence's first chunk) pass; a residual window (a running sequence's ring in the blocks'
+    reserves, which the tier does not restore) is refused, naming what is supported."""
+    pytest.importorskip("vllm")
+    env.setenv("KVZIP_KV_FORMAT", "int4")
+    startup.check_config(_cfg(connector="KvzipConnector"))
+    env.setenv("KVZIP_KV_FORMAT", "4bit")
+    env.setenv("KVZIP_CALIBRATION", str(_shipped_calibration()))
+    startup.check_config(_cfg(connector="KvzipConnector"))
+    env.setenv("KVZIP_KV_FORMAT", "4bit+r128")
+    with pytest.raises(support.UnsupportedConfigError, match="without a residual window"):
+        startup.check_config(_cfg(connector="KvzipConnector"))
 
 
 @pytest.mark.parametrize(

@@ -311,7 +311,7 @@ def test_backend_refuses_every_connector_and_the_bench_plugin_lets_only_its_own_
     ok = SimpleNamespace(kv_connector=fill.CONNECTOR, kv_connector_extra_config={})
     assert _backend_impl({"kv_transfer_config": ok}, monkeypatch).fmt.name == "int4"
     assert _backend_impl({}, monkeypatch).fmt.name == "int4"
-    for name in ("KvzipConnector", "LMCacheConnectorV1", "kvzipbenchfill"):
+    for name in ("LMCacheConnectorV1", "kvzipbenchfill"):
         kt = SimpleNamespace(kv_connector=name, kv_connector_extra_config={})
         with pytest.raises(support.UnsupportedConfigError, match="a KV connector"):
             _backend_impl({"kv_transfer_config": kt}, monkeypatch)

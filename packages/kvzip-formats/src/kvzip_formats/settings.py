@@ -199,7 +199,7 @@ STORE_STREAM_PRIORITY = Setting(
     "KVZIP_STORE_STREAM_PRIORITY",
     int,
     -1,
-    ("kvzip_vllm.cuda_pipeline",),
+    ("kvzip_vllm.core.cuda_pipeline",),
     "the CUDA priority of the tier's store stream (lower is more urgent; -1: its coding is "
     "not queued behind the prefill's kernels; 0: the default priority, for comparison)",
     package=_VLLM,

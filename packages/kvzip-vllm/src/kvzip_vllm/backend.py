@@ -151,9 +151,20 @@ def window_pool(paged: PagedAttention, kv_cache: torch.Tensor) -> WindowPool:
     return _pool("window", kv_cache, paged.window_blocks_per_slot, paged.new_window_pool)
 
 
-def _connector_refused(cfg) -> bool:
-    """Any KV connector: its loaded blocks would arrive without their bf16 sink slots."""
-    return getattr(cfg, "kv_transfer_config", None) is not None
+def _connector_refused(cfg, fmt=None, recent: int = 0) -> bool:
+    """Whether the KV connector of ``cfg`` cannot run beside this backend. Allowed: kvzip's own
+    tier (``KvzipConnector``: it stores the K and V pages, and carries a sequence's sink slot
+    with its first chunk, ``kvzip_vllm.core.pages``) without a residual window (``recent ==
+    0``: a window ring is a running sequence's state, not restored). Every other connector's
+    loaded blocks would arrive without their sink slots."""
+    kt = getattr(cfg, "kv_transfer_config", None)
+    if kt is None:
+        return False
+    return not (getattr(kt, "kv_connector", None) == "KvzipConnector" and not recent)
+
+
+#: the compact formats the tier can hold (said in refusals): a window ring is not restored
+TIER_FORMATS = "a format without a residual window (no +rN)"
 
 
 @compat.kv_cache_api
@@ -295,7 +306,7 @@ class KvzipAttentionImpl(AttentionImpl):
             **{k: v is not None for k, v in extra.items()},
             # a connector's loaded blocks would arrive without their sink slots (the pool
             # gives a slot when the backend writes a sequence's first chunk)
-            "a KV connector": _connector_refused(cfg),
+            "a KV connector": _connector_refused(cfg, _active_format(), _active_window()[0]),
         }
         bad = [k for k, v in unsupported.items() if v]
         if bad or attn_type != AttentionType.DECODER:
@@ -303,7 +314,7 @@ class KvzipAttentionImpl(AttentionImpl):
                 f"kvzip-vllm attention backend: {', '.join(bad) or attn_type} is not supported; "
                 "supported: causal decoder self-attention without ALiBi, sliding window, "
                 "soft cap or sinks, kv_cache_dtype 'auto' (the format sets the cache bytes), "
-                "no KV connector"
+                f"no KV connector but KvzipConnector with {TIER_FORMATS}"
             )
         if getattr(cfg.compilation_config, "use_inductor_graph_partition", False):
             raise support.UnsupportedConfigError(

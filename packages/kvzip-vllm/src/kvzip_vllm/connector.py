@@ -80,6 +80,19 @@ def _model_identity(vllm_config: VllmConfig) -> str:
     return f"{mc.model}@{mc.revision or ''}#{digest}"
 
 
+def _cache_layout(vllm_config: VllmConfig) -> str:
+    """The cache layout part of the key: the stock bf16 pages, or the compact backend's
+    format (name, version; its pages are stored raw, so chunks of two formats never mix)."""
+    from kvzip_vllm.settings import backend_settings, load_format
+
+    try:
+        s = backend_settings(vllm_config)
+    except ValueError:  # no KVZIP_KV_FORMAT: vLLM's own bf16 cache
+        return "per-layer-block"
+    fmt = load_format(s.kv_format, s.calibration)
+    return f"compact-pages:{s.kv_format}/v{getattr(fmt, 'version', 0)}+r{s.recent}"
+
+
 def require_recompute_policy(kv_transfer_config) -> None:
     """Make vLLM recompute a block the tier cannot restore instead of failing the request.
 
@@ -185,7 +198,7 @@ class KvzipConnector(KVConnectorBase_V1):
 
         ns = namespace(
             model=_model_identity(vllm_config),
-            layout="per-layer-block",
+            layout=_cache_layout(vllm_config),
             block_size=vllm_config.cache_config.block_size,
             dtype=str(vllm_config.model_config.dtype),
             tp_world=vllm_config.parallel_config.tensor_parallel_size,

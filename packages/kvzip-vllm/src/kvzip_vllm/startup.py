@@ -128,13 +128,15 @@ def check_backend(vllm_config) -> None:
             f"{what}: kv_cache_dtype={dtype!r} is not supported with {table.KV_FORMAT.name} "
             "(the format sets the cache bytes); supported: 'auto' (leave --kv-cache-dtype out)"
         )
-    from kvzip_vllm.backend import _connector_refused
+    from kvzip_vllm.backend import TIER_FORMATS, _connector_refused
 
-    if _connector_refused(vllm_config):
+    if _connector_refused(vllm_config, fmt, s.recent):
         _refuse(
             f"{what}: a KV connector ({vllm_config.kv_transfer_config.kv_connector}) is not "
-            f"supported with {table.KV_FORMAT.name} (its loaded blocks would arrive without "
-            f"their sink slots); supported: either {table.KV_FORMAT.name} or a KV connector"
+            f"supported with {table.KV_FORMAT.name}={raw!r} (its loaded blocks would arrive "
+            "without their sequence's sink slot or residual window); supported: "
+            f"{table.KV_FORMAT.name} with KvzipConnector and {TIER_FORMATS}, or a KV "
+            f"connector without {table.KV_FORMAT.name}"
         )
 
 

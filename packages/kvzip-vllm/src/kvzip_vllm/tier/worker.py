@@ -1,7 +1,10 @@
-"""The tier's worker half: a :class:`~kvzip_vllm.store.BlockStore` of kvzip-lossless blobs in
-CPU memory, loads decoded into the paged cache before the forward, stores after it. The unit
-is a chunk of ``chunk_tokens`` tokens (``chunk_tokens / block_size`` paged-cache blocks, coded
-as one blob per layer and kind); a load or a store names the chunk's block ids.
+"""The tier's worker half: vLLM's steps mapped onto the tier core's transfer jobs
+(:class:`~kvzip_vllm.core.transfer.KvTier`: the store, the cache layout's gather / scatter, the
+CPU path or the CUDA pipeline, the shared store), loads before the forward, stores after it.
+The unit is a chunk of ``chunk_tokens`` tokens (``chunk_tokens / block_size`` paged-cache
+blocks, coded as one blob per layer and kind, or with the compact backend stored as its pages);
+a load or a store names the chunk's block ids. What stays here is vLLM's: shard keys, the
+refusals after a failed load, the report to the scheduler.
 
 A load that fails (the entry was evicted since the scheduler counted it, or fails its
 checksum) is reported through ``get_block_ids_with_load_errors``: vLLM recomputes the request
@@ -26,15 +29,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
 
 import kvzip_lossless
-from kvzip_vllm import blocks, support
-from kvzip_vllm.store import BlockStore, shard_key
+from kvzip_vllm import support
+from kvzip_vllm.core import pages
+from kvzip_vllm.core.store import BlockStore, shard_key
+from kvzip_vllm.core.transfer import ChunkLoad, ChunkStore, KvTier, TransferResult
 from kvzip_vllm.tier.metadata import (
     KvzipConnectorMetadata,
     KvzipWorkerMetadata,
@@ -111,7 +115,7 @@ class KvzipWorker:
 
         self.shared = open_shared(settings)
         self._shared_writer = SharedWriter(self.shared) if self.shared is not None else None
-        self._shared_counts = {"shared_blocks_fetched": 0, "shared_blocks_bad": 0}
+        self.tier: KvTier | None = None  # the tier core, once the caches are registered
         self.layers: list[tuple[str, torch.Tensor]] = []
         self._load_errors: set[int] = set()  # block ids, until get_block_ids_with_load_errors
         self._report = KvzipWorkerMetadata()
@@ -119,7 +123,8 @@ class KvzipWorker:
         # failures the scheduler has not seen yet, tagged with the report that carries them
         self._bad_reqs: dict[str, tuple[int, int]] = {}  # req_id -> (first bad pos, report)
         self._bad_blocks: dict[int, int] = {}  # block id -> report
-        self._cuda = None  # set in register_kv_caches when the cache is on a GPU
+        self._job = 0  # transfer jobs submitted to the core
+        self._load_job: int | None = None  # the step's load job (waited for before the forward)
         self._stats_dirty = False
         self.world, self.rank = _tp_rank(vllm_config)
         if self.world > 1 and self.stats_path:  # one file per rank: stats.json -> stats.rank1.json
@@ -166,99 +171,107 @@ class KvzipWorker:
         report.dropped = dropped
 
     # -- caches ---------------------------------------------------------------------------
+    @property
+    def _cuda(self):
+        """The core's CUDA pipeline (None on the CPU path)."""
+        return None if self.tier is None else self.tier.pipeline
+
+    @_cuda.setter
+    def _cuda(self, pipeline) -> None:  # (tests run the pipeline on the CPU device)
+        self.tier.pipeline = pipeline
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        compact = first.dtype == torch.uint8
         for name, cache in kv_caches.items():
             try:
-                blocks.check_paged_cache(name, cache)
+                if compact:
+                    if cache.dtype != torch.uint8 or cache.shape != first.shape:
+                        raise ValueError(f"layer {name}: {cache.dtype} {tuple(cache.shape)}")
+                else:
+                    pages.check_bf16(cache, name)
             except ValueError as e:
                 raise support.UnsupportedConfigError(f"kvzip-vllm connector: {e}") from None
         self.layers = order_layers(kv_caches)
         device = self.layers[0][1].device
         _, h, n, c = self.layers[0][1].shape
         self._page_shape = (n, c // 2)
-        if device.type == "cpu":
-            from kvzip_vllm.cpu_layout import probe_orders
+        if compact:
+            layout = self._compact_layout(self.layers[0][1])
+        elif device.type == "cpu":
+            from kvzip_vllm.core.cpu_layout import probe_orders
 
             cfg = self.vllm_config
             orders = probe_orders(n, c // 2, cfg.model_config.dtype, cfg.cache_config.cache_dtype)
             identity = torch.arange(n * c // 2)
             self._orders = orders or (identity, identity)
+            layout = pages.Bf16Pages.of(self.layers[0][1], self._orders)
             logger.info("kvzip tier: CPU page order %s", "probed" if orders else "as stored")
-        if device.type == "cuda":
-            from kvzip_vllm.cuda_pipeline import CudaTierPipeline
+        else:
+            layout = pages.Bf16Pages.of(self.layers[0][1])
+        self.tier = KvTier(
+            self.store,
+            [cache for _, cache in self.layers],
+            layout,
+            self.bpc,
+            queue_bytes=self.settings.store_queue_bytes,
+            shared=self.shared,
+            shared_writer=self._shared_writer,
+        )
 
-            caches = [cache for _, cache in self.layers]
-            self._cuda = CudaTierPipeline(
-                self.store,
-                caches,
-                self.block_size,
-                self.bpc,
-                queue_bytes=self.settings.store_queue_bytes,
+    def _compact_layout(self, cache: torch.Tensor) -> pages.CompactPages:
+        """The compact backend's cache (``KVZIP_KV_FORMAT``): its K and V page bytes."""
+        from kvzip_kernels.paged import PagedAttention
+        from kvzip_vllm.backend import _active_format, _active_window, sink_pool
+
+        mc = self.vllm_config.model_config
+        recent, slot_tokens = _active_window()
+        paged = PagedAttention(
+            _active_format(),
+            num_heads=mc.get_num_attention_heads(self.vllm_config.parallel_config),
+            num_kv_heads=cache.shape[1],
+            head_size=mc.get_head_size(),
+            block_size=self.block_size,
+            scale=1.0,
+            recent=recent,
+            window_slot_tokens=slot_tokens,
+        )
+        if paged.content_bytes != cache.shape[-1]:
+            raise support.UnsupportedConfigError(
+                f"kvzip-vllm connector: a uint8 KV cache of {cache.shape[-1]} bytes per token "
+                f"and head, the compact format's is {paged.content_bytes}; supported: bf16 "
+                "caches, or kvzip's compact backend (KVZIP_KV_FORMAT)"
             )
+        pk, pv = paged.layouts["k"].page_bytes, paged.layouts["v"].page_bytes
+        sinks = None
+        if paged.sink_tokens:  # the backend's sink pool of this cache: carried by first chunks
+            sinks = pages.SequenceSinks(paged, lambda c: sink_pool(paged, c))
+        return pages.CompactPages.of(cache, pk, pv, sinks)
 
-    def _halves(self, block_id: int):
-        """CPU: per layer, the flat K and V halves ``[kv_heads, block_size * head]`` of each
-        head's page (``CPU_ATTN`` keeps K's rows, then V's, per (block, head))."""
-        for _, cache in self.layers:
-            blk = cache[block_id]
-            h, n, c = blk.shape
-            page = blk.view(h, 2, n * c // 2)
-            yield page[:, 0], page[:, 1]
+    def _gather_block(self, block_id: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``
+        (compact caches: per layer its pages)."""
+        return self._gather_any((block_id,))
 
-    def _gather_block(self, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """CPU: per layer (K, V) of one block, token-major ``[block_size, kv_heads, head_size]``."""
-        n, d = self._page_shape
-        out = []
-        for k, v in self._halves(block_id):
-            h = k.shape[0]
-            out.append(
-                tuple(
-                    half[:, order].view(h, n, d).permute(1, 0, 2).contiguous()
-                    for half, order in zip((k, v), self._orders, strict=True)
-                )
-            )
-        return out
+    def _gather_any(self, ids) -> list[tuple[torch.Tensor, ...]]:
+        per = self.tier.layout.tensors_per_layer
+        flat = self.tier.gather(ids)
+        return [tuple(flat[i : i + per]) for i in range(0, len(flat), per)]
 
     def _gather(self, block_ids) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """CPU: per layer (K, V) of one chunk (its blocks ``block_ids`` in order), token-major
-        ``[chunk_tokens, kv_heads, head_size]``."""
+        """Per layer (K, V) of one chunk (its blocks ``block_ids`` in order), token-major
+        ``[chunk_tokens, kv_heads, head_size]`` (compact caches: per layer the pages)."""
         ids = as_ids(block_ids)
         if len(ids) != self.bpc:
             raise ValueError(f"a chunk is {self.bpc} blocks, {len(ids)} block ids given")
-        parts = [self._gather_block(b) for b in ids]
-        if len(parts) == 1:
-            return parts[0]
-        return [
-            tuple(torch.cat([p[layer][i] for p in parts]) for i in range(2))
-            for layer in range(len(self.layers))
-        ]
-
-    def _scatter(self, block_ids, outs: list[torch.Tensor], skip: int = 0) -> None:
-        """CPU: write a decoded chunk into its blocks ``block_ids``, all but the first ``skip``."""
-        n = self.block_size
-        for j, block_id in enumerate(as_ids(block_ids)):
-            if j < skip:
-                continue
-            for layer, halves in enumerate(self._halves(block_id)):
-                for i, (half, order) in enumerate(zip(halves, self._orders, strict=True)):
-                    x = outs[2 * layer + i][j * n : (j + 1) * n]  # [N, H, D]
-                    half[:, order] = x.permute(1, 0, 2).reshape(half.shape)
-
-    def _block_outputs(self, device="cpu") -> list[torch.Tensor]:
-        """One token-major ``[chunk_tokens, kv_heads, head_size]`` buffer per layer and kind."""
-        h, n, c = self.layers[0][1].shape[1:]
-        return [
-            torch.empty(n * self.bpc, h, c // 2, dtype=torch.bfloat16, device=device)
-            for _ in range(2 * len(self.layers))
-        ]
+        return self._gather_any(ids)
 
     def read_block(self, key: bytes, device="cpu") -> list[torch.Tensor] | None:
         """The decoded tensors of ``key`` (layer 0 K, layer 0 V, ...) token-major, decoded by
         kvzip_lossless on ``device`` (the CPU by default: independent of the GPU restore path),
         or None if not held or damaged (for tests and inspection; a damaged entry is dropped).
         With the CUDA pipeline, call it with no store in flight (``drain``)."""
-        outs = self._block_outputs(device)
-        return outs if self.store.get(self.shard_key(key), outs) else None
+        return self.tier.read(self.shard_key(key), device)
 
     # -- the step -------------------------------------------------------------------------
     def start_load_kv(self, meta: KvzipConnectorMetadata) -> None:
@@ -274,88 +287,52 @@ class KvzipWorker:
                 self._logical.pop(key, None)
         if not meta.loads:
             return
-        fetched = self._fetch_shared(meta.loads) if self.shared is not None else set()
+        self._job += 1
+        loads = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in meta.loads]
+        self._loads = {(ld.req_id, ld.key): ld for ld in meta.loads}
+        self._load_job = self._job
+        self.tier.submit_load(self._job, loads)
         if self._cuda is not None:
-            self._cuda_loads = {b: load for load in meta.loads for b in load.written}
-            self._cuda.start_loads([(ld.req_id, ld.key, ld.ids, ld.skip) for ld in meta.loads])
             self._stats_dirty = True
             return
-        t0 = time.perf_counter()
-        reqs_hit: dict[str, int] = {}
-        outs = self._block_outputs()
-        failed = []
-        tokens = 0
-        for load in meta.loads:
-            if self.store.get(load.key, outs):
-                self._scatter(load.ids, outs, load.skip)
-                reqs_hit[load.req_id] = reqs_hit.get(load.req_id, 0) + 1
-                tokens += len(load.written) * self.block_size
-            else:
-                failed.append(load)
-                self._report.dropped.append(load.key)
-                self.store.stats.load_errors += 1
-                if load.key in fetched:  # intact value, blobs failing to decode: for all
-                    self._shared_counts["shared_blocks_bad"] += 1
-                    self.shared.delete(load.key)
-        self._record_failures(failed)
-        s = self.store.stats
-        s.restore_seconds += time.perf_counter() - t0
-        s.restore_hits += len(reqs_hit)
-        s.blocks_restored += sum(reqs_hit.values())
-        s.tokens_restored += tokens
-        logger.info(
-            "kvzip tier: restored %d chunks for %d requests in %.3f s%s",
-            sum(reqs_hit.values()),
-            len(reqs_hit),
-            time.perf_counter() - t0,
-            f", {len(failed)} failed (recomputed)" if failed else "",
-        )
+        self._take_finished()
         self._write_stats()
+
+    def _take_finished(self) -> None:
+        """The core's finished jobs into the step's report: keys held and no longer held,
+        failed loads recorded (their stores are refused until the scheduler has seen them)."""
+        for res in self.tier.get_finished():
+            self._take(res)
+
+    def _take(self, res: TransferResult) -> None:
+        self._report.stored.extend(res.stored)
+        self._report.dropped.extend(res.dropped)
+        if res.failed_blocks:
+            loads = getattr(self, "_loads", {})
+            failed = [loads[(f.req_id, f.key)] for f in res.failed if (f.req_id, f.key) in loads]
+            self._record_failures(failed)
+            self._load_errors |= res.failed_blocks
+        if res.hits or res.failed:
+            logger.info(
+                "kvzip tier: restored %d chunks for %d requests in %.3f s%s",
+                sum(res.hits.values()),
+                len(res.hits),
+                res.transfer_time or 0.0,
+                f", {len(res.failed)} failed (recomputed)" if res.failed else "",
+            )
 
     def _clear(self) -> None:
         """Empty the store (``reset_cache``) before the step's loads and stores. The report
         says so (``cleared``) in place of listing every key: what it says stored or dropped
         after that happened after the clear, so the scheduler applies the clear first and a
         store of an equal key in the same step stays held (issue 29)."""
-        if self._cuda is not None:
-            self._cuda.drain()  # the store thread is done writing to the store
-            self._cuda.collect()  # stores that landed before the clear: cleared with it
+        if self.tier is not None:
+            self.tier.drain()  # the store thread is done writing to the store
+            self.tier.get_finished()  # stores that landed before the clear: cleared with it
         self.store.clear()
         self._logical.clear()
         self._report.stored, self._report.dropped = [], []
         self._report.cleared = True
-
-    def _fetch_shared(self, loads: list[Load]) -> set[bytes]:
-        """Bring the loads' blocks the local store lacks from the shared store into it (a
-        miss stays a miss: the load then fails and vLLM recomputes). Returns the keys
-        fetched; they are reported held (and what their room evicted, dropped)."""
-        fetched = set()
-        for load in loads:
-            if load.key in self.store or load.key in fetched:
-                continue
-            entry = self.shared.get_entry(load.key)  # None when absent, damaged or down
-            if entry is None:
-                continue
-            nbytes, evicted = self.store.put_blobs(load.key, tuple(entry.blobs), entry.raw_bytes)
-            self._report.dropped.extend(evicted)
-            if nbytes:
-                fetched.add(load.key)
-                self._report.stored.append(load.key)
-        self._shared_counts["shared_blocks_fetched"] += len(fetched)
-        return fetched
-
-    def _share(self, key: bytes) -> None:
-        """Queue a block just stored locally for the shared store (never waits)."""
-        if self._shared_writer is None:
-            return
-        entry = self.store.lease(key)
-        if entry is None:
-            return
-        try:  # copied out of the arena: its extent may be reused once the entry is evicted
-            blobs = tuple(bytes(b) for b in entry.blobs)
-        finally:
-            self.store.unlease([entry])
-        self._shared_writer.submit(key, blobs, entry.raw_bytes)
 
     def flush_shared(self, timeout_s: float = 10.0) -> bool:
         """Wait up to ``timeout_s`` until the queued shared puts are done (tests, shutdown)."""
@@ -389,13 +366,10 @@ class KvzipWorker:
     def _finish_cuda_loads(self) -> None:
         if self._cuda is None:
             return
-        failed_ids = self._cuda.wait_loads()
-        if failed_ids:
-            by_id = getattr(self, "_cuda_loads", {})
-            loads = {id(by_id[b]): by_id[b] for b in sorted(failed_ids) if b in by_id}
-            self._record_failures(list(loads.values()))
-            self._load_errors |= failed_ids
-        self._cuda_loads = {}
+        if self._load_job is not None:  # the step's loads written (or failed); never the
+            self.tier.wait({self._load_job})  # stores: they are coded in the background
+            self._load_job = None
+        self._take_finished()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._finish_cuda_loads()
@@ -436,20 +410,13 @@ class KvzipWorker:
         if meta is None or not meta.stores:
             return
         stores = self._admit(meta)
+        self._job += 1
+        self.tier.submit_store(
+            self._job, [ChunkStore(st.key, st.ids, st.pos == 0) for st in stores]
+        )
         if self._cuda is not None:
-            self._cuda.start_stores([(st.key, st.ids) for st in stores])
             return
-        for st in stores:
-            try:
-                nbytes, evicted = self.store.put(st.key, self._gather(st.ids))
-            except Exception:  # noqa: BLE001  (a chunk not stored is recomputed later)
-                logger.exception("kvzip tier: storing chunk %d of %s failed", st.pos, st.req_id)
-                self.store.stats.store_errors += 1
-                nbytes, evicted = 0, []
-            self._report.dropped.extend(evicted)
-            (self._report.stored if nbytes else self._report.dropped).append(st.key)
-            if nbytes:
-                self._share(st.key)
+        self._take_finished()
         s = self.store.stats
         logger.info(
             "kvzip tier: %d chunks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
@@ -471,12 +438,10 @@ class KvzipWorker:
 
     def build_connector_worker_meta(self) -> KvzipWorkerMetadata | None:
         if self._cuda is not None:
-            stored, dropped = self._cuda.collect()
-            for key in stored:
-                self._share(key)
-            self._report.stored.extend(stored)
-            self._report.dropped.extend(dropped)
-            if stored or dropped or self._stats_dirty or self._report.refused:
+            n = len(self._report.stored) + len(self._report.dropped)
+            self._take_finished()
+            changed = len(self._report.stored) + len(self._report.dropped) > n
+            if changed or self._stats_dirty or self._report.refused:
                 self._stats_dirty = False
                 self._write_stats()
         elif self._report.refused or self._report.failed_loads:
@@ -496,7 +461,7 @@ class KvzipWorker:
         d = self.store.stats.as_dict()
         if self.shared is not None:
             d.update(self.shared.stats)
-            d.update(self._shared_counts)
+            d.update(self.tier.shared_counts if self.tier is not None else {})
             d["shared_put_queued"] = self._shared_writer.queued
             d["shared_put_dropped"] = self._shared_writer.dropped
         return d
@@ -510,8 +475,8 @@ class KvzipWorker:
         os.replace(tmp, self.stats_path)
 
     def shutdown(self) -> None:
-        if self._cuda is not None:
-            self._cuda.close()
+        if self.tier is not None:
+            self.tier.shutdown()
         if self._shared_writer is not None:
             self._shared_writer.close(timeout_s=10.0)  # bounded: puts fail fast when down
             self.shared.close()

@@ -1,0 +1,725 @@
+"""The tier's loads and stores on the GPU (connector.py uses it when the paged cache is on CUDA).
+
+No vLLM here: the pipeline sees the per-layer paged-cache views (:mod:`kvzip_vllm.blocks`) and
+the :class:`~kvzip_vllm.store.BlockStore`; the coding is kvzip-lossless's public batched API
+(``encode_batch`` / ``decode_batch``, spec/blob.md section 9). On a CPU device it runs the
+same steps with no streams (kvzip-lossless's CPU path, or its Triton kernels under
+``TRITON_INTERPRET=1``), which is how it is tested without a GPU.
+
+Stores (``start_stores`` after the forward): a step's chunks are gathered token-major on the
+compute stream (so vLLM may reuse the blocks at once) and queued; a worker thread codes every
+layer's K and V of every chunk of the job in one ``encode_batch`` call on its own stream,
+reserves each chunk's extent in the store's page-locked arena and copies the chunk's blobs
+there from the device (asynchronously), then synchronises once for the job and commits the
+entries, each with its blobs' plans (``kvzip_lossless.PLAN_FIELDS``, 72 bytes a blob) beside it.
+Without a table set yet (``fit_tokens``), the first chunks wait on the thread until there are
+``fit_tokens`` tokens, the set is fitted from them on the device, and they are coded with it:
+nothing is coded with per-blob tables on the way. ``collect`` reports the keys stored and
+dropped (evicted, skipped, damaged or missing). The staged copies are bounded
+(``queue_bytes``): past it a step's chunks are spilled raw to page-locked extents of the
+store's arena (inside its budget, at most ``spill_bytes``) and the store thread brings them
+back to the device and codes them in their turn; with no room there either the step waits
+for the queue. A store is dropped only if the store thread makes no room for
+``STORE_WAIT_LIMIT_S`` (counted, logged).
+
+Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
+cache): the step's records are copied from the arena to one device buffer on a copy stream (a
+run of records lying back to back in the arena, as a prefix stored in order does, is one copy),
+in a few chunk groups; on a decode stream each group is decoded by one ``decode_batch`` call as
+soon as its copies have landed (header and tile checks on the device, one damage flag per
+blob). ``wait_loads`` makes the compute stream wait, reads the step's flags once (its only
+synchronisation), drops damaged entries and reports their blocks as failed (vLLM recomputes
+them), and scatters the good chunks' blocks into the paged cache on the compute stream: a
+damaged blob's output never reaches the cache. Entries that cannot be batch-decoded (blobs
+that embed their own table: stored with ``fit_tokens=0``, or by another path) are decoded
+chunk by chunk with ``kvzip_lossless.decompress``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import kvzip_lossless
+from kvzip_formats import settings as table
+from kvzip_vllm.core.blocks import as_ids
+from kvzip_vllm.core.pages import Bf16Pages
+from kvzip_vllm.core.store import BlockStore
+
+logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
+
+#: Chunk groups per load step: the copies of group g+1 overlap the decode of group g, and only
+#: the last group's decode follows the last copy. Each group costs one prepare (numpy over its
+#: plans) and three launches. Measured on the H200 (results/vllm/h200_run8/, 8B shape, 256-token
+#: chunks): 16 chunks per group, at most 16 groups, restore 0.84-0.89x a raw copy.
+BLOCKS_PER_GROUP, MAX_GROUPS = 16, 16
+
+
+@dataclass
+class _Load:
+    t0: float
+    failed: set[int] = field(default_factory=set)
+    dropped: list[bytes] = field(default_factory=list)
+    # decoded chunks: (req, key, block ids, skip)
+    blocks: list[tuple[str, bytes, tuple[int, ...], int]] = field(default_factory=list)
+    out: torch.Tensor | None = None  # [2 * layers, n, chunk_tokens, kv_heads, head_size]
+    flags: torch.Tensor | None = None  # [2 * layers * n] damage flags, slot-major
+    keep: list = field(default_factory=list)  # tensors alive until the step is done
+    leased: list = field(default_factory=list)  # store entries read by the step's copies
+    single: list = field(default_factory=list)  # chunks decoded one by one: (load, outputs)
+    copies: int = 0  # host-to-device copies issued for the step's records
+    host_plan_s: float = 0.0  # host time: the step's offsets over the plans (numpy)
+    host_s: float = 0.0  # host time of start_loads (lookups, plan, copies and launches)
+
+
+def _load_item(item) -> tuple[str, bytes, tuple[int, ...], int]:
+    """``(req_id, key, block_ids[, skip])``; an int block id is a chunk of one block."""
+    req_id, key, ids, *rest = item
+    return req_id, key, as_ids(ids), int(rest[0]) if rest else 0
+
+
+#: the default store queue's ceiling, and its size where free device memory is not known
+QUEUE_CAP_BYTES, QUEUE_CPU_BYTES = 16 << 30, 2 << 30
+
+#: the default ceiling of raw chunks spilled to the host at once: this fraction of the budget
+SPILL_FRACTION = 0.5
+
+#: chunks gathered on the device at a time for a spill (their bf16 copy is the device memory
+#: a spill takes: 8 chunks of 256 tokens at Llama-3.1-8B's shape, 268 MB)
+SPILL_GROUP = 8
+
+#: how long a step waits for room in the store queue (no room on the host either) before its
+#: stores are dropped (counted in ``stores_dropped_queue_full``, logged): only a store thread
+#: that stopped making progress gets there
+STORE_WAIT_LIMIT_S = 120.0
+#: how long a load waits for its chunk's store still in flight before it fails (vLLM then
+#: recomputes the chunk): about the time an 8B-shaped GPU recomputes a few thousand tokens
+LOAD_WAIT_FOR_STORE_S = 1.0
+
+#: the store stream's priority (CUDA: lower is higher, 0 the default; torch maps a value
+#: outside the device's range to its nearest end): high, so that the coder's kernels and
+#: copies run as soon as SMs free up while vLLM prefills on its default-priority stream,
+#: instead of waiting behind the prefill's kernels. ``KVZIP_STORE_STREAM_PRIORITY`` overrides
+#: it (0: the store stream shares the GPU as vLLM's own streams do), for measuring both.
+STORE_STREAM_PRIORITY = table.STORE_STREAM_PRIORITY.get()
+
+
+@dataclass
+class _Job:
+    """A step's chunks to store: staged on the device (``staged``: per layer (K, V)
+    ``[m, chunk_tokens, kv_heads, head_size]``, ``nbytes`` of the queue), or spilled raw to
+    arena extents (``spill``: (offset, bytes) per chunk, each chunk's layers' K then V)."""
+
+    keys: list[bytes]
+    staged: list | None
+    event: object
+    nbytes: int
+    spill: list[tuple[int, int]] | None = None
+
+
+def default_queue_bytes(device: torch.device) -> int:
+    """Half the device memory free now (after vLLM allocated its KV cache), at most
+    ``QUEUE_CAP_BYTES``; ``QUEUE_CPU_BYTES`` off CUDA. A 32k-token prompt of an 8B-shaped model
+    stages 4.3 GB while the first chunks are coded (and the table set fitted): a queue of 2 GiB
+    dropped half of such a prompt's stores on the H200."""
+    if device.type != "cuda":
+        return QUEUE_CPU_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(QUEUE_CAP_BYTES, free // 2))
+
+
+class CudaTierPipeline:
+    def __init__(
+        self,
+        store: BlockStore,
+        caches: list[torch.Tensor],
+        block_size: int,
+        bpc: int = 1,
+        queue_bytes: int | None = None,
+        spill_bytes: int | None = None,
+        layout: Bf16Pages | None = None,
+    ):
+        if not caches:
+            raise ValueError("caches must hold one paged-cache view per layer, got none")
+        if bpc < 1:
+            raise ValueError(f"blocks per chunk must be >= 1, got {bpc}")
+        self.store = store
+        self.caches = caches
+        self.block_size = block_size
+        self.bpc = bpc  # paged-cache blocks per stored chunk
+        self.device = caches[0].device
+        #: the caches' layout: the one gather / scatter (``core.pages``) every path uses
+        self.layout = layout or Bf16Pages.of(caches[0])
+        _, h, n, c = caches[0].shape
+        self.block_shape = (n * bpc, h, c // 2)  # token-major [chunk_tokens, kv_heads, head]
+        cuda = self.device.type == "cuda"
+        if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
+            logger.info("kvzip tier: GPU coder %s", kvzip_lossless.coder(self.device))
+        new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
+        self.copy_stream, self.decode_stream = (new_stream() for _ in range(2))
+        self.store_stream = (
+            torch.cuda.Stream(self.device, priority=STORE_STREAM_PRIORITY) if cuda else None
+        )
+        if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
+            store.pin()
+        # every entry holds its decode plan (also those the shared tier's fetches put)
+        store.planner = self._plan_entry
+        self._fit_jobs: list = []  # store jobs waiting for the table set (fit_tokens)
+        self._tables, self._slot_tables = store.tables, {}  # device copies of the set's tables
+        self._load: _Load | None = None
+        self.last_host_s: dict[str, float] = {}  # host time of the last load step, by part
+        self.last_copies = 0  # host-to-device copies of the last load step
+        self._carry: set[int] = set()  # failures of loads finished by a later start_loads
+        self._dropped: list[bytes] = []
+        self._done: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue = queue.Queue()
+        if queue_bytes is None:
+            queue_bytes = default_queue_bytes(self.device)
+            logger.info("kvzip tier: store queue %.2f GB (store_queue_bytes)", queue_bytes / 1e9)
+        if queue_bytes <= 0:
+            raise ValueError(f"queue_bytes must be > 0, got {queue_bytes}")
+        self.queue_bytes = queue_bytes  # staged copies waiting for the store thread, at most
+        self._queued = 0  # bytes of staged copies queued or being coded
+        self._queued_lock = threading.Lock()
+        self._room = threading.Condition(self._queued_lock)  # notified as the queue drains
+        if spill_bytes is None:
+            spill_bytes = int(store.budget_bytes * SPILL_FRACTION)
+        if spill_bytes < 0:
+            raise ValueError(f"spill_bytes must be >= 0 (0: no spill), got {spill_bytes}")
+        self.spill_bytes = spill_bytes  # raw chunks spilled to the host at once, at most
+        self._spilled = 0  # bytes of spill extents held
+        self._thread = threading.Thread(target=self._store_loop, daemon=True)
+        self._thread.start()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _on(self, stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    # -- loads --------------------------------------------------------------------------
+    def start_loads(self, loads) -> None:
+        """Begin restoring ``(req_id, key, block_ids, skip)`` chunks into the paged cache
+        (asynchronous): the chunk's blocks after the first ``skip`` are written."""
+        self._carry = self.wait_loads()  # a previous step's loads, if never waited for
+        load = self._load = _Load(time.perf_counter())
+        n_tensors = 2 * len(self.caches)
+        numel = int(np.prod(self.block_shape))
+        good, plans, records = [], [], []
+        for item in loads:
+            req_id, key, ids, skip = _load_item(item)
+            if len(ids) != self.bpc or not 0 <= skip < self.bpc:
+                raise ValueError(
+                    f"a load names {len(ids)} blocks (skip {skip}); a chunk is {self.bpc} blocks"
+                )
+            entry = self.store.lease(key)
+            if entry is None and self._jobs.unfinished_tasks and self._wait_for_store(key):
+                entry = self.store.lease(key)
+            if entry is None:
+                load.failed.update(ids[skip:])
+                load.dropped.append(key)
+                continue
+            load.leased.append(entry)
+            plan = entry.aux
+            if plan is None and self.store.tables is not None:  # put without one
+                plan = self._plan_entry(entry.blobs)[0]
+            if isinstance(plan, np.ndarray) and self._plans_match(plan, entry, n_tensors, numel):
+                good.append((req_id, key, ids, skip))
+                plans.append(plan)
+                records.append(entry)
+                continue
+            # no batch plan (blobs embedding their tables): decoded here, chunk by chunk
+            outs = [
+                torch.empty(self.block_shape, dtype=torch.bfloat16, device=self.device)
+                for _ in range(n_tensors)
+            ]
+            if self.store.get(key, outs):
+                load.single.append(((req_id, key, ids, skip), outs))
+            else:
+                logger.warning("kvzip tier: chunk %s failed to decode: dropped", key[:4].hex())
+                load.failed.update(ids[skip:])
+                load.dropped.append(key)
+        if good:
+            self._start_batched(load, good, plans, records)
+        load.host_s = time.perf_counter() - load.t0
+
+    def _wait_for_store(self, key: bytes) -> bool:
+        """Wait, at most ``LOAD_WAIT_FOR_STORE_S``, for ``key`` to be stored: a chunk stored
+        by an earlier step and still coded in the background (the scheduler counts such chunks
+        as held, since an idle server takes no step that would report them). True once it is
+        stored; False past the limit or once no store is left in flight (the load then fails
+        and vLLM recomputes the chunk, which a long store queue can make the faster way)."""
+        self.store.stats.loads_waited_for_store += 1
+        deadline = time.monotonic() + LOAD_WAIT_FOR_STORE_S
+        while True:
+            busy = self._jobs.unfinished_tasks  # (read first: a store done by now is seen)
+            if key in self.store:
+                return True
+            if not busy or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    def wait_loads(self) -> set[int]:
+        """Finish the started loads; returns the block ids that failed (missing or damaged:
+        vLLM must recompute them). Idempotent: an empty set when nothing is pending."""
+        load, self._load = self._load, None
+        failed, self._carry = self._carry, set()
+        if load is None:
+            return failed
+        failed |= load.failed
+        self.last_host_s = {"start_loads": load.host_s, "plan": load.host_plan_s}
+        self.last_copies = load.copies
+        s = self.store.stats
+        hits: dict[str, int] = {}
+        tokens = 0
+        try:
+            if load.blocks:
+                n, b = len(load.blocks), self.bpc
+                if self.decode_stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
+                bad = load.flags.cpu().numpy()  # the step's one sync
+                for j in np.flatnonzero(bad):
+                    _, key, ids, skip = load.blocks[j]
+                    logger.warning(
+                        "kvzip tier: chunk %s failed its checksums: dropped", key[:4].hex()
+                    )
+                    self.store.drop(key)
+                    failed.update(ids[skip:])
+                    load.dropped.append(key)
+                rows, dest = [], []  # the decoded blocks to write, and where
+                for j in range(n):
+                    if bad[j]:
+                        continue
+                    req_id, _, ids, skip = load.blocks[j]
+                    rows.extend(j * b + i for i in range(skip, b))
+                    dest.extend(ids[skip:])
+                    hits[req_id] = hits.get(req_id, 0) + 1
+                    tokens += (b - skip) * self.block_size
+                if rows:
+                    out = load.out.view(load.out.shape[0], n * b, self.block_size,
+                                        *self.block_shape[1:])  # fmt: skip
+                    if rows != list(range(n * b)):
+                        out = out[:, torch.tensor(rows, device=self.device)]
+                    ids = torch.tensor(dest, device=self.device)
+                    for layer, cache in enumerate(self.caches):
+                        self.layout.scatter(cache, ids, out[2 * layer], out[2 * layer + 1])
+            for (req_id, _, ids, skip), outs in load.single:  # decoded one by one
+                b, n = self.bpc, self.block_size
+                rows = torch.arange(skip, b, device=self.device)
+                dest = torch.tensor(ids[skip:], device=self.device)
+                for layer, cache in enumerate(self.caches):
+                    k, v = (outs[2 * layer + i].view(b, n, *self.block_shape[1:]) for i in (0, 1))
+                    self.layout.scatter(cache, dest, k[rows], v[rows])
+                hits[req_id] = hits.get(req_id, 0) + 1
+                tokens += (b - skip) * n
+        finally:
+            self.store.unlease(load.leased)  # the copies have landed (the sync above)
+        s.restore_hits += len(hits)
+        s.blocks_restored += sum(hits.values())
+        s.tokens_restored += tokens
+        s.load_errors += len(load.dropped)  # one key per failed chunk
+        s.restore_seconds += time.perf_counter() - load.t0
+        self._dropped.extend(load.dropped)
+        return failed
+
+    # -- stores -------------------------------------------------------------------------
+    def start_stores(self, stores) -> None:
+        """Queue ``(key, block_ids)`` chunks for storing; their bytes are copied before this
+        returns (on the compute stream), so vLLM may reuse the blocks.
+
+        The step's chunks are staged on the device while the store queue has room
+        (``queue_bytes``; an empty queue always takes a step). Otherwise they are spilled raw
+        to a page-locked extent of the store's arena (within ``spill_bytes`` and the budget:
+        ``stores_spilled_host``), coded later by the store thread on the device; with no
+        room there either, the step waits until the queue has room (``stores_waited_queue_full``,
+        ``store_wait_seconds``: vLLM's next step starts later). A store is dropped
+        (``stores_dropped_queue_full``) only if the store thread makes no room within
+        ``STORE_WAIT_LIMIT_S``."""
+        if not stores:
+            return
+        keys = [key for key, _ in stores]
+        flat = []
+        for _, ids in stores:
+            ids = as_ids(ids)
+            if len(ids) != self.bpc:
+                raise ValueError(f"a store names {len(ids)} blocks; a chunk is {self.bpc}")
+            flat.extend(ids)
+        m, (t, h, d) = len(stores), self.block_shape
+        nbytes = 2 * len(self.caches) * m * t * h * d * 2  # bf16 K and V of every layer
+        s = self.store.stats
+        if not self._enqueue(nbytes, wait=False):
+            ids = self._device_ids(flat)
+            if self._spill(keys, ids, nbytes):
+                return
+            t0 = time.perf_counter()
+            if not self._enqueue(nbytes, wait=True):  # the store thread made no room
+                s.stores_dropped_queue_full += m
+                logger.error(
+                    "kvzip tier: %d chunks not stored: %.2f GB of stores still queued after "
+                    "%.0f s (store_queue_bytes %.2f GB), and no room to spill them to the host",
+                    m,
+                    self._queued / 1e9,
+                    STORE_WAIT_LIMIT_S,
+                    self.queue_bytes / 1e9,
+                )
+                for key in keys:
+                    self._done.put((key, 0, []))
+                return
+            if not s.stores_waited_queue_full:
+                logger.warning(
+                    "kvzip tier: the store queue is full and the spill has no room: the step "
+                    "waited %.3f s for the store thread (stores_waited_queue_full)",
+                    time.perf_counter() - t0,
+                )
+            s.stores_waited_queue_full += m
+            s.store_wait_seconds += time.perf_counter() - t0
+        ids = self._device_ids(flat)
+        staged = [
+            tuple(x.view(m, t, h, d) for x in self.layout.gather(cache, ids))
+            for cache in self.caches
+        ]
+        self._jobs.put(_Job(keys, staged, self._record(), nbytes))
+
+    def _device_ids(self, flat: list[int]) -> torch.Tensor:
+        """Block ids on the device without waiting for the compute stream: through
+        page-locked memory, copied asynchronously (``torch.tensor(..., device=cuda)`` copies
+        from pageable memory and synchronises the stream, so the step's host work would wait
+        for its forward)."""
+        ids = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
+
+    def _record(self):
+        """An event on the compute stream (CUDA), None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _enqueue(self, nbytes: int, *, wait: bool) -> bool:
+        """Count ``nbytes`` of staged copies in the queue if it has room (an empty queue
+        always has); with ``wait``, wait up to ``STORE_WAIT_LIMIT_S`` for room."""
+        deadline = time.monotonic() + STORE_WAIT_LIMIT_S
+        with self._room:
+            while self._queued > 0 and self._queued + nbytes > self.queue_bytes:
+                left = deadline - time.monotonic()
+                if not wait or left <= 0:
+                    return False
+                self._room.wait(min(left, 1.0))
+            self._queued += nbytes
+            s = self.store.stats
+            s.store_queue_peak_bytes = max(s.store_queue_peak_bytes, self._queued)
+            return True
+
+    def _spill(self, keys: list[bytes], ids: torch.Tensor, nbytes: int) -> bool:
+        """Copy the step's chunks raw into page-locked extents of the arena, one per chunk
+        (every layer's K then V, token-major ``[2 * layers, chunk_tokens, kv_heads,
+        head_size]``: an extent about the size of a coded entry, so making room evicts about
+        as much as storing does), gathered on the device ``SPILL_GROUP`` chunks at a time, for
+        the store thread to code later. False, with nothing spilled, when the spill ceiling or
+        the budget leaves no room for every chunk of the step."""
+        with self._queued_lock:
+            if self._spilled + nbytes > self.spill_bytes:
+                return False
+            self._spilled += nbytes  # (held from now: a concurrent spill sees it)
+        m = len(keys)
+        size = nbytes // m
+        extents, evicted = [], []
+        for _ in range(m):
+            off, ev = self.store.reserve_spill(size)
+            evicted += ev
+            if off is None:
+                break
+            extents.append((off, size))
+        if evicted:  # (made room for the spill: reported not held)
+            self._done.put((None, 0, evicted))
+        if len(extents) < m:
+            for off, n in extents:
+                self.store.release_spill(off, n)
+            with self._queued_lock:
+                self._spilled -= nbytes
+            return False
+        cuda = self.device.type == "cuda"
+        for j0 in range(0, m, SPILL_GROUP):
+            j1 = min(m, j0 + SPILL_GROUP)
+            sub = ids[j0 * self.bpc : j1 * self.bpc]
+            # [chunks, 2 * layers, chunk_tokens, kv_heads, head_size] on the device
+            group = torch.stack(
+                [x.view(j1 - j0, *self.block_shape) for c in self.caches
+                 for x in self.layout.gather(c, sub)], 1,
+            )  # fmt: skip
+            for j in range(j0, j1):
+                off, n = extents[j]
+                dst = self.store.extent(off, n).view(torch.bfloat16)
+                dst.copy_(group[j - j0].view(-1), non_blocking=cuda)  # page-locked: async
+        if not self.store.stats.stores_spilled_host:
+            logger.warning(
+                "kvzip tier: the store queue is full (store_queue_bytes %.2f GB): chunks are "
+                "spilled raw to the tier's host memory and coded later (stores_spilled_host)",
+                self.queue_bytes / 1e9,
+            )
+        self.store.stats.stores_spilled_host += m
+        self._jobs.put(_Job(keys, None, self._record(), 0, spill=extents))
+        return True
+
+    def _release_spill(self, job: _Job) -> None:
+        for off, n in job.spill:
+            self.store.release_spill(off, n)
+        with self._queued_lock:
+            self._spilled -= sum(n for _, n in job.spill)
+        job.spill = None
+
+    def _unspill(self, job: _Job) -> None:
+        """A spilled job's chunks back on the device (store thread, on the store stream), its
+        host extents given back: the job goes on as one staged by ``start_stores``."""
+        m, L = len(job.keys), len(self.caches)
+        nbytes = sum(n for _, n in job.spill)
+        with self._queued_lock:  # device memory the job takes while it is coded
+            self._queued += nbytes
+        job.nbytes = nbytes
+        dev = torch.empty((m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        for j, (off, n) in enumerate(job.spill):
+            src = self.store.extent(off, n).view(torch.bfloat16)
+            dev[j].view(-1).copy_(src, non_blocking=self.store_stream is not None)
+        if self.store_stream is not None:
+            self.store_stream.synchronize()  # the copies have landed: the extents are free
+        self._release_spill(job)
+        job.staged = [(dev[:, 2 * li], dev[:, 2 * li + 1]) for li in range(L)]
+
+    def _store_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            try:
+                if job.event is not None:
+                    job.event.synchronize()  # the step's KV is computed (and copied)
+                t0 = time.perf_counter()
+                with self._on(self.store_stream):
+                    if job.spill is not None:
+                        self._unspill(job)
+                    for job_keys, job_staged in self._ready(job.keys, job.staged):
+                        if self.store.tables is not None:
+                            self._store_batched(job_keys, job_staged)
+                        else:  # fit_tokens=0 and no tables_path: each blob embeds its table
+                            self._store_single(job_keys, job_staged)
+                    if self.store_stream is not None:
+                        self.store_stream.synchronize()  # staged is read there until now
+                self.store.stats.store_busy_seconds += time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 (the job's chunks reported not stored)
+                logger.exception("kvzip tier: storing %d chunks failed", len(job.keys))
+                self.store.stats.store_errors += len(job.keys)
+                for key in job.keys:
+                    self._done.put((key, 0, []))
+            finally:
+                if job.spill is not None:  # (failed before it was brought back)
+                    self._release_spill(job)
+                job.staged = None  # (jobs held for the table fit keep their copies)
+                with self._room:
+                    self._queued -= job.nbytes
+                    self._room.notify_all()
+                self._jobs.task_done()
+
+    def _ready(self, keys, staged) -> list:
+        """The store jobs to code now: this one; or, while the store is to fit its table set
+        from the first ``fit_tokens`` tokens, none until that many are queued, then all of
+        them, coded with the set fitted from them (on the device)."""
+        st = self.store
+        if st.tables is not None or st.fit_tokens <= 0:
+            return [(keys, staged)]
+        self._fit_jobs.append((keys, staged))
+        tokens = sum(len(k) for k, _ in self._fit_jobs) * self.block_shape[0]
+        if tokens < st.fit_tokens:
+            return []
+        windows = [
+            [(k[j], v[j]) for k, v in stg] for ks, stg in self._fit_jobs for j in range(len(ks))
+        ]
+        jobs, self._fit_jobs = self._fit_jobs, []
+        try:
+            st.set_tables(kvzip_lossless.build_kv_tables(windows), tokens)
+        except Exception:  # noqa: BLE001 (not stored; the next chunks try again)
+            logger.exception("kvzip tier: fitting the table set failed")
+            for ks, _ in jobs:
+                st.stats.store_errors += len(ks)
+                for key in ks:
+                    self._done.put((key, 0, []))
+            return []
+        logger.info("kvzip tier: table set fitted on the first %d tokens stored", tokens)
+        return jobs
+
+    def _store_single(self, keys, staged) -> None:
+        """Chunks coded blob by blob, each blob embedding its table (no table set)."""
+        for j, key in enumerate(keys):
+            layers = [(k[j], v[j]) for k, v in staged]
+            try:
+                nbytes, evicted = self.store.put(key, layers)
+            except Exception:  # noqa: BLE001 (report the chunk as not stored)
+                logger.exception("kvzip tier: storing a chunk failed")
+                self.store.stats.store_errors += 1
+                nbytes, evicted = 0, []
+            self._done.put((key, nbytes, evicted))
+
+    # -- kvzip-lossless's public batched coder ------------------------------------------
+    def _plan_entry(self, blobs):
+        """The store's planner for entries put without a plan (e.g. fetched from the shared
+        tier): their blobs' batch plans, or none for blobs that embed their tables (those
+        are decoded one by one)."""
+        try:
+            plans = np.ascontiguousarray(kvzip_lossless.plan_blobs(blobs), np.int64)
+        except (ValueError, kvzip_lossless.CorruptBlobError):  # embedded table, or damaged
+            return None, 0, None
+        return plans, plans.nbytes, None
+
+    def _plans_match(self, plans: np.ndarray, entry, n_tensors: int, numel: int) -> bool:
+        """An entry's batch plans agree with its blobs and this cache's shape."""
+        return (
+            plans.shape == (n_tensors, len(kvzip_lossless.PLAN_FIELDS))
+            and (plans[:, 1] == numel).all()
+            and tuple(plans[:, 0].tolist()) == tuple(map(len, entry.blobs))
+            and int(plans[:, 0].sum()) <= entry.size
+        )
+
+    def _start_batched(self, load: _Load, good, plans, records) -> None:
+        """A load step through ``kvzip_lossless.decode_batch``: the records (blobs back to
+        back) copied to one device buffer (one copy per run of records lying back to back in
+        the arena), one decode call per chunk group as its copies land."""
+        n, S = len(good), 2 * len(self.caches)
+        numel = int(np.prod(self.block_shape))
+        order = self.store.record_order(records)
+        good, plans, records = ([x[j] for j in order] for x in (good, plans, records))
+        load.blocks = good
+        t_host = time.perf_counter()
+        all_plans = np.concatenate(plans)  # [n * S, PLAN_WIDTH], chunk-major
+        batch = self.store.record_batch(records, all_plans[:, 0].reshape(n, S))
+        offsets = batch.offsets
+        j_idx, s_idx = np.divmod(np.arange(n * S), S)
+        out_offsets = (s_idx * n + j_idx) * numel  # out is [S, n, *chunk shape]: slot-major
+        load.host_plan_s = time.perf_counter() - t_host
+        blob_dev = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device)
+        out = torch.empty((S, n, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
+        for stream in (self.copy_stream, self.decode_stream):
+            if stream is not None:
+                stream.wait_stream(cur)
+        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
+        bounds = np.linspace(0, n, groups + 1).astype(int)
+        events = []
+        flat = out.view(-1)
+        bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
+
+        def prepare(j0, j1):
+            return kvzip_lossless.prepare_decode_batch(
+                blob_dev, offsets[j0 * S : j1 * S], all_plans[j0 * S : j1 * S],
+                tables=self.store.tables, out=flat, out_offsets=out_offsets[j0 * S : j1 * S],
+            )  # fmt: skip
+
+        # Where preparing copies nothing (the CUDA decoder reads its descriptors from
+        # page-locked host memory), the bulk copies go first and the host prepares while they
+        # run. Otherwise every group's descriptors go up first, ahead of the bulk copies on the
+        # copy engine: queued behind them, they held the whole decode until the whole copy had
+        # landed (restore = copy + decode: 1.11-1.15x a raw copy on the H200).
+        early = not kvzip_lossless.prepare_copies_nothing(self.device)
+        preps = []
+        with self._on(self.copy_stream):
+            if early:
+                preps = [prepare(j0, j1) for j0, j1 in bounds]
+            for j0, j1 in bounds:
+                load.copies += self.store.copy_records(batch, blob_dev, int(j0), int(j1))
+                if self.copy_stream is not None:
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self.copy_stream)
+        bads = []
+        with self._on(self.decode_stream):
+            for g, (j0, j1) in enumerate(bounds):
+                if not early:
+                    preps.append(prepare(j0, j1))
+                if events:
+                    self.decode_stream.wait_event(events[g])
+                bads.append(preps[g].run()[1])
+            load.flags = torch.cat(bads).view(n, S).amax(1)  # per chunk, on the device
+        load.out = out
+        # (the prepared decodes' buffers, allocated on the copy or the decode stream and read
+        # on the decode stream: held until the step's sync in wait_loads)
+        load.keep += [blob_dev, records, preps]
+        load.host_s = time.perf_counter() - load.t0
+
+    def _store_batched(self, keys: list[bytes], staged) -> None:
+        """Code a store job's chunks with one ``kvzip_lossless.encode_batch`` call (every
+        layer's K and V of every chunk), copy each chunk's blobs from the device into its
+        arena extent (page-locked: asynchronous), one synchronisation for the job."""
+        t0 = time.perf_counter()
+        S = 2 * len(staged)
+        todo = []
+        for j, key in enumerate(keys):
+            if key in self.store:  # held already (another request stored it)
+                nbytes, _ = self.store.put_blobs(key, (), 0)
+                self._done.put((key, nbytes, []))
+            else:
+                todo.append(j)
+        if not todo:
+            return
+        tensors, slots = [], []
+        for j in todo:
+            for layer, (k, v) in enumerate(staged):
+                tensors += [k[j], v[j]]
+                slots += [kvzip_lossless.kv_slot(layer, "k"), kvzip_lossless.kv_slot(layer, "v")]
+        try:
+            enc = kvzip_lossless.encode_batch(tensors, tables=self.store.tables, slots=slots)
+        except Exception:  # noqa: BLE001 (every chunk of the job reported not stored)
+            logger.exception("kvzip tier: storing %d chunks failed", len(todo))
+            self.store.stats.store_errors += len(todo)
+            for j in todo:
+                self._done.put((keys[j], 0, []))
+            return
+        t_enc = time.perf_counter()
+        raw = sum(t.numel() * t.element_size() for t in tensors[:S])
+        pending = []
+        for c, j in enumerate(todo):
+            i0, i1 = c * S, (c + 1) * S
+            a = int(enc.offsets[i0])
+            size = int(enc.offsets[i1 - 1] + enc.lengths[i1 - 1]) - a
+            plans = np.ascontiguousarray(enc.plans[i0:i1], np.int64)
+            off, evicted = self.store.reserve(size, plans.nbytes)
+            if off is None:  # larger than the budget, or no room now
+                self._done.put((keys[j], 0, evicted))
+                continue
+            self.store.extent(off, size).copy_(enc.data[a : a + size], non_blocking=True)
+            pending.append((keys[j], off, size, enc.lengths[i0:i1], plans, evicted))
+        if self.store_stream is not None:
+            self.store_stream.synchronize()  # the job's copies are in the arena
+        for key, off, size, lengths, plans, evicted in pending:
+            nbytes = self.store.commit(key, off, size, lengths, raw, plans, plans.nbytes)
+            self._done.put((key, nbytes, evicted))
+        t1 = time.perf_counter()
+        self.store.stats.store_seconds += t1 - t0
+        self.store.stats.store_encode_seconds += t_enc - t0
+        self.store.stats.store_copy_seconds += t1 - t_enc
+
+    def drain(self) -> None:
+        """Wait until every queued store is in the store (tests, shutdown)."""
+        self._jobs.join()
+
+    def collect(self) -> tuple[list[bytes], list[bytes]]:
+        """Keys stored and keys no longer held since the last call."""
+        stored, dropped = [], self._dropped
+        self._dropped = []
+        while True:
+            try:
+                key, nbytes, evicted = self._done.get_nowait()
+            except queue.Empty:
+                return stored, dropped
+            dropped.extend(evicted)
+            if key is not None:  # (None: keys evicted to make room for a spill)
+                (stored if nbytes else dropped).append(key)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)

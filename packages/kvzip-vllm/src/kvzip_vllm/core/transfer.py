@@ -1,0 +1,436 @@
+"""The tier's one transfer interface: submit a transfer, poll the finished ones.
+
+Shaped like vLLM's offloading workers (``submit_store`` / ``submit_load`` of a job id,
+``get_finished`` returning ``TransferResult(job_id, success, ...)``, ``wait(job_ids)``), so an
+engine adapter (kvzip-vllm's connector, or another engine's) only maps its steps onto jobs.
+Behind it, :class:`KvTier` holds the store (arena, index, LRU, budget:
+:class:`~kvzip_vllm.core.store.BlockStore`), the cache's :mod:`~kvzip_vllm.core.pages` layout
+(the one gather / scatter of every path), the CPU path (kvzip-lossless's CPU coder, or raw
+compact pages), the CUDA pipeline (:mod:`~kvzip_vllm.core.cuda_pipeline`) and the shared Redis
+store (fetched from before a load, written to after a store).
+
+Promises the interface keeps (and the adapter builds on):
+
+- a load that cannot be served bit-exact (not held, damaged) is reported failed with the block
+  ids it would have written (``failed_blocks``) and never writes a block it could not check
+  (a damaged entry is dropped, so it is never served again);
+- a store reports its keys held (``stored``) or not (``dropped``, with the keys evicted for its
+  room), so the engine's index never counts a chunk the tier does not hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+import kvzip_lossless
+from kvzip_vllm.core.blocks import as_ids
+from kvzip_vllm.core.pages import (
+    Bf16Pages,
+    CompactPages,
+    CorruptPagesError,
+    pack_pages,
+    unpack_pages,
+)
+from kvzip_vllm.core.store import BlockStore
+
+logger = logging.getLogger("kvzip_vllm.core.transfer")
+
+
+class ChunkLoad(NamedTuple):
+    """Restore the chunk ``key`` into its blocks ``block_ids`` (all but the first ``skip``)."""
+
+    req_id: str
+    key: bytes
+    block_ids: tuple[int, ...]
+    skip: int = 0
+    first: bool = False  # the sequence's first chunk (compact formats: its sinks come too)
+
+
+class ChunkStore(NamedTuple):
+    """Store the chunk in the blocks ``block_ids`` under ``key``."""
+
+    key: bytes
+    block_ids: tuple[int, ...]
+    first: bool = False  # the sequence's first chunk (compact formats: its sinks go too)
+
+
+def _as_load(x) -> ChunkLoad:
+    return x if isinstance(x, ChunkLoad) else ChunkLoad(*x)
+
+
+def _as_store(x) -> ChunkStore:
+    return x if isinstance(x, ChunkStore) else ChunkStore(*x)
+
+
+@dataclass
+class TransferResult:
+    """A finished job (vLLM's ``TransferResult`` fields first). ``failed_blocks``: blocks a
+    load did not restore (the engine recomputes them); ``failed``: those loads; ``stored`` /
+    ``dropped``: keys now held / no longer held (not stored, evicted, damaged, missing)."""
+
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    transfer_time: float | None = None
+    failed_blocks: set[int] = field(default_factory=set)
+    failed: list[ChunkLoad] = field(default_factory=list)
+    stored: list[bytes] = field(default_factory=list)
+    dropped: list[bytes] = field(default_factory=list)
+    tokens: int = 0  # tokens restored (loads)
+    hits: dict[str, int] = field(default_factory=dict)  # chunks restored per request
+
+
+class TierTransfers(ABC):
+    """Asynchronous KV transfers between an engine's paged cache and the tier."""
+
+    @abstractmethod
+    def submit_load(self, job_id: int, loads: list[ChunkLoad]) -> bool:
+        """Begin restoring ``loads`` (tier -> cache). False: the job was not accepted."""
+
+    @abstractmethod
+    def submit_store(self, job_id: int, stores: list[ChunkStore]) -> bool:
+        """Begin storing ``stores`` (cache -> tier); the blocks may be reused once this
+        returns (their contents are copied or staged)."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """The jobs finished since the last call."""
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the jobs ``job_ids`` are finished (loads: their blocks are written)."""
+
+    def shutdown(self) -> None:
+        return
+
+
+class KvTier(TierTransfers):
+    """The tier over one model's per-layer paged caches (``caches``, layer order), chunks of
+    ``bpc`` blocks. ``layout``: the caches' :mod:`~kvzip_vllm.core.pages` layout
+    (:class:`Bf16Pages`: coded by kvzip-lossless; :class:`CompactPages`: raw pages, checked by
+    a checksum). ``shared``: a :class:`~kvzip_vllm.core.shared_store.SharedBlobStore` (or None)
+    and ``shared_writer`` its background writer."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        caches: list[torch.Tensor],
+        layout: Bf16Pages | CompactPages,
+        bpc: int = 1,
+        *,
+        queue_bytes: int | None = None,
+        shared=None,
+        shared_writer=None,
+    ):
+        if not caches:
+            raise ValueError("caches must hold one paged-cache view per layer, got none")
+        self.store, self.caches, self.layout, self.bpc = store, caches, layout, bpc
+        self.device = caches[0].device
+        self.shared, self.shared_writer = shared, shared_writer
+        self.shared_counts = {"shared_blocks_fetched": 0, "shared_blocks_bad": 0}
+        self.pipeline = None
+        if self.device.type == "cuda" and isinstance(layout, Bf16Pages):
+            from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline
+
+            self.pipeline = CudaTierPipeline(
+                store, caches, layout.block_size, bpc, queue_bytes=queue_bytes, layout=layout
+            )
+        elif self.device.type == "cuda":
+            store.pin()  # raw pages are copied from the arena where they lie
+        self._finished: list[TransferResult] = []
+        self._load_job: tuple[int, dict, TransferResult] | None = None  # CUDA load in flight
+        self._store_jobs: dict[int, tuple[set[bytes], TransferResult]] = {}  # CUDA, in order
+
+    # -- helpers --------------------------------------------------------------------------
+    def _check(self, ids: tuple[int, ...], skip: int = 0) -> None:
+        if len(ids) != self.bpc or not 0 <= skip < self.bpc:
+            raise ValueError(
+                f"a transfer names {len(ids)} blocks (skip {skip}); a chunk is {self.bpc}"
+            )
+
+    def _raw_bytes(self) -> int:
+        shape = self.layout.chunk_shape(self.bpc)
+        n = 1
+        for x in shape:
+            n *= x
+        return n * self.layout.tensors_per_layer * len(self.caches) * self.layout.dtype.itemsize
+
+    def gather(self, block_ids) -> list[torch.Tensor]:
+        """The stored tensors of one chunk (layer 0's, layer 1's, ...), on the cache's device:
+        per layer K and V ``[chunk_tokens, kv_heads, head_size]`` (bf16) or the pages
+        ``[blocks, page_bytes]`` (compact)."""
+        ids = as_ids(block_ids)
+        shape = self.layout.chunk_shape(len(ids))
+        return [t.view(shape) for c in self.caches for t in self.layout.gather(c, ids)]
+
+    def scatter(self, block_ids, tensors: list[torch.Tensor], skip: int = 0) -> None:
+        """Write one chunk's tensors (as :meth:`gather` gives them) into its blocks, all but
+        the first ``skip``."""
+        ids = as_ids(block_ids)
+        per, n = self.layout.tensors_per_layer, len(ids)
+        for li, c in enumerate(self.caches):
+            parts = [t.view(n, -1)[skip:] for t in tensors[per * li : per * (li + 1)]]
+            self.layout.scatter(c, ids[skip:], *parts)
+
+    def outputs(self, device=None) -> list[torch.Tensor]:
+        """Empty tensors for one chunk's decode (bf16 layouts)."""
+        shape = self.layout.chunk_shape(self.bpc)
+        return [
+            torch.empty(shape, dtype=self.layout.dtype, device=device or self.device)
+            for _ in range(self.layout.tensors_per_layer * len(self.caches))
+        ]
+
+    def read(self, key: bytes, device="cpu") -> list[torch.Tensor] | None:
+        """The stored tensors of ``key`` decoded on ``device`` (CPU by default), or None when
+        not held or damaged (dropped then)."""
+        if isinstance(self.layout, CompactPages):
+            got = self._read_pages(key, device)
+            return None if got is None else got[0]
+        outs = self.outputs(device)
+        return outs if self.store.get(key, outs) else None
+
+    def _read_pages(self, key: bytes, device):
+        """Compact: ``(pages per layer, the sequence's sinks or None)`` of ``key``, checked;
+        None when not held or damaged (dropped then)."""
+        entry = self.store.lease(key)
+        if entry is None:
+            return None
+        try:
+            shape = self.layout.chunk_shape(self.bpc)
+            n = len(self.caches)
+            if len(entry.blobs) not in (n, n + 1):
+                raise CorruptPagesError(f"{len(entry.blobs)} blobs for {n} layers")
+            outs = [unpack_pages(b, device) for b in entry.blobs]
+        except (CorruptPagesError, RuntimeError):
+            self.store.drop(key)
+            return None
+        finally:
+            self.store.unlease([entry])
+        return [o.view(shape) for o in outs[:n]], (outs[n] if len(outs) > n else None)
+
+    # -- loads ----------------------------------------------------------------------------
+    def _fetch_shared(self, loads: list[ChunkLoad], res: TransferResult) -> set[bytes]:
+        """Bring the loads' chunks the local store lacks from the shared store into it;
+        reported held (``stored``), what their room evicted ``dropped``."""
+        fetched: set[bytes] = set()
+        for ld in loads:
+            if ld.key in self.store or ld.key in fetched:
+                continue
+            entry = self.shared.get_entry(ld.key)  # None when absent, damaged or down
+            if entry is None:
+                continue
+            nbytes, evicted = self.store.put_blobs(ld.key, tuple(entry.blobs), entry.raw_bytes)
+            res.dropped.extend(evicted)
+            if nbytes:
+                fetched.add(ld.key)
+                res.stored.append(ld.key)
+        self.shared_counts["shared_blocks_fetched"] += len(fetched)
+        return fetched
+
+    def submit_load(self, job_id: int, loads: list[ChunkLoad]) -> bool:
+        t0 = time.perf_counter()
+        res = TransferResult(job_id, True)
+        loads = [ld._replace(block_ids=as_ids(ld.block_ids)) for ld in map(_as_load, loads)]
+        for ld in loads:
+            self._check(ld.block_ids, ld.skip)
+        fetched = self._fetch_shared(loads, res) if self.shared is not None else set()
+        if self.pipeline is not None:
+            self.wait({self._load_job[0]} if self._load_job else set())
+            by_block = {b: ld for ld in loads for b in ld.block_ids[ld.skip :]}
+            self._load_job = (job_id, by_block, res, fetched, t0)
+            self.pipeline.start_loads([(ld.req_id, ld.key, ld.block_ids, ld.skip) for ld in loads])
+            return True
+        for ld in loads:
+            ok = False
+            try:
+                if isinstance(self.layout, CompactPages):
+                    ok = self._load_pages(ld)
+                else:
+                    tensors = self.read(ld.key, self.device) if ld.key in self.store else None
+                    if tensors is not None:
+                        self.scatter(ld.block_ids, tensors, ld.skip)
+                        ok = True
+            except (ValueError, kvzip_lossless.CorruptBlobError):
+                logger.exception("kvzip tier: restoring chunk %s failed", ld.key[:4].hex())
+                self.store.drop(ld.key)
+            if ok:
+                res.hits[ld.req_id] = res.hits.get(ld.req_id, 0) + 1
+                res.tokens += (self.bpc - ld.skip) * self.layout.block_size
+            else:
+                self._fail(res, ld, fetched)
+        self._finish_load(res, t0)
+        self._finished.append(res)
+        return True
+
+    def _load_pages(self, ld: ChunkLoad) -> bool:
+        """Compact: one chunk's pages (and, for a sequence's first chunk written from its first
+        block, its sinks) into the cache; False, writing nothing, when it cannot be served."""
+        got = self._read_pages(ld.key, self.device) if ld.key in self.store else None
+        if got is None:
+            return False
+        pages, sinks = got
+        carry = self.layout.sinks is not None and ld.first and ld.skip == 0
+        if carry and sinks is None:
+            logger.warning("kvzip tier: first chunk %s holds no sinks: dropped", ld.key[:4].hex())
+            self.store.drop(ld.key)
+            return False
+        self.scatter(ld.block_ids, pages, ld.skip)
+        if carry:
+            self.layout.sinks.write(self.caches, ld.block_ids[0], sinks)
+        return True
+
+    def _fail(self, res: TransferResult, ld: ChunkLoad, fetched: set[bytes]) -> None:
+        res.success = False
+        res.failed.append(ld)
+        res.failed_blocks.update(ld.block_ids[ld.skip :])
+        res.dropped.append(ld.key)
+        self.store.stats.load_errors += 1
+        if ld.key in fetched:  # intact value, blobs failing to decode: for all
+            self.shared_counts["shared_blocks_bad"] += 1
+            self.shared.delete(ld.key)
+
+    def _finish_load(self, res: TransferResult, t0: float) -> None:
+        s = self.store.stats
+        res.transfer_time = time.perf_counter() - t0
+        s.restore_seconds += res.transfer_time
+        s.restore_hits += len(res.hits)
+        s.blocks_restored += sum(res.hits.values())
+        s.tokens_restored += res.tokens
+
+    def _finish_cuda_load(self) -> None:
+        job_id, by_block, res, fetched, t0 = self._load_job
+        self._load_job = None
+        failed_ids = self.pipeline.wait_loads()  # (it counts its restores and errors)
+        seen: dict[int, ChunkLoad] = {}
+        for b in sorted(failed_ids):
+            ld = by_block.get(b)
+            if ld is not None:
+                seen.setdefault(id(ld), ld)
+        res.failed_blocks |= failed_ids
+        res.failed.extend(seen.values())
+        res.success = not failed_ids
+        for ld in seen.values():
+            if ld.key in fetched:
+                self.shared_counts["shared_blocks_bad"] += 1
+                self.shared.delete(ld.key)
+        res.transfer_time = time.perf_counter() - t0
+        self._finished.append(res)
+
+    # -- stores ---------------------------------------------------------------------------
+    def submit_store(self, job_id: int, stores: list[ChunkStore]) -> bool:
+        t0 = time.perf_counter()
+        stores = [st._replace(block_ids=as_ids(st.block_ids)) for st in map(_as_store, stores)]
+        for st in stores:
+            self._check(st.block_ids)
+        res = TransferResult(job_id, True)
+        if self.pipeline is not None:
+            self._store_jobs[job_id] = ({st.key for st in stores}, res)
+            self.pipeline.start_stores([(st.key, st.block_ids) for st in stores])
+            self._collect()
+            return True
+        compact = isinstance(self.layout, CompactPages)
+        for st in stores:
+            try:
+                tensors = self.gather(st.block_ids)
+                if compact:
+                    blobs = tuple(pack_pages(t) for t in tensors)
+                    if st.first and self.layout.sinks is not None:
+                        sinks = self.layout.sinks.read(self.caches, st.block_ids[0])
+                        blobs += (pack_pages(sinks),) if sinks is not None else (None,)
+                if compact and blobs[-1] is None:  # its sink slot was given away: not stored
+                    logger.warning(
+                        "kvzip tier: first chunk %s not stored: its sequence's sink slot was "
+                        "given away (vLLM recomputes it)",
+                        st.key[:4].hex(),
+                    )
+                    nbytes, evicted = 0, []
+                elif compact:
+                    nbytes, evicted = self.store.put_blobs(
+                        st.key, blobs, self._raw_bytes(), seconds=time.perf_counter() - t0
+                    )
+                else:
+                    layers = list(zip(tensors[0::2], tensors[1::2], strict=True))
+                    nbytes, evicted = self.store.put(st.key, layers)
+            except Exception:  # noqa: BLE001  (a chunk not stored is recomputed later)
+                logger.exception("kvzip tier: storing chunk %s failed", st.key[:4].hex())
+                self.store.stats.store_errors += 1
+                nbytes, evicted = 0, []
+            res.dropped.extend(evicted)
+            (res.stored if nbytes else res.dropped).append(st.key)
+            res.success &= bool(nbytes)
+        self._share(res.stored)
+        res.transfer_time = time.perf_counter() - t0
+        self._finished.append(res)
+        return True
+
+    def _share(self, keys: list[bytes]) -> None:
+        """Queue chunks just stored locally for the shared store (never waits)."""
+        if self.shared_writer is None:
+            return
+        for key in keys:
+            entry = self.store.lease(key)
+            if entry is None:
+                continue
+            try:  # copied out of the arena: its extent may be reused once the entry is evicted
+                blobs = tuple(bytes(b) for b in entry.blobs)
+            finally:
+                self.store.unlease([entry])
+            self.shared_writer.submit(key, blobs, entry.raw_bytes)
+
+    def _collect(self) -> None:
+        """CUDA: the pipeline's finished stores, credited to their jobs (oldest first); keys
+        evicted to make room, to the oldest job still open (or a job of its own: -1)."""
+        stored, dropped = self.pipeline.collect()
+        self._share(stored)
+        jobs = list(self._store_jobs.items())
+        loose = TransferResult(-1, True)
+        for keys, ok in ((stored, True), (dropped, False)):
+            for key in keys:
+                for _, (want, res) in jobs:
+                    if key in want:
+                        want.discard(key)
+                        (res.stored if ok else res.dropped).append(key)
+                        res.success &= ok
+                        break
+                else:
+                    loose.dropped.append(key) if not ok else loose.stored.append(key)
+        for job_id, (want, res) in jobs:
+            if not want:
+                del self._store_jobs[job_id]
+                self._finished.append(res)
+        if loose.stored or loose.dropped:
+            self._finished.append(loose)
+
+    # -- polling --------------------------------------------------------------------------
+    def get_finished(self) -> list[TransferResult]:
+        if self.pipeline is not None:
+            if self._load_job is not None:
+                self._finish_cuda_load()
+            self._collect()
+        done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self.pipeline is None:
+            return  # the CPU path finishes every job as it is submitted
+        if self._load_job is not None and self._load_job[0] in job_ids:
+            self._finish_cuda_load()
+        if any(j in self._store_jobs for j in job_ids):
+            self.pipeline.drain()
+            self._collect()
+
+    def drain(self) -> None:
+        """Every store in flight held (or dropped) and collected."""
+        if self.pipeline is not None:
+            self.pipeline.drain()
+            self._collect()
+
+    def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
