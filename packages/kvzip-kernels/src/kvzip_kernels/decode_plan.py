@@ -60,8 +60,6 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int | None = None  # split-KV factor; None: see _num_splits
     split_tokens: int = 2048  # target tokens per split (halved down to 512 to fill the GPU)
-    #: the CUDA split kernel's design (research: ``_cuda.VARIANTS``; the shipped one is v5)
-    cuda_variant: str = "v5"
 
 
 def _num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: DecodeConfig, device) -> int:
@@ -117,10 +115,6 @@ def refusal(
             f"format {f.name!r} reads every token from its rows"
         )
     cfg = config or DecodeConfig()
-    from kvzip_kernels._cuda import VARIANTS
-
-    if cfg.cuda_variant not in VARIANTS:
-        return f"config.cuda_variant must be one of {tuple(VARIANTS)}, got {cfg.cuda_variant!r}"
     if cfg.block_n % block_size and block_size % cfg.block_n:
         return f"config.block_n {cfg.block_n} and block_size {block_size} must divide"
     return None
@@ -437,7 +431,7 @@ class DecodePlan:
             q = q.contiguous()
             _cuda.split(
                 self.fmt.name, q, None, None, k_cache, v_cache, self.block_table, self.seq_lens,
-                self.o_part, self.lse, scale2, variant=self.config.cuda_variant, **self.geometry,
+                self.o_part, self.lse, scale2, **self.geometry,
             )  # fmt: skip
         elif self.spec.family == "int4":
             _int4_split_kernel[self.grid](
@@ -497,8 +491,7 @@ class DecodePlan:
 
             _cuda.split(
                 f.name, q16, qs, self.lut16, k_cache, v_cache, self.block_table, self.row_lens,
-                self.o_part, self.lse, scale2, skip=self.n_sink,
-                variant=self.config.cuda_variant, **self.geometry,
+                self.o_part, self.lse, scale2, skip=self.n_sink, **self.geometry,
             )  # fmt: skip
         else:
             _codebook_split_kernel[self.grid](
