@@ -28,6 +28,7 @@ bench_xqa.py is imported at run time for its set-up and timing helpers:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -74,6 +75,21 @@ def parse():
         default=0,
         help="also time each compact format with its sink token (<fmt>+s) and with the sink "
         "and a residual window of this many bf16 tokens (<fmt>+rR; spec/residual_window.md)",
+    )
+    p.add_argument(
+        "--legacy-splits",
+        action="store_true",
+        help="also time the CUDA kernel with the split count of the rule before split sizing by "
+        "rounds (decode_plan._num_splits without the kernel's residency): keys "
+        "cuda-v6-<fmt>@legacy-splits",
+    )
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time each CUDA-kernel call replayed from a CUDA graph (no host work per "
+        "call): keys cuda-v6-<fmt>@graph (and @legacy-splits-graph); a call that cannot be "
+        "captured is reported and skipped. Against the eager fp8 baselines: a diagnostic of "
+        "host-bound calls, not a like-for-like speedup",
     )
     p.add_argument("--time-budget-s", type=float, default=480)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -149,6 +165,20 @@ def parse_configs(text, DecodeConfig):
             )
         )
     return out or [("default", DecodeConfig())]
+
+
+def graphed(torch, fn):
+    """``fn`` captured into a CUDA graph (after one call on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay
 
 
 def fill_pool(torch, fmt, lay, pool, gen):
@@ -387,6 +417,13 @@ def main():
                     res["fi_tc"] = bench(torch, fn, a.iters, a.warmup)[0]
                     outs["fi_tc"] = o
                 runs = [(b_, c_) for b_ in a.backends for c_ in configs]
+                if a.legacy_splits and "cuda" in a.backends:
+                    from kvzip_kernels.decode_plan import _num_splits
+
+                    for _, c_ in configs:
+                        n = c_.num_splits or _num_splits(B, hkv, ctx, c_, dev)
+                        legacy = dataclasses.replace(c_, num_splits=n)
+                        runs.append(("cuda", ("legacy-splits", legacy)))
                 # with --recent, the compact formats also with their sink (+s) and with the
                 # sink and a residual window (+rR): the window's cost is +rR against +s
                 bf = functools.partial(torch.randn, device=dev, generator=gen, dtype=torch.bfloat16)
@@ -421,7 +458,8 @@ def main():
                             **ex_kw,
                         )
                         prefix = "ours" if backend == "triton" else f"cuda-{CUDA_DESIGN}"
-                        key = f"{prefix}-{name}{tail}" + ("" if len(configs) == 1 else f"@{label}")
+                        named = len(configs) > 1 or label == "legacy-splits"
+                        key = f"{prefix}-{name}{tail}" + (f"@{label}" if named else "")
                         try:
                             res[key] = bench(torch, fn, a.iters, a.warmup)[0]
                         except FormatError as ex:  # a format without a (CUDA) decode kernel
@@ -434,7 +472,18 @@ def main():
                             say(f"!! {key}: {type(ex).__name__}: {ex}")
                             continue
                         outs[key] = o
-                        for twin in ["ours" + key.removeprefix(prefix)]:
+                        if a.graphs and backend == "cuda":
+                            gkey = f"{key}-graph" if "@" in key else f"{key}@graph"
+                            try:
+                                res[gkey] = bench(torch, graphed(torch, fn), a.iters, a.warmup)[0]
+                                outs[gkey] = o
+                            except Exception as ex:  # noqa: BLE001 - a call that cannot be captured
+                                say(f"!! {gkey}: not captured: {type(ex).__name__}: {ex}")
+                                torch.cuda.synchronize()
+                        twins = ["ours" + key.removeprefix(prefix)]
+                        if key.endswith("@legacy-splits"):  # the same kernel, other splits
+                            twins.append(key.removesuffix("@legacy-splits"))
+                        for twin in twins:
                             if backend == "triton" or twin not in outs:
                                 continue
                             o1, o2 = o.float(), outs[twin].float()

@@ -10,7 +10,8 @@
 #      one process on the same data (its own time budget 200 s, 10 timings per kernel)
 #                                                                                (<= 250 s)
 # Files: gpu_tests_$TAG.log, bench_paged_decode_$TAG.{json,md,log} (TAG default v6). TESTS=0
-# skips step 1.
+# skips step 1; BENCH_ARGS adds arguments to the benchmark (e.g. "--legacy-splits --graphs":
+# the split count of the rule before split sizing by rounds, and graph-replayed calls).
 # KVZIP_TREE: a snapshot of the checkout to run (default: the current directory); BUNDLE: the
 # FlashInfer bundle (default .carry/flashinfer, relative to the current directory)
 set -uo pipefail
@@ -31,4 +32,5 @@ timeout ${BENCH_LIMIT_S:-250} python3 $P/kvzip-kernels/benchmarks/bench_paged_de
   --shapes ${SHAPES:-8b,70b-tp8} --batches ${BATCHES:-8,16,32,64} \
   --contexts ${CONTEXTS:-32768,131072} \
   --iters ${ITERS:-10} --warmup 3 --time-budget-s ${BUDGET_S:-200} --tag $TAG --out $OUT \
+  ${BENCH_ARGS:-} \
   2>&1 | tee $OUT/bench_paged_decode_$TAG.log | tail -60

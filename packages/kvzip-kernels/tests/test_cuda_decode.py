@@ -10,6 +10,7 @@ found, that the kernel compiles for sm_90a.
 """
 
 import ctypes
+import math
 import os
 
 import pytest
@@ -160,6 +161,37 @@ def _fmt(name, hkv, d):
 
 @pytest.mark.gpu
 @needs_sm80
+def test_cuda_residency_sizes_the_splits():
+    """The kernel's CTAs per SM come from CUDA's occupancy calculator (1-8 for every format
+    and head_dim: its shared memory and registers), and a plan without num_splits sizes its
+    splits by them (decode_plan._splits_by_rounds)."""
+    from kvzip_kernels.decode_plan import _splits_by_rounds
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in ("int4", *COMPACT):
+        for d in (64, 128):
+            assert 1 <= _cuda.ctas_per_sm(name, d, "cuda") <= 8, (name, d)
+    (fmt, *_), (_, kc, vc, _, _) = make_case("4bit", 8, 1, 128, 16, [37] * 8, 0, "cuda")
+    from kvzip_kernels import plan
+
+    bt = torch.zeros(8, 32768 // 16, dtype=torch.int32, device="cuda")  # planned, not run
+    sl = torch.full((8,), 32768, dtype=torch.int32, device="cuda")
+    p = plan(fmt, num_q_heads=8, head_dim=128, block_table=bt, seq_lens=sl, k_cache=kc,
+             v_cache=vc, block_size=16, max_seq_len=32768, backend="cuda")  # fmt: skip
+    ctas = _cuda.ctas_per_sm("4bit", 128, "cuda")
+    want = _splits_by_rounds(8, 32768, sms * ctas, DecodeConfig(), 128)
+    assert p.splits == _planned_splits(32768, want)
+    if "H200" in torch.cuda.get_device_name(0):  # NOTES.md "Split sizing by rounds"
+        assert (sms, ctas, p.splits, p.per_split) == (132, 3, 43, 768)
+
+
+def _planned_splits(tokens, splits, step=128):
+    per = math.ceil(math.ceil(tokens / splits) / step) * step
+    return math.ceil(tokens / per)
+
+
+@pytest.mark.gpu
+@needs_sm80
 def test_cuda_auto_dispatch_on_hopper():
     """auto takes CUDA on sm_90 for the formats it has, Triton for the others; the
     environment variable overrides."""
@@ -246,5 +278,5 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     so = _cuda.build((9, 0), out_dir=tmp_path)
     assert so.exists() and so.stat().st_size > 0
     lib = ctypes.CDLL(str(so))
-    assert hasattr(lib, "kvzd_split_launch")
+    assert hasattr(lib, "kvzd_split_launch") and hasattr(lib, "kvzd_ctas_per_sm")
     assert not hasattr(lib, "kvzd_split_launch_v6")  # one design, one launcher

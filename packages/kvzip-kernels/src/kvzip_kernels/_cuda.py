@@ -120,6 +120,8 @@ def _declare(L: ctypes.CDLL) -> None:
         I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
     ]  # fmt: skip
     L.kvzd_split_launch.restype = I
+    L.kvzd_ctas_per_sm.argtypes = [I, I]
+    L.kvzd_ctas_per_sm.restype = I
 
 
 #: The kernel's library per GPU architecture (built, cached and loaded by kvzip_formats.nvcc).
@@ -190,6 +192,21 @@ def choose(backend: str | None, fmt_name: str, spec, group: int, device) -> str:
     if why is not None:
         raise FormatError(f"backend='cuda' cannot run this call: {why}")
     return "cuda"
+
+
+def ctas_per_sm(fmt_name: str, head_dim: int, device) -> int:
+    """CTAs of the split kernel for this format and head_dim resident per SM on ``device``
+    (CUDA's occupancy calculator with the kernel's registers and shared memory; 0 where it
+    cannot say)."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _ctas_per_sm(FORMATS[fmt_name], head_dim, index)
+
+
+@functools.lru_cache(maxsize=64)
+def _ctas_per_sm(fmt: int, head_dim: int, index: int) -> int:
+    with torch.cuda.device(index):
+        return int(lib(torch.device("cuda", index)).kvzd_ctas_per_sm(fmt, head_dim))
 
 
 def _ptr(t: torch.Tensor | None):

@@ -738,18 +738,29 @@ __global__ void __launch_bounds__(NW * 32, min_ctas<FMT, D>()) split_v6(const Pa
 constexpr int NWARPS = 4;
 constexpr int STAGES = 2;
 
+// The instance's dynamic shared memory allowed past 48 KB, once per instance (per process: one
+// GPU kind at a time)
+template <int FMT, int D>
+cudaError_t prepare() {
+  static bool attr = false;
+  if (!attr) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(split_v6<FMT, D, NWARPS, STAGES>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem_bytes<FMT, D, NWARPS, STAGES>());
+    if (e != cudaSuccess) return e;
+    attr = true;
+  }
+  return cudaSuccess;
+}
+
 template <int FMT, int D>
 int launch(const Params& p, int grid_x, cudaStream_t stream) {
   dim3 grid(grid_x, p.num_splits);
-  constexpr int smem = smem_bytes<FMT, D, NWARPS, STAGES>();
-  static bool attr = false;  // once per instance (per process: one GPU kind at a time)
-  if (!attr) {
-    const cudaError_t e = cudaFuncSetAttribute(split_v6<FMT, D, NWARPS, STAGES>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return (int)e;
-    attr = true;
-  }
-  split_v6<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem, stream>>>(p);
+  const cudaError_t e = prepare<FMT, D>();
+  if (e != cudaSuccess) return (int)e;
+  split_v6<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem_bytes<FMT, D, NWARPS, STAGES>(),
+                                     stream>>>(p);
   return (int)cudaGetLastError();
 }
 
@@ -758,6 +769,26 @@ int launch_d(int head_dim, const Params& p, int gx, cudaStream_t s) {
   if (head_dim == 128) return launch<FMT, 128>(p, gx, s);
   if (head_dim == 64) return launch<FMT, 64>(p, gx, s);
   return 1000;
+}
+
+// CTAs of the instance resident per SM on the current device (0 on an error)
+template <int FMT, int D>
+int resident() {
+  int n = 0;
+  if (prepare<FMT, D>() != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_v6<FMT, D, NWARPS, STAGES>,
+                                                    NWARPS * 32,
+                                                    smem_bytes<FMT, D, NWARPS, STAGES>()) !=
+          cudaSuccess)
+    return 0;
+  return n;
+}
+
+template <int FMT>
+int resident_d(int head_dim) {
+  if (head_dim == 128) return resident<FMT, 128>();
+  if (head_dim == 64) return resident<FMT, 64>();
+  return 0;
 }
 
 }  // namespace
@@ -807,6 +838,18 @@ int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, con
     case FMT_3BIT: return launch_d<FMT_3BIT>(head_dim, p, gx, s);
   }
   return 1000;
+}
+
+// CTAs of the split kernel for (fmt, head_dim) resident per SM on the current device (the
+// split-KV sizing fills whole rounds of them: decode_plan._num_splits); 0 on an error
+int kvzd_ctas_per_sm(int fmt, int head_dim) {
+  switch (fmt) {
+    case FMT_INT4: return resident_d<FMT_INT4>(head_dim);
+    case FMT_4BIT: return resident_d<FMT_4BIT>(head_dim);
+    case FMT_35BIT: return resident_d<FMT_35BIT>(head_dim);
+    case FMT_3BIT: return resident_d<FMT_3BIT>(head_dim);
+  }
+  return 0;
 }
 
 }  // extern "C"
