@@ -5,13 +5,13 @@ Times, per shape (Llama-3.1-8B: 32 q / 8 kv heads; 70B per GPU under TP8: 8 q / 
 batch (8/16/32/64) and context (32k/128k), page size 16:
   ours-<fmt>  kvzip_kernels.paged_decode for each kvzip format (int4, fp8, compact formats),
               Triton kernels (backend="triton")
-  cuda-<variant>-<fmt>
-              the same call with backend="cuda" (csrc/paged_decode.cu, design v5 and with
-              --cuda-variants the research designs, e.g. v6: int4,
-              int4-rot, 4bit, 3.5bit, 3bit; keys as in the runs that timed v4a beside it,
-              results/kernels/bench_paged_decode_v5.*), built first (build time and ptxas
+  cuda-v6-<fmt>
+              the same call with backend="cuda" (csrc/paged_decode.cu, design v6: int4,
+              int4-rot, 4bit, 3.5bit, 3bit; the key names the design, as in the runs that
+              timed the designs before it side by side: cuda-v4a-*, cuda-v5-*, cuda-v6s3-* in
+              results/kernels/bench_paged_decode_v{5,6}.*), built first (build time and ptxas
               resources in the JSON), its output checked against ours-<fmt> of the same
-              data (rel L2 in "checks")
+              data (rel L2 in "checks") when the Triton backend is timed too
   xqa         FlashInfer's XQA (TensorRT-LLM's fp8 decode kernel), fp8 e4m3 cache
   fi_tc       FlashInfer's fp8 tensor-core decode (BatchDecodeWithPagedKVCacheWrapper)
 The fp8 cache of xqa/fi_tc holds the same values as our fp8 kernel's cache (copied into their
@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,8 @@ from types import SimpleNamespace
 
 SHAPES = {"8b": (32, 8, 128), "70b-tp8": (8, 1, 128)}
 PEAK = 4.3e12
+#: the CUDA kernel's design, in its result keys (cuda-v6-<fmt>)
+CUDA_DESIGN = "v6"
 
 
 def parse():
@@ -56,12 +59,6 @@ def parse():
     p.add_argument("--baselines", default="xqa,fi_tc")
     p.add_argument(
         "--backends", default="triton,cuda", help="our backends: triton (ours-*), cuda (cuda-*)"
-    )
-    p.add_argument(
-        "--cuda-variants",
-        default="v5",
-        help="designs of the CUDA split kernel to time (_cuda.VARIANTS: v5 shipped; research "
-        "v6, v6s3), keys cuda-<variant>-<fmt>",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=25)
@@ -79,6 +76,21 @@ def parse():
         help="also time each compact format with its sink token (<fmt>+s) and with the sink "
         "and a residual window of this many bf16 tokens (<fmt>+rR; spec/residual_window.md)",
     )
+    p.add_argument(
+        "--legacy-splits",
+        action="store_true",
+        help="also time the CUDA kernel with the split count of the rule before split sizing by "
+        "rounds (decode_plan._num_splits without the kernel's residency): keys "
+        "cuda-v6-<fmt>@legacy-splits",
+    )
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time each CUDA-kernel call replayed from a CUDA graph (no host work per "
+        "call): keys cuda-v6-<fmt>@graph (and @legacy-splits-graph); a call that cannot be "
+        "captured is reported and skipped. Against the eager fp8 baselines: a diagnostic of "
+        "host-bound calls, not a like-for-like speedup",
+    )
     p.add_argument("--time-budget-s", type=float, default=480)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -89,17 +101,19 @@ def parse():
     a.formats = [x for x in a.formats.split(",") if x]
     a.baselines = [x for x in a.baselines.split(",") if x]
     a.backends = [x for x in a.backends.split(",") if x]
-    a.cuda_variants = [x for x in a.cuda_variants.split(",") if x]
     return a
 
 
 def fmt_of(key: str) -> str:
-    """The kvzip format of a result key: ours-<fmt>[@cfg], cuda-<variant>-<fmt>[@cfg]."""
+    """The kvzip format of a result key: ours-<fmt>[@cfg], cuda-<design>-<fmt>[@cfg] (design
+    v4a, v5, v6, v6s3, ...), or cuda-<fmt>[@cfg] (a key without the design)."""
     key = key.split("@")[0].split("+")[0]
     if key.startswith("ours-"):
         return key.removeprefix("ours-")
     if key.startswith("cuda-"):
-        return key.split("-", 2)[2]
+        rest = key.removeprefix("cuda-")
+        design, _, fmt = rest.partition("-")
+        return fmt if re.fullmatch(r"v\d+[a-z0-9]*", design) and fmt else rest
     return key
 
 
@@ -151,6 +165,20 @@ def parse_configs(text, DecodeConfig):
             )
         )
     return out or [("default", DecodeConfig())]
+
+
+def graphed(torch, fn):
+    """``fn`` captured into a CUDA graph (after one call on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay
 
 
 def fill_pool(torch, fmt, lay, pool, gen):
@@ -388,12 +416,14 @@ def main():
                     fn = functools.partial(w.run, q, kv5, out=o)
                     res["fi_tc"] = bench(torch, fn, a.iters, a.warmup)[0]
                     outs["fi_tc"] = o
-                runs = [
-                    (b_, v_, c_)
-                    for b_ in a.backends
-                    for v_ in (a.cuda_variants if b_ == "cuda" else [None])
-                    for c_ in configs
-                ]
+                runs = [(b_, c_) for b_ in a.backends for c_ in configs]
+                if a.legacy_splits and "cuda" in a.backends:
+                    from kvzip_kernels.decode_plan import _num_splits
+
+                    for _, c_ in configs:
+                        n = c_.num_splits or _num_splits(B, hkv, ctx, c_, dev)
+                        legacy = dataclasses.replace(c_, num_splits=n)
+                        runs.append(("cuda", ("legacy-splits", legacy)))
                 # with --recent, the compact formats also with their sink (+s) and with the
                 # sink and a residual window (+rR): the window's cost is +rR against +s
                 bf = functools.partial(torch.randn, device=dev, generator=gen, dtype=torch.bfloat16)
@@ -406,14 +436,12 @@ def main():
                         (f"+r{a.recent}", dict(sinks=sink, recent=win)),
                     ]
                 for name, (fmt, _, (kp, vp)) in pools.items():
-                    for (backend, variant, (label, cfg)), (tail, ex_kw) in (
+                    for (backend, (label, cfg)), (tail, ex_kw) in (
                         (r, e) for r in runs for e in extras
                     ):
                         if tail and not name[0].isdigit():
                             continue  # sinks and windows: the compact formats only
                         o = torch.empty_like(q)
-                        if variant is not None:
-                            cfg = dataclasses.replace(cfg, cuda_variant=variant)
                         fn = functools.partial(
                             paged_decode,
                             fmt,
@@ -429,8 +457,9 @@ def main():
                             backend=backend,
                             **ex_kw,
                         )
-                        prefix = "ours" if backend == "triton" else f"cuda-{variant}"
-                        key = f"{prefix}-{name}{tail}" + ("" if len(configs) == 1 else f"@{label}")
+                        prefix = "ours" if backend == "triton" else f"cuda-{CUDA_DESIGN}"
+                        named = len(configs) > 1 or label == "legacy-splits"
+                        key = f"{prefix}-{name}{tail}" + (f"@{label}" if named else "")
                         try:
                             res[key] = bench(torch, fn, a.iters, a.warmup)[0]
                         except FormatError as ex:  # a format without a (CUDA) decode kernel
@@ -443,9 +472,17 @@ def main():
                             say(f"!! {key}: {type(ex).__name__}: {ex}")
                             continue
                         outs[key] = o
+                        if a.graphs and backend == "cuda":
+                            gkey = f"{key}-graph" if "@" in key else f"{key}@graph"
+                            try:
+                                res[gkey] = bench(torch, graphed(torch, fn), a.iters, a.warmup)[0]
+                                outs[gkey] = o
+                            except Exception as ex:  # noqa: BLE001 - a call that cannot be captured
+                                say(f"!! {gkey}: not captured: {type(ex).__name__}: {ex}")
+                                torch.cuda.synchronize()
                         twins = ["ours" + key.removeprefix(prefix)]
-                        if variant not in (None, "v5"):  # a research design against v5
-                            twins.append("cuda-v5" + key.removeprefix(prefix))
+                        if key.endswith("@legacy-splits"):  # the same kernel, other splits
+                            twins.append(key.removesuffix("@legacy-splits"))
                         for twin in twins:
                             if backend == "triton" or twin not in outs:
                                 continue

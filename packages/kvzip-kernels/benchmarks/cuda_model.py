@@ -6,14 +6,14 @@ lane holds which token, head and channel in the mma and movmatrix fragments of t
 not the compiled code; a change of the kernel's mappings needs the same change here.
 
     TRITON_INTERPRET=1 PYTHONPATH=packages/kvzip-kernels/tests python3 \
-        packages/kvzip-kernels/benchmarks/cuda_model.py [int4 4bit 3.5bit 3bit] [-- v5 v6 v4a]
+        packages/kvzip-kernels/benchmarks/cuda_model.py [int4 4bit 3.5bit 3bit] [-- v6 v5 v4a]
 
-The shipped design is v5: the fragment logic on the bytes its cp.async ring stages hold
-(``stage_tile``: K rows, V byte rows of 16 tokens, metadata). v4a (the design v5 replaced,
-NOTES.md; its kernel is in git history) is modelled too, on the pages. The research design v6
-(NOTES.md) on the same stages: a warp's tile is two 16-token units sharing one online-softmax
-update, and its index builders (k3_indices, v_frag6's word-wide 3-bit indices, byte_of as
-PTX prmt) replace v5's.
+The shipped design is v6 (NOTES.md): the fragment logic on the bytes its cp.async ring stages
+hold (``stage_tile``: K rows, V byte rows of 16 tokens, metadata); a warp's tile is two
+16-token units sharing one online-softmax update, and its index builders (k3_indices, v_frag's
+word-wide 3-bit indices, byte_of as PTX prmt) are modelled bit for bit. The designs before it
+are modelled too, for their history (their kernels are in git history, NOTES.md says where):
+v5 (16-token tiles on the same stages, indices built one by one) and v4a (on the pages).
 """
 
 import math
@@ -487,10 +487,9 @@ def fake_split(
     tokens_per_split,
     num_splits,
     skip=0,
-    variant="v5",
 ):
     FMT = C.FORMATS[fmt_name]
-    variant = "v4a" if VARIANT == "v4a" else ("v6" if variant.startswith("v6") else variant)
+    variant = VARIANT
     b, hq, d = q.shape
     G = hq // num_kv_heads
     qf = q.float().numpy()
@@ -542,7 +541,7 @@ def _supported(name, spec, g):
     return want is None or (spec.k_groups, spec.v_groups) == want
 
 
-VARIANT = "v5"  # the design modelled (main's arguments after --)
+VARIANT = "v6"  # the design modelled (main's arguments after --)
 C.split = fake_split  # the model stands in for the CUDA kernel; the rest of paged_decode runs
 C.choose = lambda backend, name, spec, g, dev: "cuda" if _supported(name, spec, g) else "triton"
 
@@ -586,10 +585,10 @@ def resolve_fmt(name, hkv, d):
 
 
 def main():
-    """argv: formats (default all four) and, after ``--``, designs (default v5)."""
+    """argv: formats (default all four) and, after ``--``, designs (default v6)."""
     global VARIANT
     args = sys.argv[1:]
-    variants = args[args.index("--") + 1 :] if "--" in args else ["v5"]
+    variants = args[args.index("--") + 1 :] if "--" in args else ["v6"]
     names = (args[: args.index("--")] if "--" in args else args) or [
         "int4", "4bit", "3.5bit", "3bit"
     ]  # fmt: skip
@@ -597,7 +596,7 @@ def main():
         VARIANT = v
         for name in names:
             print("--", v, end=" ")
-            cfg = {"cuda_variant": v} if v in C.VARIANTS else {}
+            cfg = {}
             run(name, 4, 1, 64, 16, [37, 5], DecodeConfig(block_n=16, num_splits=2, **cfg))
             print("--", v, end=" ")
             run(name, 8, 1, 128, 64, [130], DecodeConfig(block_n=64, num_splits=2, **cfg))

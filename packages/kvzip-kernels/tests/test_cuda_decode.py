@@ -1,6 +1,5 @@
-"""The CUDA C++ split kernel (csrc/paged_decode.cu: design v5, formats int4, int4-rot, 4bit,
-3.5bit, 3bit) against the float32 reference and the Triton kernels, the research design v6
-(``DecodeConfig(cuda_variant=)``) against the reference and v5, and the backend choice of
+"""The CUDA C++ split kernel (csrc/paged_decode.cu: design v6, formats int4, int4-rot, 4bit,
+3.5bit, 3bit) against the float32 reference and the Triton kernels, and the backend choice of
 ``paged_decode``.
 
 GPU tests (``gpu`` marker) need a GPU of compute capability >= 8.0 and an nvcc; the earned
@@ -11,7 +10,7 @@ found, that the kernel compiles for sm_90a.
 """
 
 import ctypes
-import dataclasses
+import math
 import os
 
 import pytest
@@ -44,7 +43,7 @@ CASES = [
 COMPACT = ["4bit", "3.5bit", "3bit"]
 
 
-def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, recent=0, variant="v5"):
+def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, recent=0):
     (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, block_size, lens, seed, "cuda")
     sk = win = None
     g = torch.Generator().manual_seed(9)
@@ -77,14 +76,6 @@ def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, rece
     assert err <= tol, f"{name} CUDA: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
     diff = _rel(out, tri.float().cpu())
     assert diff <= tol, f"{name}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
-    if variant != "v5":  # a research design: the same values as v5, another schedule
-        cfg6 = dataclasses.replace(cfg, cuda_variant=variant)
-        out6 = paged_decode(fmt, *dev, backend="cuda", config=cfg6, **kw)
-        assert torch.isfinite(out6).all()
-        err = _rel(out6, ref)
-        assert err <= tol, f"{name} {variant}: relative L2 error {err:.2e} > {tol:.2e}"
-        diff = _rel(out6, out.float().cpu())
-        assert diff <= tol, f"{name}: {variant} and v5 differ by {diff:.2e} > {tol:.2e}"
 
 
 @pytest.mark.gpu
@@ -119,41 +110,17 @@ def test_cuda_compact_residual_window(name):
     _check(name, 32, 8, 128, 16, [4099, 8192], None, sinks=True, recent=128)
 
 
-V6 = ["v6", "v6s3"]
-
-
 @pytest.mark.gpu
 @needs_sm80
-@pytest.mark.parametrize("name", ["int4", *COMPACT])
-@pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), CASES)
-def test_cuda_v6_matches_reference_and_v5(name, hq, hkv, d, block_size, lens, config):
-    """Design v6 (32-token tiles of two 16-token units, 3-instruction lookups): the
-    reference's answer within the earned tolerance, and v5's (same values, its P rounded to
-    fp16 against a running maximum over 32 tokens instead of 16)."""
-    _check(name, hq, hkv, d, block_size, lens, config, variant="v6")
-
-
-@pytest.mark.gpu
-@needs_sm80
-@pytest.mark.parametrize("name", ["int4", *COMPACT])
-@pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), CASES[:2] + CASES[4:6])
-def test_cuda_v6s3_matches_reference_and_v5(name, hq, hkv, d, block_size, lens, config):
-    """v6 with a ring of 3 stages (the same code but the ring depth): a part of the grid."""
-    _check(name, hq, hkv, d, block_size, lens, config, variant="v6s3")
-
-
-@pytest.mark.gpu
-@needs_sm80
-@pytest.mark.parametrize("variant", V6)
 @pytest.mark.parametrize("name", COMPACT)
-def test_cuda_v6_sinks_and_window(variant, name):
-    """v6 skips the sink positions and stops at the window as v5 does: odd unit counts per
-    split (the second unit of a warp's last tile absent), one-token and all-sink sequences."""
-    _check(name, 9, 3, 64, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True,
-           variant=variant)  # fmt: skip
+def test_cuda_sinks_and_window_odd_units(name):
+    """The kernel's 32-token tiles are two 16-token units: with the sink positions skipped and
+    the window cut off, a split's unit count is odd (the second unit of a warp's last tile
+    absent), and one-token and all-sink sequences occur; the reference and Triton agree."""
+    _check(name, 9, 3, 64, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True)
     _check(name, 8, 2, 128, 16, [300, 100, 1], DecodeConfig(block_n=16, num_splits=3),
-           sinks=True, recent=128, variant=variant)  # fmt: skip
-    _check(name, 32, 8, 128, 16, [4099, 8192], None, sinks=True, recent=128, variant=variant)
+           sinks=True, recent=128)  # fmt: skip
+    _check(name, 32, 8, 128, 16, [4099, 8192], None, sinks=True, recent=128)
 
 
 def _one_allocation(kc, vc):
@@ -190,6 +157,37 @@ def _fmt(name, hkv, d):
     return get_format(
         name, calibration=synthetic_calibration(hkv, d) if name[0].isdigit() else None
     )
+
+
+@pytest.mark.gpu
+@needs_sm80
+def test_cuda_residency_sizes_the_splits():
+    """The kernel's CTAs per SM come from CUDA's occupancy calculator (1-8 for every format
+    and head_dim: its shared memory and registers), and a plan without num_splits sizes its
+    splits by them (decode_plan._splits_by_rounds)."""
+    from kvzip_kernels.decode_plan import _splits_by_rounds
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in ("int4", *COMPACT):
+        for d in (64, 128):
+            assert 1 <= _cuda.ctas_per_sm(name, d, "cuda") <= 8, (name, d)
+    (fmt, *_), (_, kc, vc, _, _) = make_case("4bit", 8, 1, 128, 16, [37] * 8, 0, "cuda")
+    from kvzip_kernels import plan
+
+    bt = torch.zeros(8, 32768 // 16, dtype=torch.int32, device="cuda")  # planned, not run
+    sl = torch.full((8,), 32768, dtype=torch.int32, device="cuda")
+    p = plan(fmt, num_q_heads=8, head_dim=128, block_table=bt, seq_lens=sl, k_cache=kc,
+             v_cache=vc, block_size=16, max_seq_len=32768, backend="cuda")  # fmt: skip
+    ctas = _cuda.ctas_per_sm("4bit", 128, "cuda")
+    want = _splits_by_rounds(8, 32768, sms * ctas, DecodeConfig(), 128)
+    assert p.splits == _planned_splits(32768, want)
+    if "H200" in torch.cuda.get_device_name(0):  # NOTES.md "Split sizing by rounds"
+        assert (sms, ctas, p.splits, p.per_split) == (132, 3, 43, 768)
+
+
+def _planned_splits(tokens, splits, step=128):
+    per = math.ceil(math.ceil(tokens / splits) / step) * step
+    return math.ceil(tokens / per)
 
 
 @pytest.mark.gpu
@@ -280,18 +278,5 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     so = _cuda.build((9, 0), out_dir=tmp_path)
     assert so.exists() and so.stat().st_size > 0
     lib = ctypes.CDLL(str(so))
-    assert hasattr(lib, "kvzd_split_launch") and hasattr(lib, "kvzd_split_launch_v6")
-
-
-def test_cuda_variant_is_checked():
-    """An unknown design of the CUDA split kernel is refused by name, before any launch."""
-    from kvzip_kernels import refusal
-
-    geo = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16)
-    for v in _cuda.VARIANTS:
-        assert refusal("4bit", **geo, config=DecodeConfig(cuda_variant=v)) is None
-    why = refusal("4bit", **geo, config=DecodeConfig(cuda_variant="v7"))
-    assert why is not None and "cuda_variant must be one of" in why and "'v7'" in why
-    _, dev = make_case("int4", 4, 1, 64, 16, [20], 0, "cpu")
-    with pytest.raises(FormatError, match="cuda_variant must be one of"):
-        paged_decode("int4", *dev, block_size=16, config=DecodeConfig(cuda_variant="v4a"))
+    assert hasattr(lib, "kvzd_split_launch") and hasattr(lib, "kvzd_ctas_per_sm")
+    assert not hasattr(lib, "kvzd_split_launch_v6")  # one design, one launcher

@@ -1,9 +1,10 @@
-"""CPU checks of the research design v6 of the CUDA split kernel (csrc/paged_decode.cu,
-NOTES.md "v6"), whose compiled code only a GPU runs (test_cuda_decode.py's gpu tests):
+"""CPU checks of design v6 of the CUDA split kernel (csrc/paged_decode.cu, NOTES.md "v6"),
+whose compiled code only a GPU runs (test_cuda_decode.py's gpu tests):
 
 - its index builders (3bit's K 3-bit indices of a row at once, the 3-bit V indices of 4 tokens
-  in one word, bytes by PTX ``prmt``) give, bit for bit, the indices v5 builds one by one, on
-  random words for every lane's shifts;
+  in one word, bytes by PTX ``prmt``) give, bit for bit, the indices of the format's bit
+  planes built one by one (as design v5 did, git history), on random words for every lane's
+  shifts;
 - the expressions of the numpy model (benchmarks/cuda_model.py) are the kernel source's;
 - the model of v6's per-lane fragment logic (two 16-token units per warp tile sharing one
   online-softmax update), run through ``paged_decode`` in place of the kernel, matches the
@@ -98,7 +99,8 @@ def test_v6_model_matches_reference(model, monkeypatch, name, hq, hkv, d, ps, le
     (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, ps, lens, 1, "cpu")
     ref = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=ps)
     plain = ref_paged_decode(fmt, q, kc, vc, bt, sl, block_size=ps, compute_dtype=torch.bfloat16)
-    cfg = DecodeConfig(block_n=16, num_splits=splits, cuda_variant="v6")
+    monkeypatch.setattr(model, "VARIANT", "v6")
+    cfg = DecodeConfig(block_n=16, num_splits=splits)
     out = paged_decode(fmt, *dev, block_size=ps, config=cfg)
     err, tol = _rel(out, ref), 2 * _rel(plain, ref) + 1e-3
     assert err <= tol, f"{name}: v6 model relative L2 error {err:.2e} > {tol:.2e}"

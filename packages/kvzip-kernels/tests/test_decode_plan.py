@@ -2,6 +2,8 @@
 caches gives each layer exactly ``paged_decode``'s output; a layer whose tensors are not the
 planned ones is refused naming what differs; ``supports``/``refusal`` answer without a call."""
 
+import math
+
 import pytest
 import torch
 from test_paged_decode import make_case
@@ -79,3 +81,44 @@ def test_supports_and_refusal_need_no_call():
     assert "sinks= is for the compact formats" in refusal("int4", **geo, sinks=True)
     assert "recent= (a residual window)" in refusal("fp8", **geo, window=True)
     assert not supports("int4", **{**geo, "head_dim": 96})
+
+
+def _planned(tokens, splits, step=128):
+    """The plan's rounding: (splits, tokens per split) for a split count."""
+    per = math.ceil(math.ceil(tokens / splits) / step) * step
+    return math.ceil(tokens / per), per
+
+
+def test_split_rule_fills_whole_rounds():
+    """Split sizing by the CUDA kernel's residency (NOTES.md "Split sizing by rounds"): the
+    grid's CTAs run in rounds of SMs x CTAs per SM, each round paying a CTA's fixed cost."""
+    from kvzip_kernels.decode_plan import SPLIT_FIXED_TOKENS, _num_splits, _splits_by_rounds
+
+    cfg = DecodeConfig()
+    # 70B-TP8 (1 KV head per GPU) at 32k on 132 SMs x 3 compact CTAs: the old rule's 64 splits
+    # of 512 tokens were 512 CTAs = 1.29 rounds; 43 of 768 are one round
+    assert _planned(32768, _splits_by_rounds(8, 32768, 396, cfg, 128)) == (43, 768)
+    assert _planned(32768, _splits_by_rounds(16, 32768, 396, cfg, 128)) == (24, 1408)
+    assert _planned(131072, _splits_by_rounds(8, 131072, 396, cfg, 128)) == (94, 1408)
+    # int4's 4 CTAs per SM hold the old rule's 512 CTAs in one round: unchanged
+    assert _splits_by_rounds(8, 32768, 528, cfg, 128) == 64
+    # the large grids keep splits of 2048 tokens (8B: 8 KV heads, batch 64, 128k)
+    assert _splits_by_rounds(64 * 8, 131072, 396, cfg, 128) == 64
+    # a sequence shorter than a split: one split
+    assert _splits_by_rounds(4, 300, 396, cfg, 128) == 1
+    # against the old rule (what _num_splits does without the residency; on the CPU it takes
+    # 4 SMs): never more than 3% above its modelled cost, never a split over split_tokens
+    cpu = torch.device("cpu")
+    for per_sm in (1, 2, 3, 4, 6):
+        slots = 4 * per_sm
+        for work in (1, 2, 3, 5, 8, 13, 24, 64, 200):
+            for tokens in (100, 511, 2048, 5000, 32768, 131072):
+                old = _planned(tokens, _num_splits(work, 1, tokens, cfg, cpu))
+                new = _planned(tokens, _num_splits(work, 1, tokens, cfg, cpu, per_sm, 128))
+
+                cost = [
+                    math.ceil(work * p[0] / slots) * (SPLIT_FIXED_TOKENS + min(p[1], tokens))
+                    for p in (old, new)
+                ]
+                assert cost[1] <= 1.03 * cost[0], (per_sm, work, tokens, old, new)
+                assert new[1] <= max(cfg.split_tokens, 128), (per_sm, work, tokens, new)

@@ -13,11 +13,12 @@ Formats: ``int4``, ``int4-rot`` (the wrapper rotates q and the output), ``4bit``
 before a call is sent here); head_dim 64 and 128; at most 8 query heads per KV head; page
 sizes that are multiples of 16. ``paged_decode(..., backend=)`` or ``KVZIP_KERNELS_BACKEND``
 (``auto``, ``cuda``, ``triton``) choose; ``auto`` takes CUDA on sm_90 where it builds, else
-Triton. The kernel is design v5 (a per-warp cp.async ring of shared-memory stages, per-lane
-copies of the codebook tables), chosen over v4a by measurement (NOTES.md:
-``results/kernels/bench_paged_decode_v5.md``, H200, full grid, same run: geometric-mean
-speedup over the best fp8 int4 1.50x (v4a 1.27x), 4bit 1.16x (0.65x), 3.5bit 0.98x (0.89x),
-3bit 0.91x (0.92x)); v4a's source is in git history (NOTES.md says where).
+Triton. The kernel is design v6 (32-token tiles through a per-warp cp.async ring of 2
+shared-memory stages, per-lane copies of the codebook tables read by 3-instruction lookups),
+chosen over v5 by measurement (NOTES.md: ``results/kernels/bench_paged_decode_v6.md``, H200,
+full grid, same run: geometric-mean speedup over the best fp8 int4 1.61x (v5 1.49x), 4bit
+1.37x (1.15x), 3.5bit 1.30x (0.97x), 3bit 1.29x (0.90x)); v5's and v4a's sources are in git
+history (NOTES.md says where).
 ``KVZIP_KERNELS_CUDA_SO`` names a prebuilt library (skips the build); ``KVZIP_NVCC`` an nvcc.
 """
 
@@ -43,11 +44,6 @@ MIN_CAPABILITY = (8, 0)
 AUTO_CAPABILITIES = ((9, 0),)
 MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
 FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1, "3.5bit": 2, "3bit": 3}
-#: The split kernel's designs (``DecodeConfig(cuda_variant=)``): ``v5`` (shipped) and the
-#: research design v6 (NOTES.md: 32-token tiles per warp, 3-instruction table lookups; the
-#: same bytes and values) with 2 (``v6``) or 3 (``v6s3``) ring stages of 32 tokens per warp.
-#: v6 stays a research variant until the H200 run decides which one design ships.
-VARIANTS = {"v5": 0, "v6": 2, "v6s3": 3}
 BACKENDS = KERNELS_BACKEND.choices  # ("auto", "cuda", "triton")
 
 
@@ -70,8 +66,8 @@ def expected_groups(fmt_name: str, d: int) -> tuple[tuple, tuple] | None:
 def level_table(spec, device) -> torch.Tensor:
     """fp16 ``[4, 16]`` on ``device``: the ascending codebook levels of K's groups 0 and 1 and
     V's groups 0 and 1 (code c -> row[c]), the kernel's input for its level-pair tables; a K
-    without a second group carries the 3-bit levels in row 1 where V has them (v5's tables are
-    per code width, and every group of a width has the same levels)."""
+    without a second group carries the 3-bit levels in row 1 where V has them (the kernel's tables
+    are per code width, and every group of a width has the same levels)."""
     return _level_table(spec.k_groups, spec.v_groups, str(device))
 
 
@@ -124,8 +120,8 @@ def _declare(L: ctypes.CDLL) -> None:
         I, I, P, P, P, P, P, P, P, P, P, F, LL, I, I, I, LL, LL, LL, LL, I, I, I, I, P
     ]  # fmt: skip
     L.kvzd_split_launch.restype = I
-    L.kvzd_split_launch_v6.argtypes = [*L.kvzd_split_launch.argtypes, I]
-    L.kvzd_split_launch_v6.restype = I
+    L.kvzd_ctas_per_sm.argtypes = [I, I]
+    L.kvzd_ctas_per_sm.restype = I
 
 
 #: The kernel's library per GPU architecture (built, cached and loaded by kvzip_formats.nvcc).
@@ -198,6 +194,21 @@ def choose(backend: str | None, fmt_name: str, spec, group: int, device) -> str:
     return "cuda"
 
 
+def ctas_per_sm(fmt_name: str, head_dim: int, device) -> int:
+    """CTAs of the split kernel for this format and head_dim resident per SM on ``device``
+    (CUDA's occupancy calculator with the kernel's registers and shared memory; 0 where it
+    cannot say)."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _ctas_per_sm(FORMATS[fmt_name], head_dim, index)
+
+
+@functools.lru_cache(maxsize=64)
+def _ctas_per_sm(fmt: int, head_dim: int, index: int) -> int:
+    with torch.cuda.device(index):
+        return int(lib(torch.device("cuda", index)).kvzd_ctas_per_sm(fmt, head_dim))
+
+
 def _ptr(t: torch.Tensor | None):
     return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
@@ -224,13 +235,10 @@ def split(
     tokens_per_split: int,
     num_splits: int,
     skip: int = 0,
-    variant: str = "v5",
 ) -> None:
     """Launch the split stage on the current stream (inputs validated by ``paged_decode``;
     ``q`` contiguous: bf16 for int4, the fp16 q' of the compact formats with ``qs`` and the
-    level table ``lut16`` (:func:`level_table`)); ``variant``: a key of :data:`VARIANTS`."""
-    if variant not in VARIANTS:
-        raise FormatError(f"cuda_variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    level table ``lut16`` (:func:`level_table`))."""
     b, hq, d = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.data_ptr() % 16:  # cp.async and the vector loads read 16-byte aligned pages
@@ -238,10 +246,7 @@ def split(
                 f"{name} must start 16-byte aligned for the CUDA kernel (data_ptr % 16 = "
                 f"{t.data_ptr() % 16}); use backend='triton' for this cache"
             )
-    L = lib(q.device)
-    stages = VARIANTS[variant]
-    fn, extra = (L.kvzd_split_launch, ()) if stages == 0 else (L.kvzd_split_launch_v6, (stages,))
-    rc = fn(
+    rc = lib(q.device).kvzd_split_launch(
         FORMATS[fmt_name],
         d,
         _ptr(q),
@@ -267,7 +272,6 @@ def split(
         num_splits,
         skip,
         ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream),
-        *extra,
     )
     if rc:
         raise RuntimeError(f"kvzip-kernels CUDA decode launch failed: error {rc}")

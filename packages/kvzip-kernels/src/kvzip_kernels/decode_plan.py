@@ -60,19 +60,36 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int | None = None  # split-KV factor; None: see _num_splits
     split_tokens: int = 2048  # target tokens per split (halved down to 512 to fill the GPU)
-    #: the CUDA split kernel's design (research: ``_cuda.VARIANTS``; the shipped one is v5)
-    cuda_variant: str = "v5"
 
 
-def _num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: DecodeConfig, device) -> int:
+#: A CTA's fixed cost in tokens streamed, for :func:`_splits_by_rounds`: 70B-TP8 at 32k on the
+#: H200 (v6, NOTES.md "Split sizing by rounds") read ~16 us per round of CTAs against
+#: ~0.011 us per token, ~1500 tokens; a third of that keeps the choice near the old rule's.
+SPLIT_FIXED_TOKENS = 512
+
+
+def _num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_tokens: int,
+    cfg: DecodeConfig,
+    device,
+    ctas_per_sm: int = 0,
+    step: int = 0,
+) -> int:
     """Splits of ~``split_tokens`` tokens: many short programs keep the last wave's idle
     share small (9 splits of 14.5k tokens ran 1.09 waves and cost ~25% at 8B, batch 8);
-    shorter splits, down to 512 tokens, while there are fewer than 4 programs per SM."""
+    shorter splits, down to 512 tokens, while there are fewer than 4 programs per SM. With
+    ``ctas_per_sm`` (the CUDA kernel's residency): :func:`_splits_by_rounds` (``step``: the
+    multiple of tokens a split is rounded up to)."""
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
         else 4
     )
+    if ctas_per_sm > 0:
+        step = step or cfg.block_n
+        return _splits_by_rounds(batch * num_kv_heads, max_tokens, sms * ctas_per_sm, cfg, step)
     tokens = max(cfg.split_tokens, cfg.block_n)
     while (
         tokens > max(512, cfg.block_n)
@@ -80,6 +97,28 @@ def _num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: DecodeConfi
     ):
         tokens //= 2
     return int(min(max(1, math.ceil(max_tokens / tokens)), 1024))
+
+
+def _splits_by_rounds(work: int, max_tokens: int, slots: int, cfg: DecodeConfig, step: int) -> int:
+    """Splits for ``work`` (sequence, KV head) pairs of up to ``max_tokens`` tokens on ``slots``
+    resident CTAs (SMs x CTAs per SM). The CTAs of a split grid are all of one length and
+    start together, so they run in rounds of ``slots``, and each round pays a CTA's fixed cost
+    (block ids, the level tables, the ring's first tile, the merge) once: a grid of 1.29
+    rounds costs two. Of the split lengths the plan can give (multiples of ``step`` from
+    max(512, block_n) to max(split_tokens, block_n), which include the old rule's 512, 1024 and
+    2048), the longest whose rounds x (SPLIT_FIXED_TOKENS + tokens per split) is within 3% of
+    the least (fewer partial outputs to merge, fewer CTAs)."""
+    up = lambda x: -(-x // step) * step  # noqa: E731
+    lo, hi = up(max(512, cfg.block_n)), up(max(cfg.split_tokens, cfg.block_n))
+    costs = []  # (cost, splits), longest split first
+    for t in range(hi, lo - 1, -max(step, step * (128 // step))):
+        n = max(1, math.ceil(max_tokens / t))
+        costs.append((math.ceil(work * n / slots) * (SPLIT_FIXED_TOKENS + min(t, max_tokens)), n))
+    least = min(c for c, _ in costs)
+    # the longest split within 3% of the least cost: a few percent of a model is no reason
+    # for more, shorter CTAs
+    n = next(n for c, n in costs if c <= 1.03 * least)
+    return int(min(n, 1024))
 
 
 def refusal(
@@ -117,10 +156,6 @@ def refusal(
             f"format {f.name!r} reads every token from its rows"
         )
     cfg = config or DecodeConfig()
-    from kvzip_kernels._cuda import VARIANTS
-
-    if cfg.cuda_variant not in VARIANTS:
-        return f"config.cuda_variant must be one of {tuple(VARIANTS)}, got {cfg.cuda_variant!r}"
     if cfg.block_n % block_size and block_size % cfg.block_n:
         return f"config.block_n {cfg.block_n} and block_size {block_size} must divide"
     return None
@@ -277,8 +312,13 @@ class DecodePlan:
         self.v_sig = (tuple(v_cache.shape), v_cache.stride(), v_cache.dtype, v_cache.device)
         self.k_stride, self.v_stride = k_stride, v_stride
         self.scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-        splits = cfg.num_splits or _num_splits(b, hkv, max_seq_len, cfg, dev)
+        ctas = 0
+        if use_cuda and cfg.num_splits is None:
+            from kvzip_kernels import _cuda
+
+            ctas = _cuda.ctas_per_sm(f.name, d, dev)
         step = max(cfg.block_n, block_size)
+        splits = cfg.num_splits or _num_splits(b, hkv, max_seq_len, cfg, dev, ctas, step)
         per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), step) * step
         self.splits = triton.cdiv(max_seq_len, per_split)
         self.per_split = per_split
@@ -437,7 +477,7 @@ class DecodePlan:
             q = q.contiguous()
             _cuda.split(
                 self.fmt.name, q, None, None, k_cache, v_cache, self.block_table, self.seq_lens,
-                self.o_part, self.lse, scale2, variant=self.config.cuda_variant, **self.geometry,
+                self.o_part, self.lse, scale2, **self.geometry,
             )  # fmt: skip
         elif self.spec.family == "int4":
             _int4_split_kernel[self.grid](
@@ -497,8 +537,7 @@ class DecodePlan:
 
             _cuda.split(
                 f.name, q16, qs, self.lut16, k_cache, v_cache, self.block_table, self.row_lens,
-                self.o_part, self.lse, scale2, skip=self.n_sink,
-                variant=self.config.cuda_variant, **self.geometry,
+                self.o_part, self.lse, scale2, skip=self.n_sink, **self.geometry,
             )  # fmt: skip
         else:
             _codebook_split_kernel[self.grid](

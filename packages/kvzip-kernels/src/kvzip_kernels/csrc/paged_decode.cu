@@ -1,13 +1,14 @@
 // Split-KV paged decode attention for kvzip's paged layout (kvzip_formats/spec/paged_layout.md):
 // `int4` and the compact `4bit`, `3.5bit`, `3bit` (spec/4bit.md section 5), head_dim 64 and
-// 128, with mma.sync m16n8k16 (sm_80 and newer; tuned for sm_90). Design v5 (NOTES.md has
-// its history, and that of v4a, the design it replaced): each warp streams its tiles through
-// its own ring of S stages in shared memory by cp.async (16-byte, L2-only): S - 1 tiles (K
-// codes, V codes, metadata) in flight while it computes one; fragments are read from shared
-// memory.
+// 128, with mma.sync m16n8k16 (sm_80 and newer; tuned for sm_90). Design v6 (NOTES.md has
+// its history, and that of v5 and v4a, the designs before it; their sources are in git
+// history): each warp streams 32-token tiles through its own ring of 2 stages in shared
+// memory by cp.async (16-byte, L2-only): one tile (K codes, V codes, metadata) in flight while
+// it computes the other; fragments are read from shared memory.
 //
-// One CTA = one (sequence, KV head, split); NW warps take 16-token tiles in turn and keep
-// their own online-softmax state, merged through shared memory at the end. The CTA writes
+// One CTA = one (sequence, KV head, split); NW warps take 32-token tiles in turn and keep
+// their own online-softmax state, merged through shared memory at the end. A tile is two
+// 16-token units (each within one page) that share one online-softmax update. The CTA writes
 // the same partial output and base-2 log-sum-exp per (query head, split) as the Triton split
 // kernels (_decode_kernels.py, _decode_codebook.py), so the Triton merge, the compact formats'
 // output transform and the sink merge run unchanged after it.
@@ -29,21 +30,21 @@
 // per bit plane: 4-bit nibbles n/8 bytes, 3-bit groups n/16 bytes of the 2-bit plane and n/32
 // of the 1-bit plane.
 // V (channel-major: byte j of token t at j*PS + t): m-tile mt holds channels 16mt + 2g (row g)
-// and 16mt + 2g + 1 (row g+8); a 16-bit load gives one byte row for two consecutive tokens.
+// and 16mt + 2g + 1 (row g+8); a 32-bit load gives one byte row for 4 tokens (v_pairs).
 //
 // Dequantisation:
 //   int4:  a code c becomes the bf16 128 + c (0x4300 | c); q.k = s (q.(c+128)) +
 //          (z - 128 s) sum(q); the V side adds sum_t (p_t z_t - 128 (p s)_t) per head, with
 //          the bf16-rounded p s in both terms.
 //   compact: codes become fp16 levels through tables of level pairs in shared memory (each
-//          entry replicated per lane, so a lookup is conflict-free: RepLut): a byte
-//          of two 4-bit codes (256 entries), two 3-bit codes from 4 bits of the 2-bit plane and
-//          2 of the 1-bit plane (64 entries), two 2-bit codes (16 entries); q' = B_k^T q comes
-//          scaled per row into fp16 (qs undoes it) and p s is multiplied by 64 before its fp16
+//          entry replicated per lane, so a lookup is conflict-free: RepLut, 3 instructions: one
+//          PRMT for the index byte, one IMAD for the address, one LDS): a byte of two 4-bit
+//          codes (256 entries), two 3-bit codes from 4 bits of the 2-bit plane and 2 of the
+//          1-bit plane (64 entries), two 2-bit codes (16 entries); q' = B_k^T q comes scaled
+//          per row into fp16 (qs undoes it) and p s is multiplied by 64 before its fp16
 //          rounding (out of the subnormals).
 // No CUDA headers beyond the runtime: conversions are PTX, so the file builds with the
 // nvcc of the nvidia-cuda-nvcc wheel alone.
-
 #include <stdint.h>
 
 #define FULL_MASK 0xffffffffu
@@ -165,20 +166,27 @@ constexpr int T_V2 = 576;   // V 2-bit group (3bit): 16 entries
 // lookup is one conflict-free wavefront whatever the indices. Tables by code width (the levels
 // of a width are the same for K and V: codebook.levels(bits)): 4-bit pairs at entry 0 (256),
 // 3-bit at 256 (64), 2-bit at 320 (16).
-// The dynamic shared memory: the replicated tables, then the ring (addressed as a symbol, so a
-// lookup's address is (index << 7 | lane << 2) + a constant: two integer ops per lookup)
-extern __shared__ __align__(16) uint8_t v5_dyn[];
+// The dynamic shared memory: the replicated tables, then the ring
+extern __shared__ __align__(16) uint8_t dyn_smem[];
 
+__device__ __forceinline__ uint32_t byte_of(uint32_t w, int k) {  // byte k of w, zero-extended
+  return prmt(w, 0u, 0x4440u | (uint32_t)k);
+}
+
+// A lookup: the index byte times 128 plus this lane's base (the region folded into it), one
+// LDS on a 32-bit shared address
 template <int FMT>
 struct RepLut {
-  uint32_t lane4;  // lane * 4: the bank
   static constexpr int ENTRIES = FMT == FMT_4BIT ? 256 : FMT == FMT_35BIT ? 320 : FMT == FMT_3BIT ? 336 : 0;
+  uint32_t base;  // shared-window address of the tables + 4 * lane
   __device__ __forceinline__ uint32_t operator()(int region, uint32_t idx) const {
-    const int base = region == T_K4                       ? 0
-                     : region == T_K3                     ? 256
-                     : region == T_V0                     ? (FMT == FMT_4BIT ? 0 : 256)
-                                                          : 320;
-    return *reinterpret_cast<const uint32_t*>(v5_dyn + base * 128 + ((idx << 7) | lane4));
+    const uint32_t off = region == T_K4                     ? 0u
+                         : region == T_K3                   ? 256u * 128u
+                         : region == T_V0                   ? (FMT == FMT_4BIT ? 0u : 256u * 128u)
+                                                            : 320u * 128u;
+    uint32_t r;
+    asm("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(idx * 128u + (base + off)));
+    return r;
   }
 };
 
@@ -199,10 +207,14 @@ __device__ __forceinline__ uint32_t level_pair(const uint16_t* lv, int e) {
 }
 
 // lv: the [4][16] levels with row 1 the 3-bit levels (3.5bit's are in row 2: the host passes
-// a table whose row 1 holds them, see _cuda.rep_level_table)
+// a table whose row 1 holds them, see _cuda.level_table). The replicated tables, 16 bytes
+// per store: 8 threads per entry, each writing 4 of its 32 copies
 template <int FMT>
 __device__ void fill_rep(uint32_t* rep, const uint16_t* lv, int tid, int nthreads) {
-  for (int i = tid; i < RepLut<FMT>::ENTRIES * 32; i += nthreads) rep[i] = level_pair(lv, i >> 5);
+  for (int i = tid; i < RepLut<FMT>::ENTRIES * 8; i += nthreads) {
+    const uint32_t v = level_pair(lv, i >> 3);
+    reinterpret_cast<uint4*>(rep)[i] = make_uint4(v, v, v, v);
+  }
 }
 
 template <int FMT, int D>
@@ -256,20 +268,6 @@ struct KRow {
       return ks < F::KS4 ? q * (D / 8) + 4 * ks : D / 2 + q * (D / 8) + 4 * (ks - F::KS4);
     return q * (D / 4) + 4 * ks;
   }
-  // compact formats: level pairs (c, c+1) -> p0 and (c+2, c+3) -> p1 of k-step ks
-  template <typename LUT>
-  __device__ __forceinline__ void pairs(int ks, const LUT& T, uint32_t& p0, uint32_t& p1) const {
-    if (ks < F::KS4) {
-      const uint32_t x = (ks & 1) ? w[ks >> 1] >> 16 : w[ks >> 1] & 0xFFFFu;
-      p0 = T(T_K4, x & 0xFFu);
-      p1 = T(T_K4, x >> 8);
-    } else {
-      const int kk = ks - F::KS4;
-      const uint32_t L = lo >> (8 * kk), H = hi >> (4 * kk);
-      p0 = T(T_K3, (L & 0xFu) | ((H & 3u) << 4));
-      p1 = T(T_K3, ((L >> 4) & 0xFu) | ((H & 0xCu) << 2));
-    }
-  }
   // int4: (c, c+2) low nibbles -> lo, (c+1, c+3) high nibbles -> hi
   __device__ __forceinline__ void int4(int ks, uint32_t& a_lo, uint32_t& a_hi) const {
     const uint32_t x = w[ks >> 1];
@@ -289,51 +287,74 @@ __device__ __forceinline__ void v_pairs(const uint8_t* p, uint32_t& w0, uint32_t
   w1 = x >> 16;
 }
 
+// 3bit's K 3-bit group: the 6-bit indices of a thread's row, all at once: byte kk of x0 holds
+// that of channels (c, c+1) of k-step KS4 + kk (low 4 bits from byte kk of the 2-bit plane,
+// bits 4-5 from nibble kk of the 1-bit plane), byte kk of x1 that of (c+2, c+3): 4 at a time
+__device__ __forceinline__ void k3_indices(uint32_t lo, uint32_t hi, uint32_t& x0, uint32_t& x1) {
+  const uint32_t t = prmt(hi, 0u, 0x1100u);  // bytes: hi.b0, hi.b0, hi.b1, hi.b1
+  const uint32_t hs = (t & 0x000F000Fu) | ((t >> 4) & 0x0F000F00u);  // nibble kk -> byte kk
+  x0 = (lo & 0x0F0F0F0Fu) + ((hs & 0x03030303u) << 4);
+  x1 = ((lo >> 4) & 0x0F0F0F0Fu) + ((hs & 0x0C0C0C0Cu) << 2);
+}
+
+// compact formats: level pairs (c, c+1) -> p0 and (c+2, c+3) -> p1 of k-step ks, the bytes
+// taken by byte_of; x0/x1: k3_indices of the row (3bit)
+template <int FMT, int D, typename LUT>
+__device__ __forceinline__ void k_pairs(const KRow<FMT, D>& kr, uint32_t x0, uint32_t x1,
+                                         int ks, const LUT& T, uint32_t& p0, uint32_t& p1) {
+  using F = Fmt<FMT, D>;
+  if (ks < F::KS4) {
+    const uint32_t w = kr.w[ks >> 1];
+    const int b = 2 * (ks & 1);
+    p0 = T(T_K4, byte_of(w, b));
+    p1 = T(T_K4, byte_of(w, b + 1));
+  } else {
+    p0 = T(T_K3, byte_of(x0, ks - F::KS4));
+    p1 = T(T_K3, byte_of(x1, ks - F::KS4));
+  }
+}
+
 // A fragment of V^T for m-tile mt: rows g (channel 16mt + 2g) and g+8 (channel 16mt + 2g + 1),
 // k-rows 2q, 2q+1 (a[0], a[1]) and 2q+8, 2q+9 (a[2], a[3]); vrow and the token order: v_pairs.
 // ST: the distance of byte rows (16 in a shared-memory stage).
 template <int FMT, int D, typename LUT>
 __device__ __forceinline__ void v_frag(const uint8_t* vrow, int ST, int mt, int g, const LUT& T,
-                                       uint32_t a[4]) {
-  using F = Fmt<FMT, D>;
-  if constexpr (FMT <= FMT_4BIT) {
+                                        uint32_t a[4]) {
+  if constexpr (FMT == FMT_4BIT) {
     const int j = 8 * mt + g;  // byte row: channels 2j (low nibbles), 2j+1 (high)
+    const uint32_t x = *reinterpret_cast<const uint32_t*>(vrow + j * ST);
+    const uint32_t t0l = T(T_V0, byte_of(x, 0)), t0h = T(T_V0, byte_of(x, 1));
+    const uint32_t t1l = T(T_V0, byte_of(x, 2)), t1h = T(T_V0, byte_of(x, 3));
+    a[0] = prmt(t0l, t0h, 0x5410);
+    a[1] = prmt(t0l, t0h, 0x7632);
+    a[2] = prmt(t1l, t1h, 0x5410);
+    a[3] = prmt(t1l, t1h, 0x7632);
+  } else if constexpr (FMT == FMT_INT4) {
     uint32_t w0, w1;
-    v_pairs(vrow + j * ST, w0, w1);
-    if constexpr (F::INT4) {
-      int4_pairs<false>(w0, a[0], a[1]);
-      int4_pairs<false>(w1, a[2], a[3]);
-    } else {
-      const uint32_t t0l = T(T_V0, w0 & 0xFFu), t0h = T(T_V0, w0 >> 8);
-      const uint32_t t1l = T(T_V0, w1 & 0xFFu), t1h = T(T_V0, w1 >> 8);
-      a[0] = prmt(t0l, t0h, 0x5410);
-      a[1] = prmt(t0l, t0h, 0x7632);
-      a[2] = prmt(t1l, t1h, 0x5410);
-      a[3] = prmt(t1l, t1h, 0x7632);
-    }
+    v_pairs(vrow + (8 * mt + g) * ST, w0, w1);
+    int4_pairs<false>(w0, a[0], a[1]);
+    int4_pairs<false>(w1, a[2], a[3]);
   } else {
-    uint32_t x0, x1;
+    // 3.5bit / 3bit: the 4 tokens' indices at once in the bytes of one word:
+    // X byte k = the index of token 4q + k (the token order of v_pairs)
+    using F = Fmt<FMT, D>;
+    uint32_t X;
     int tab;
-    if (mt < F::MT3) {  // 3-bit group 0 (channels 0 .. 16 MT3): 2-bit plane at 0, 1-bit at D/4
+    if (mt < F::MT3) {  // 3-bit group 0: 2-bit plane at 0, 1-bit plane at D/4
       const int j = 4 * mt + (g >> 1), j1 = D / 4 + 2 * mt + (g >> 2);
       const int sl = 4 * (g & 1), sh = 2 * (g & 3);
-      uint32_t w0, w1, h0, h1;
-      v_pairs(vrow + j * ST, w0, w1);
-      v_pairs(vrow + j1 * ST, h0, h1);
-      x0 = ((w0 >> sl) & 0x0F0Fu) | (((h0 >> sh) & 0x0303u) << 4);
-      x1 = ((w1 >> sl) & 0x0F0Fu) | (((h1 >> sh) & 0x0303u) << 4);
+      const uint32_t W = *reinterpret_cast<const uint32_t*>(vrow + j * ST);
+      const uint32_t H = *reinterpret_cast<const uint32_t*>(vrow + j1 * ST);
+      X = ((W >> sl) & 0x0F0F0F0Fu) + (((H >> sh) & 0x03030303u) << 4);
       tab = T_V0;
-    } else {  // 3bit's 2-bit group (channels D/2 ..): its plane at D/8
+    } else {  // 3bit's 2-bit group: its plane at D/8
       const int j = D / 8 + 4 * (mt - F::MT3) + (g >> 1);
       const int sl = 4 * (g & 1);
-      uint32_t w0, w1;
-      v_pairs(vrow + j * ST, w0, w1);
-      x0 = (w0 >> sl) & 0x0F0Fu;
-      x1 = (w1 >> sl) & 0x0F0Fu;
+      X = (*reinterpret_cast<const uint32_t*>(vrow + j * ST) >> sl) & 0x0F0F0F0Fu;
       tab = T_V2;
     }
-    const uint32_t t0l = T(tab, x0 & 0xFFu), t0h = T(tab, x0 >> 8);
-    const uint32_t t1l = T(tab, x1 & 0xFFu), t1h = T(tab, x1 >> 8);
+    const uint32_t t0l = T(tab, byte_of(X, 0)), t0h = T(tab, byte_of(X, 1));
+    const uint32_t t1l = T(tab, byte_of(X, 2)), t1h = T(tab, byte_of(X, 3));
     a[0] = prmt(t0l, t0h, 0x5410);
     a[1] = prmt(t0l, t0h, 0x7632);
     a[2] = prmt(t1l, t1h, 0x5410);
@@ -409,12 +430,13 @@ struct Warp {
     for (int mt = 0; mt < F::KS; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
   }
 
-  // One 16-token tile, in two halves. score: kr = this thread's K bytes of rows g, g+8, km their metadata words (0 where
-  // invalid) -> s (base-2 scaled scores of tokens g, g+8 for heads 2q, 2q+1; -inf if invalid)
+  // score: kr = this thread's K bytes of rows g, g+8 of a 16-token unit, km their metadata
+  // words (0 where invalid) -> s (base-2 scaled scores of tokens g, g+8 for heads 2q, 2q+1;
+  // -inf if invalid)
   template <typename LUT>
   __device__ __forceinline__ void score(const KRow<FMT, D> kr[2], const uint32_t km[2],
-                                        const bool valid[2], float qk_scale, const LUT& T,
-                                        float s[4]) const {
+                                         const bool valid[2], float qk_scale, const LUT& T,
+                                         float s[4]) const {
     float ks_r[2], kz_r[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -423,19 +445,23 @@ struct Warp {
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[i] = 0.f;
+    uint32_t x0[2] = {0u, 0u}, x1[2] = {0u, 0u};
+    if constexpr (F::K3) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) k3_indices(kr[r].lo, kr[r].hi, x0[r], x1[r]);
+    }
 #pragma unroll
     for (int ks = 0; ks < F::KS; ++ks) {
       uint32_t a[4];
-      if constexpr (F::INT4) {  // a[0]: channels c, c+2 (low nibbles); a[2]: c+1, c+3 (high)
+      if constexpr (F::INT4) {
         kr[0].int4(ks, a[0], a[2]);
         kr[1].int4(ks, a[1], a[3]);
-      } else {  // a[0]: channels c, c+1; a[2]: c+2, c+3
-        kr[0].pairs(ks, T, a[0], a[2]);
-        kr[1].pairs(ks, T, a[1], a[3]);
+      } else {
+        k_pairs<FMT, D>(kr[0], x0[0], x1[0], ks, T, a[0], a[2]);
+        k_pairs<FMT, D>(kr[1], x0[1], x1[1], ks, T, a[1], a[3]);
       }
       mma16816<BF16>(s, a, bq[ks][0], bq[ks][1]);
     }
-    // s[0], s[1]: token g, heads 2q, 2q+1; s[2], s[3]: token g+8
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = i >> 1, c = i & 1;
@@ -445,28 +471,30 @@ struct Warp {
     }
   }
 
-  // pv: online softmax of s, then O^T += V^T P'^T; vm the V metadata words of rows g, g+8
-  // (0 where invalid), vrow/ST the V tile (v_frag)
-  // (the token order of v_pairs); the accumulators are rescaled only when some lane's running
-  // maximum moved (alpha != 1; exact: skipping a multiply by 1)
+  // pv: the online softmax of the two units' scores at once, then O^T += V^T P'^T per unit;
+  // vm the V metadata words of rows g, g+8 (0 where invalid), vrow the V tile (v_frag). The
+  // accumulators are rescaled only when some lane's running maximum moved (alpha != 1;
+  // exact: skipping a multiply by 1)
   template <typename LUT>
-  __device__ __forceinline__ void pv(float s[4], const uint32_t vm[2], const uint8_t* vrow,
-                                     int ST, int g, const LUT& T) {
-    float vs_r[2], vz_r[2];
+  __device__ __forceinline__ void pv(float s[2][4], const uint32_t vm[2][2],
+                                      const uint8_t* const vrow[2], int g, const LUT& T) {
+    float vs_r[2][2], vz_r[2][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if constexpr (F::INT4) {
-        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu);
-        vz_r[r] = f16_to_f32(vm[r] >> 16);
-      } else {
-        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu) * 64.f;
-        vz_r[r] = 0.f;
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (F::INT4) {
+          vs_r[h][r] = f16_to_f32(vm[h][r] & 0xFFFFu);
+          vz_r[h][r] = f16_to_f32(vm[h][r] >> 16);
+        } else {
+          vs_r[h][r] = f16_to_f32(vm[h][r] & 0xFFFFu) * 64.f;
+          vz_r[h][r] = 0.f;
+        }
       }
-    }
-    float alpha[2], p[4];
+    float alpha[2], p[2][4];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      float mx = fmaxf(s[c], s[2 + c]);
+      float mx = fmaxf(fmaxf(s[0][c], s[0][2 + c]), fmaxf(s[1][c], s[1][2 + c]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 8));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 16));
@@ -474,22 +502,16 @@ struct Warp {
       const bool none = m_new == neg_inf();
       const float m_use = none ? 0.f : m_new;
       alpha[c] = none ? 1.f : fast_exp2(m_i[c] - m_use);
-      p[c] = fast_exp2(s[c] - m_use);
-      p[2 + c] = fast_exp2(s[2 + c] - m_use);
-      l_i[c] = l_i[c] * alpha[c] + p[c] + p[2 + c];
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        p[h][c] = fast_exp2(s[h][c] - m_use);
+        p[h][2 + c] = fast_exp2(s[h][2 + c] - m_use);
+        sum += p[h][c] + p[h][2 + c];
+      }
+      l_i[c] = l_i[c] * alpha[c] + sum;
       m_i[c] = m_new;
     }
-    // P' = p * (scale of the token's V row), 16-bit; int4 keeps the zero-point term aside
-    const uint32_t plo = pack2<BF16>(p[0] * vs_r[0], p[1] * vs_r[0]);
-    const uint32_t phi = pack2<BF16>(p[2] * vs_r[1], p[3] * vs_r[1]);
-    if constexpr (F::INT4) {
-      acc_c[0] = acc_c[0] * alpha[0] + p[0] * vz_r[0] + p[2] * vz_r[1] -
-                 128.f * (lo_f32<true>(plo) + lo_f32<true>(phi));
-      acc_c[1] = acc_c[1] * alpha[1] + p[1] * vz_r[0] + p[3] * vz_r[1] -
-                 128.f * (hi_f32<true>(plo) + hi_f32<true>(phi));
-    }
-    const uint32_t bp0 = movmatrix_trans(plo);  // k-rows 2q, 2q+1 of head g
-    const uint32_t bp1 = movmatrix_trans(phi);  // k-rows 8+2q, 9+2q
     if (__any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int mt = 0; mt < F::KS; ++mt) {
@@ -498,12 +520,29 @@ struct Warp {
         acc[mt][2] *= alpha[0];
         acc[mt][3] *= alpha[1];
       }
+      if constexpr (F::INT4) {
+        acc_c[0] *= alpha[0];
+        acc_c[1] *= alpha[1];
+      }
     }
 #pragma unroll
-    for (int mt = 0; mt < F::KS; ++mt) {
-      uint32_t a[4];
-      v_frag<FMT, D>(vrow, ST, mt, g, T, a);
-      mma16816<BF16>(acc[mt], a, bp0, bp1);
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t plo = pack2<BF16>(p[h][0] * vs_r[h][0], p[h][1] * vs_r[h][0]);
+      const uint32_t phi = pack2<BF16>(p[h][2] * vs_r[h][1], p[h][3] * vs_r[h][1]);
+      if constexpr (F::INT4) {
+        acc_c[0] += p[h][0] * vz_r[h][0] + p[h][2] * vz_r[h][1] -
+                          128.f * (lo_f32<true>(plo) + lo_f32<true>(phi));
+        acc_c[1] += p[h][1] * vz_r[h][0] + p[h][3] * vz_r[h][1] -
+                          128.f * (hi_f32<true>(plo) + hi_f32<true>(phi));
+      }
+      const uint32_t bp0 = movmatrix_trans(plo);
+      const uint32_t bp1 = movmatrix_trans(phi);
+#pragma unroll
+      for (int mt = 0; mt < F::KS; ++mt) {
+        uint32_t a[4];
+        v_frag<FMT, D>(vrow[h], 16, mt, g, T, a);
+        mma16816<BF16>(acc[mt], a, bp0, bp1);
+      }
     }
   }
 };
@@ -562,9 +601,9 @@ __device__ __forceinline__ uint32_t ld_meta(const uint8_t* p, bool int4) {
   return int4 ? *reinterpret_cast<const uint32_t*>(p) : ld16(p);
 }
 
-// ---- v5: tiles through a per-warp ring of S shared-memory stages (cp.async) ----------------
+// ---- the kernel: 32-token tiles through a per-warp ring of S stages (cp.async) ------------
 template <int FMT, int D>
-struct Stage {  // one 16-token tile: K codes (token-major), V codes (channel-major, 16 per row),
+struct Stage {  // one 16-token unit: K codes (token-major), V codes (channel-major, 16 per row),
                 // K and V metadata (token-major), each a multiple of 16 bytes
   using F = Fmt<FMT, D>;
   static constexpr int K = 16 * F::KCB, V = 16 * F::VCB, M = 16 * F::MB;
@@ -572,387 +611,24 @@ struct Stage {  // one 16-token tile: K codes (token-major), V codes (channel-ma
   static_assert(K % 16 == 0 && V % 16 == 0 && M % 16 == 0, "16-byte cp.async chunks");
 };
 
-// Shared memory of a v5 CTA (dynamic: past the 48 KB of static shared memory): the replicated
-// level tables (32 KB at 4bit, 40 KB at 3.5bit, 42 KB at 3bit), then the ring of NW x S stages.
+// CTAs per SM the launch bound asks registers for: int4 (no tables) 4; the compact formats 3
+// (their 66-71 KB of shared memory at d128 allow no more)
+template <int FMT, int D>
+constexpr int min_ctas() { return FMT == FMT_INT4 ? 4 : 3; }
+
+// Shared memory of a CTA (dynamic: past the 48 KB of static shared memory): the replicated
+// level tables (32 KB at 4bit, 40 KB at 3.5bit, 42 KB at 3bit), then the ring of NW x S stages
+// of two 16-token units
 template <int FMT, int D, int NW, int S>
-constexpr int v5_smem() { return RepLut<FMT>::ENTRIES * 128 + NW * S * Stage<FMT, D>::BYTES; }
-
-// CTAs per SM the launch bound asks registers for: int4 (no tables) 5 (<= 102 registers);
-// the compact formats are held to 3 by their 60-70 KB of shared memory anyway
-template <int FMT, int D>
-constexpr int v5_min_ctas() { return FMT == FMT_INT4 ? 5 : 3; }
-
-template <int FMT, int D, int NW, int S>
-__global__ void __launch_bounds__(NW * 32, v5_min_ctas<FMT, D>()) split_v5(const Params P) {
-  using F = Fmt<FMT, D>;
-  using ST = Stage<FMT, D>;
-  static_assert(NW * S * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
-  uint32_t* rep = reinterpret_cast<uint32_t*>(v5_dyn);
-  // the ring, after the tables; after the loop: the merge's sm_o
-  auto ring = reinterpret_cast<uint8_t(*)[S][ST::BYTES]>(v5_dyn + RepLut<FMT>::ENTRIES * 128);
-  __shared__ float sm_m[NW][8], sm_l[NW][8];
-
-  const int bh = blockIdx.x, split = blockIdx.y;
-  const int b = bh / P.num_kv_heads, h = bh % P.num_kv_heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane >> 2, q = lane & 3;
-
-  const int seq_len = P.sl[b];
-  const int tok_lo = max(split * P.tokens_per_split, P.skip);
-  const int tok_hi = min(seq_len, split * P.tokens_per_split + P.tokens_per_split);
-  const int tile_lo = tok_lo / 16;
-  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 15) / 16 : tile_lo;
-  const int64_t kho = (int64_t)h * P.k_page_bytes;
-  const int64_t vho = (int64_t)h * P.v_page_bytes;
-  const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
-  const int first = tile_lo + warp;
-  const int ntiles = first < tile_hi ? (tile_hi - first + NW - 1) / NW : 0;
-
-  // block ids of this warp's tiles, 32 at a time: lane l holds that of tile first + (base+l)*NW
-  int bids = 0;
-  auto load_bids = [&](int base) {
-    const int t = first + (base + lane) * NW;
-    bids = t < tile_hi ? btrow[(t * 16) >> P.ps_log2] : 0;
-  };
-  // per-lane sources, fixed but for the block and the page offset: K chunk lane (+32 i) of
-  // the tile's rows, V byte row lane (+32 i), and for lanes < 2 MC one metadata chunk
-  constexpr int MC = ST::M / 16;  // 16-byte chunks of metadata per kind and tile
-  const uint8_t* ksrc = P.kc + kho + 16 * lane;
-  const uint8_t* vsrc = P.vc + vho + (int64_t)lane * P.PS;
-  const bool kmeta = lane < MC;
-  const uint8_t* msrc = kmeta ? P.kc + kho + P.PS * F::KCB + 16 * lane
-                              : P.vc + vho + P.PS * F::VCB + 16 * (lane - MC);
-  const int64_t mstride = kmeta ? P.k_blk_stride : P.v_blk_stride;
-  const int mdst = ST::K + ST::V + 16 * lane;
-  auto issue = [&](int n) {  // tile n of this warp into stage n % S
-    const int tile = first + n * NW;
-    const int64_t blk = __shfl_sync(FULL_MASK, bids, n & 31);
-    const int toff = (tile * 16) & (P.PS - 1);
-    uint8_t* dst = ring[warp][n % S];
-    const uint8_t* kp = ksrc + blk * P.k_blk_stride + toff * F::KCB;
-#pragma unroll
-    for (int i = 0; i < ST::K / 16; i += 32)
-      if (ST::K / 16 % 32 == 0 || i + lane < ST::K / 16)
-        cp_async16(dst + 16 * (i + lane), kp + 16 * i);
-    const uint8_t* vp = vsrc + blk * P.v_blk_stride + toff;
-#pragma unroll
-    for (int j = 0; j < F::VCB; j += 32)
-      if (F::VCB % 32 == 0 || j + lane < F::VCB)
-        cp_async16(dst + ST::K + 16 * (j + lane), vp + (int64_t)j * P.PS);
-    if (lane < 2 * MC) cp_async16(dst + mdst, msrc + blk * mstride + toff * F::MB);
-  };
-
-  load_bids(0);
-#pragma unroll
-  for (int n = 0; n < S - 1; ++n) {  // prologue: S - 1 tiles in flight
-    if (n < ntiles) issue(n);
-    cp_async_commit();
-  }
-  if constexpr (!F::INT4) fill_rep<FMT>(rep, P.lut16, threadIdx.x, NW * 32);
-  const RepLut<FMT> lut{4u * lane};
-  const int64_t row0 = (int64_t)bh * P.G;
-  Warp<FMT, D> W;
-  W.init(P, row0, g, q);
-  if constexpr (!F::INT4) __syncthreads();  // the level tables
-
-  for (int n = 0; n < ntiles; ++n) {
-    cp_async_wait<S - 2>();  // this lane's copies of tile n have landed
-    __syncwarp();            // ... and every lane's; stage (n - 1) % S is free again
-    const int nn = n + S - 1;
-    if ((nn & 31) == 0) load_bids(nn);
-    if (nn < ntiles) issue(nn);
-    cp_async_commit();
-
-    const uint8_t* st = ring[warp][n % S];
-    const int t0 = (first + n * NW) * 16;
-    KRow<FMT, D> kr[2];
-    uint32_t km[2], vm[2];
-    bool valid[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      // score row g + 8r holds token 4(g/2) + 2r + g%2 of the tile (the order of v_pairs)
-      const int t = 4 * (g >> 1) + 2 * r + (g & 1), tok = t0 + t;
-      valid[r] = tok >= tok_lo && tok < tok_hi;
-      kr[r].load(st + t * F::KCB, q);
-      // unwritten slots may hold any bytes: their metadata must not reach p * s (NaN * 0)
-      km[r] = valid[r] ? ld_meta(st + ST::K + ST::V + t * F::MB, F::INT4) : 0u;
-      vm[r] = valid[r] ? ld_meta(st + ST::K + ST::V + ST::M + t * F::MB, F::INT4) : 0u;
-    }
-    float s[4];
-    W.score(kr, km, valid, P.qk_scale, lut, s);
-    W.pv(s, vm, st + ST::K + 4 * q, 16, g, lut);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with its ring: it becomes the merge buffer
-  merge_store<FMT, D, NW>(W, P, sm_m, sm_l, reinterpret_cast<float(*)[8][D]>(&ring[0][0][0]),
-                          row0, split, warp, g, q);
-}
-
-constexpr int NWARPS = 4;
-constexpr int STAGES = 4;
-
-template <int FMT, int D>
-int launch(const Params& p, int grid_x, cudaStream_t stream) {
-  dim3 grid(grid_x, p.num_splits);
-  constexpr int smem = v5_smem<FMT, D, NWARPS, STAGES>();
-  static bool attr = false;  // once per instance (per process: one GPU kind at a time)
-  if (!attr) {
-    const cudaError_t e = cudaFuncSetAttribute(split_v5<FMT, D, NWARPS, STAGES>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return (int)e;
-    attr = true;
-  }
-  split_v5<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem, stream>>>(p);
-  return (int)cudaGetLastError();
-}
-
-template <int FMT>
-int launch_d(int head_dim, const Params& p, int gx, cudaStream_t s) {
-  if (head_dim == 128) return launch<FMT, 128>(p, gx, s);
-  if (head_dim == 64) return launch<FMT, 64>(p, gx, s);
-  return 1000;
-}
-
-
-// ---- v6 (research variant beside v5; NOTES.md "v6"): 32-token tiles, 3-op lookups ---------
-// The same bytes, fragments and exact values as v5, with two changes read off v5's SASS:
-//  1. A warp's tile is 32 tokens: two v5 units of 16 (each within one page, each with v5's
-//     token order), copied into one ring stage by one issue and sharing one online-softmax
-//     update: one running-max reduction (3 shuffles per column), one rescale test and one
-//     cp.async wait per 32 tokens instead of per 16.
-//  2. A table lookup is 3 instructions (v5: 4): the code byte extracted by one PRMT, its
-//     address by one IMAD (byte * 128 + this lane's base, the region folded into the base),
-//     one LDS (v5 spent a LOP3 on the lane and an IADD on the dynamic shared memory's base).
-__device__ __forceinline__ uint32_t byte_of(uint32_t w, int k) {  // byte k of w, zero-extended
-  return prmt(w, 0u, 0x4440u | (uint32_t)k);
-}
-
-template <int FMT>
-struct RepLut6 {
-  uint32_t base;  // shared-window address of the tables + 4 * lane
-  __device__ __forceinline__ uint32_t operator()(int region, uint32_t idx) const {
-    const uint32_t off = region == T_K4                     ? 0u
-                         : region == T_K3                   ? 256u * 128u
-                         : region == T_V0                   ? (FMT == FMT_4BIT ? 0u : 256u * 128u)
-                                                            : 320u * 128u;
-    uint32_t r;
-    asm("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(idx * 128u + (base + off)));
-    return r;
-  }
-};
-
-// 3bit's K 3-bit group: the 6-bit indices of a thread's row, all at once: byte kk of x0 holds
-// that of channels (c, c+1) of k-step KS4 + kk (low 4 bits from byte kk of the 2-bit plane,
-// bits 4-5 from nibble kk of the 1-bit plane), byte kk of x1 that of (c+2, c+3): the indices
-// v5's KRow::pairs builds one by one
-__device__ __forceinline__ void k3_indices(uint32_t lo, uint32_t hi, uint32_t& x0, uint32_t& x1) {
-  const uint32_t t = prmt(hi, 0u, 0x1100u);  // bytes: hi.b0, hi.b0, hi.b1, hi.b1
-  const uint32_t hs = (t & 0x000F000Fu) | ((t >> 4) & 0x0F000F00u);  // nibble kk -> byte kk
-  x0 = (lo & 0x0F0F0F0Fu) + ((hs & 0x03030303u) << 4);
-  x1 = ((lo >> 4) & 0x0F0F0F0Fu) + ((hs & 0x0C0C0C0Cu) << 2);
-}
-
-// v5's KRow::pairs with the bytes taken by byte_of; x0/x1: k3_indices of the row (3bit)
-template <int FMT, int D, typename LUT>
-__device__ __forceinline__ void k_pairs6(const KRow<FMT, D>& kr, uint32_t x0, uint32_t x1,
-                                         int ks, const LUT& T, uint32_t& p0, uint32_t& p1) {
-  using F = Fmt<FMT, D>;
-  if (ks < F::KS4) {
-    const uint32_t w = kr.w[ks >> 1];
-    const int b = 2 * (ks & 1);
-    p0 = T(T_K4, byte_of(w, b));
-    p1 = T(T_K4, byte_of(w, b + 1));
-  } else {
-    p0 = T(T_K3, byte_of(x0, ks - F::KS4));
-    p1 = T(T_K3, byte_of(x1, ks - F::KS4));
-  }
-}
-
-template <int FMT, int D, typename LUT>
-__device__ __forceinline__ void v_frag6(const uint8_t* vrow, int ST, int mt, int g, const LUT& T,
-                                        uint32_t a[4]) {
-  if constexpr (FMT == FMT_4BIT) {
-    const int j = 8 * mt + g;  // byte row: channels 2j (low nibbles), 2j+1 (high)
-    const uint32_t x = *reinterpret_cast<const uint32_t*>(vrow + j * ST);
-    const uint32_t t0l = T(T_V0, byte_of(x, 0)), t0h = T(T_V0, byte_of(x, 1));
-    const uint32_t t1l = T(T_V0, byte_of(x, 2)), t1h = T(T_V0, byte_of(x, 3));
-    a[0] = prmt(t0l, t0h, 0x5410);
-    a[1] = prmt(t0l, t0h, 0x7632);
-    a[2] = prmt(t1l, t1h, 0x5410);
-    a[3] = prmt(t1l, t1h, 0x7632);
-  } else if constexpr (FMT == FMT_INT4) {
-    v_frag<FMT, D>(vrow, ST, mt, g, T, a);
-  } else {
-    // 3.5bit / 3bit: the 4 tokens' indices at once in the bytes of one word (v5 built them
-    // per 16-bit half): X byte k = the index of token 4q + k (v5's token order)
-    using F = Fmt<FMT, D>;
-    uint32_t X;
-    int tab;
-    if (mt < F::MT3) {  // 3-bit group 0: 2-bit plane at 0, 1-bit plane at D/4
-      const int j = 4 * mt + (g >> 1), j1 = D / 4 + 2 * mt + (g >> 2);
-      const int sl = 4 * (g & 1), sh = 2 * (g & 3);
-      const uint32_t W = *reinterpret_cast<const uint32_t*>(vrow + j * ST);
-      const uint32_t H = *reinterpret_cast<const uint32_t*>(vrow + j1 * ST);
-      X = ((W >> sl) & 0x0F0F0F0Fu) + (((H >> sh) & 0x03030303u) << 4);
-      tab = T_V0;
-    } else {  // 3bit's 2-bit group: its plane at D/8
-      const int j = D / 8 + 4 * (mt - F::MT3) + (g >> 1);
-      const int sl = 4 * (g & 1);
-      X = (*reinterpret_cast<const uint32_t*>(vrow + j * ST) >> sl) & 0x0F0F0F0Fu;
-      tab = T_V2;
-    }
-    const uint32_t t0l = T(tab, byte_of(X, 0)), t0h = T(tab, byte_of(X, 1));
-    const uint32_t t1l = T(tab, byte_of(X, 2)), t1h = T(tab, byte_of(X, 3));
-    a[0] = prmt(t0l, t0h, 0x5410);
-    a[1] = prmt(t0l, t0h, 0x7632);
-    a[2] = prmt(t1l, t1h, 0x5410);
-    a[3] = prmt(t1l, t1h, 0x7632);
-  }
-}
-
-template <int FMT, int D>
-struct Warp6 : Warp<FMT, D> {
-  using F = Fmt<FMT, D>;
-  using B = Warp<FMT, D>;
-  static constexpr bool BF16 = F::INT4;
-
-  template <typename LUT>
-  __device__ __forceinline__ void score6(const KRow<FMT, D> kr[2], const uint32_t km[2],
-                                         const bool valid[2], float qk_scale, const LUT& T,
-                                         float s[4]) const {
-    float ks_r[2], kz_r[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      ks_r[r] = f16_to_f32(km[r] & 0xFFFFu);
-      kz_r[r] = F::INT4 ? f16_to_f32(km[r] >> 16) : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[i] = 0.f;
-    uint32_t x0[2] = {0u, 0u}, x1[2] = {0u, 0u};
-    if constexpr (F::K3) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) k3_indices(kr[r].lo, kr[r].hi, x0[r], x1[r]);
-    }
-#pragma unroll
-    for (int ks = 0; ks < F::KS; ++ks) {
-      uint32_t a[4];
-      if constexpr (F::INT4) {
-        kr[0].int4(ks, a[0], a[2]);
-        kr[1].int4(ks, a[1], a[3]);
-      } else {
-        k_pairs6<FMT, D>(kr[0], x0[0], x1[0], ks, T, a[0], a[2]);
-        k_pairs6<FMT, D>(kr[1], x0[1], x1[1], ks, T, a[1], a[3]);
-      }
-      mma16816<BF16>(s, a, this->bq[ks][0], this->bq[ks][1]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = i >> 1, c = i & 1;
-      float v = F::INT4 ? (s[i] * ks_r[r] + (kz_r[r] - 128.f * ks_r[r]) * this->colc[c]) * qk_scale
-                        : s[i] * ks_r[r] * this->colc[c];
-      s[i] = valid[r] ? v : neg_inf();
-    }
-  }
-
-  // The online softmax of the two units' scores at once, then O^T += V^T P'^T per unit.
-  template <typename LUT>
-  __device__ __forceinline__ void pv6(float s[2][4], const uint32_t vm[2][2],
-                                      const uint8_t* const vrow[2], int g, const LUT& T) {
-    float vs_r[2][2], vz_r[2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if constexpr (F::INT4) {
-          vs_r[h][r] = f16_to_f32(vm[h][r] & 0xFFFFu);
-          vz_r[h][r] = f16_to_f32(vm[h][r] >> 16);
-        } else {
-          vs_r[h][r] = f16_to_f32(vm[h][r] & 0xFFFFu) * 64.f;
-          vz_r[h][r] = 0.f;
-        }
-      }
-    float alpha[2], p[2][4];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float mx = fmaxf(fmaxf(s[0][c], s[0][2 + c]), fmaxf(s[1][c], s[1][2 + c]));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 16));
-      const float m_new = fmaxf(this->m_i[c], mx);
-      const bool none = m_new == neg_inf();
-      const float m_use = none ? 0.f : m_new;
-      alpha[c] = none ? 1.f : fast_exp2(this->m_i[c] - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        p[h][c] = fast_exp2(s[h][c] - m_use);
-        p[h][2 + c] = fast_exp2(s[h][2 + c] - m_use);
-        sum += p[h][c] + p[h][2 + c];
-      }
-      this->l_i[c] = this->l_i[c] * alpha[c] + sum;
-      this->m_i[c] = m_new;
-    }
-    if (__any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int mt = 0; mt < F::KS; ++mt) {
-        this->acc[mt][0] *= alpha[0];
-        this->acc[mt][1] *= alpha[1];
-        this->acc[mt][2] *= alpha[0];
-        this->acc[mt][3] *= alpha[1];
-      }
-      if constexpr (F::INT4) {
-        this->acc_c[0] *= alpha[0];
-        this->acc_c[1] *= alpha[1];
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t plo = pack2<BF16>(p[h][0] * vs_r[h][0], p[h][1] * vs_r[h][0]);
-      const uint32_t phi = pack2<BF16>(p[h][2] * vs_r[h][1], p[h][3] * vs_r[h][1]);
-      if constexpr (F::INT4) {
-        this->acc_c[0] += p[h][0] * vz_r[h][0] + p[h][2] * vz_r[h][1] -
-                          128.f * (lo_f32<true>(plo) + lo_f32<true>(phi));
-        this->acc_c[1] += p[h][1] * vz_r[h][0] + p[h][3] * vz_r[h][1] -
-                          128.f * (hi_f32<true>(plo) + hi_f32<true>(phi));
-      }
-      const uint32_t bp0 = movmatrix_trans(plo);
-      const uint32_t bp1 = movmatrix_trans(phi);
-#pragma unroll
-      for (int mt = 0; mt < F::KS; ++mt) {
-        uint32_t a[4];
-        v_frag6<FMT, D>(vrow[h], 16, mt, g, T, a);
-        mma16816<BF16>(this->acc[mt], a, bp0, bp1);
-      }
-    }
-  }
-};
-
-// The replicated tables, 16 bytes per store: 8 threads per entry, each writing 4 of its 32
-// copies (fill_rep: one word per store, every thread computing each of its entries once per
-// word: ~4x the instructions, ~15% of a 512-token split's loop at 4bit)
-template <int FMT>
-__device__ void fill_rep6(uint32_t* rep, const uint16_t* lv, int tid, int nthreads) {
-  for (int i = tid; i < RepLut<FMT>::ENTRIES * 8; i += nthreads) {
-    const uint32_t v = level_pair(lv, i >> 3);
-    reinterpret_cast<uint4*>(rep)[i] = make_uint4(v, v, v, v);
-  }
-}
-
-template <int FMT, int D>
-constexpr int v6_min_ctas(int S) {
-  return FMT == FMT_INT4 ? 4 : (S <= 2 ? 3 : 2);
-}
+constexpr int smem_bytes() { return RepLut<FMT>::ENTRIES * 128 + NW * S * 2 * Stage<FMT, D>::BYTES; }
 
 template <int FMT, int D, int NW, int S>
-constexpr int v6_smem() { return RepLut<FMT>::ENTRIES * 128 + NW * S * 2 * Stage<FMT, D>::BYTES; }
-
-template <int FMT, int D, int NW, int S>
-__global__ void __launch_bounds__(NW * 32, v6_min_ctas<FMT, D>(S)) split_v6(const Params P) {
+__global__ void __launch_bounds__(NW * 32, min_ctas<FMT, D>()) split_v6(const Params P) {
   using F = Fmt<FMT, D>;
   using ST = Stage<FMT, D>;
   static_assert(NW * S * 2 * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
-  uint32_t* rep = reinterpret_cast<uint32_t*>(v5_dyn);
-  auto ring = reinterpret_cast<uint8_t(*)[S][2 * ST::BYTES]>(v5_dyn + RepLut<FMT>::ENTRIES * 128);
+  uint32_t* rep = reinterpret_cast<uint32_t*>(dyn_smem);
+  auto ring = reinterpret_cast<uint8_t(*)[S][2 * ST::BYTES]>(dyn_smem + RepLut<FMT>::ENTRIES * 128);
   __shared__ float sm_m[NW][8], sm_l[NW][8];
 
   const int bh = blockIdx.x, split = blockIdx.y;
@@ -1014,10 +690,10 @@ __global__ void __launch_bounds__(NW * 32, v6_min_ctas<FMT, D>(S)) split_v6(cons
     if (n < ntiles) issue(n);
     cp_async_commit();
   }
-  if constexpr (!F::INT4) fill_rep6<FMT>(rep, P.lut16, threadIdx.x, NW * 32);
-  const RepLut6<FMT> lut{static_cast<uint32_t>(__cvta_generic_to_shared(v5_dyn)) + 4u * lane};
+  if constexpr (!F::INT4) fill_rep<FMT>(rep, P.lut16, threadIdx.x, NW * 32);
+  const RepLut<FMT> lut{static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) + 4u * lane};
   const int64_t row0 = (int64_t)bh * P.G;
-  Warp6<FMT, D> W;
+  Warp<FMT, D> W;
   W.init(P, row0, g, q);
   if constexpr (!F::INT4) __syncthreads();
 
@@ -1048,10 +724,10 @@ __global__ void __launch_bounds__(NW * 32, v6_min_ctas<FMT, D>(S)) split_v6(cons
         km[r] = valid[r] ? ld_meta(st + ST::K + ST::V + t * F::MB, F::INT4) : 0u;
         vm[hf][r] = valid[r] ? ld_meta(st + ST::K + ST::V + ST::M + t * F::MB, F::INT4) : 0u;
       }
-      W.score6(kr, km, valid, P.qk_scale, lut, s[hf]);
+      W.score(kr, km, valid, P.qk_scale, lut, s[hf]);
       vrow[hf] = st + ST::K + 4 * q;
     }
-    W.pv6(s, vm, vrow, g, lut);
+    W.pv(s, vm, vrow, g, lut);
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -1059,36 +735,70 @@ __global__ void __launch_bounds__(NW * 32, v6_min_ctas<FMT, D>(S)) split_v6(cons
                           row0, split, warp, g, q);
 }
 
-template <int FMT, int D, int S>
-int launch6(const Params& p, int grid_x, cudaStream_t stream) {
-  dim3 grid(grid_x, p.num_splits);
-  constexpr int smem = v6_smem<FMT, D, NWARPS, S>();
+constexpr int NWARPS = 4;
+constexpr int STAGES = 2;
+
+// The instance's dynamic shared memory allowed past 48 KB, once per instance (per process: one
+// GPU kind at a time)
+template <int FMT, int D>
+cudaError_t prepare() {
   static bool attr = false;
   if (!attr) {
-    const cudaError_t e = cudaFuncSetAttribute(split_v6<FMT, D, NWARPS, S>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return (int)e;
+    const cudaError_t e =
+        cudaFuncSetAttribute(split_v6<FMT, D, NWARPS, STAGES>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem_bytes<FMT, D, NWARPS, STAGES>());
+    if (e != cudaSuccess) return e;
     attr = true;
   }
-  split_v6<FMT, D, NWARPS, S><<<grid, NWARPS * 32, smem, stream>>>(p);
+  return cudaSuccess;
+}
+
+template <int FMT, int D>
+int launch(const Params& p, int grid_x, cudaStream_t stream) {
+  dim3 grid(grid_x, p.num_splits);
+  const cudaError_t e = prepare<FMT, D>();
+  if (e != cudaSuccess) return (int)e;
+  split_v6<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem_bytes<FMT, D, NWARPS, STAGES>(),
+                                     stream>>>(p);
   return (int)cudaGetLastError();
 }
 
 template <int FMT>
-int launch6_d(int head_dim, int stages, const Params& p, int gx, cudaStream_t s) {
-  if (stages != 2 && stages != 3) return 1003;
-  if (head_dim == 128) return stages == 2 ? launch6<FMT, 128, 2>(p, gx, s) : launch6<FMT, 128, 3>(p, gx, s);
-  if (head_dim == 64) return stages == 2 ? launch6<FMT, 64, 2>(p, gx, s) : launch6<FMT, 64, 3>(p, gx, s);
+int launch_d(int head_dim, const Params& p, int gx, cudaStream_t s) {
+  if (head_dim == 128) return launch<FMT, 128>(p, gx, s);
+  if (head_dim == 64) return launch<FMT, 64>(p, gx, s);
   return 1000;
+}
+
+// CTAs of the instance resident per SM on the current device (0 on an error)
+template <int FMT, int D>
+int resident() {
+  int n = 0;
+  if (prepare<FMT, D>() != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_v6<FMT, D, NWARPS, STAGES>,
+                                                    NWARPS * 32,
+                                                    smem_bytes<FMT, D, NWARPS, STAGES>()) !=
+          cudaSuccess)
+    return 0;
+  return n;
+}
+
+template <int FMT>
+int resident_d(int head_dim) {
+  if (head_dim == 128) return resident<FMT, 128>();
+  if (head_dim == 64) return resident<FMT, 64>();
+  return 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-namespace {
-// v6_stages 0: design v5; 2 or 3: design v6 with that many 32-token stages per warp
-int split_launch(int v6_stages, int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
+// fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q' with per-row scale qs, fp16
+// level table [4][16]). Returns a cudaError_t (0 = launched); 1000 + x for an unsupported
+// argument.
+int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
     const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
     float* lse, float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
     long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
@@ -1121,15 +831,6 @@ int split_launch(int v6_stages, int fmt, int head_dim, const void* q, const floa
            skip};
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int gx = batch * num_kv_heads;
-  if (v6_stages) {
-    switch (fmt) {
-      case FMT_INT4: return launch6_d<FMT_INT4>(head_dim, v6_stages, p, gx, s);
-      case FMT_4BIT: return launch6_d<FMT_4BIT>(head_dim, v6_stages, p, gx, s);
-      case FMT_35BIT: return launch6_d<FMT_35BIT>(head_dim, v6_stages, p, gx, s);
-      case FMT_3BIT: return launch6_d<FMT_3BIT>(head_dim, v6_stages, p, gx, s);
-    }
-    return 1000;
-  }
   switch (fmt) {
     case FMT_INT4: return launch_d<FMT_INT4>(head_dim, p, gx, s);
     case FMT_4BIT: return launch_d<FMT_4BIT>(head_dim, p, gx, s);
@@ -1138,27 +839,17 @@ int split_launch(int v6_stages, int fmt, int head_dim, const void* q, const floa
   }
   return 1000;
 }
-}  // namespace
 
-// fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q' with per-row scale qs, fp16
-// level table [4][16]). Returns a cudaError_t (0 = launched); 1000 + x for an unsupported
-// argument. Design v5.
-int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
-    const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
-    float* lse, float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
-    long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
-    long long v_blk_stride, int PS, int tokens_per_split, int num_splits, int skip, void* stream) {
-  return split_launch(0, fmt, head_dim, q, qs, lut16, kc, vc, bt, sl, o_part, lse, qk_scale, stride_btb, batch, num_kv_heads, G, k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride, PS, tokens_per_split, num_splits, skip, stream);
-}
-
-// The research design v6 (NOTES.md), same arguments and outputs, plus its ring depth: 2 or 3
-// stages of 32 tokens per warp.
-int kvzd_split_launch_v6(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
-    const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
-    float* lse, float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
-    long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
-    long long v_blk_stride, int PS, int tokens_per_split, int num_splits, int skip, void* stream, int stages) {
-  return split_launch(stages, fmt, head_dim, q, qs, lut16, kc, vc, bt, sl, o_part, lse, qk_scale, stride_btb, batch, num_kv_heads, G, k_page_bytes, v_page_bytes, k_blk_stride, v_blk_stride, PS, tokens_per_split, num_splits, skip, stream);
+// CTAs of the split kernel for (fmt, head_dim) resident per SM on the current device (the
+// split-KV sizing fills whole rounds of them: decode_plan._num_splits); 0 on an error
+int kvzd_ctas_per_sm(int fmt, int head_dim) {
+  switch (fmt) {
+    case FMT_INT4: return resident_d<FMT_INT4>(head_dim);
+    case FMT_4BIT: return resident_d<FMT_4BIT>(head_dim);
+    case FMT_35BIT: return resident_d<FMT_35BIT>(head_dim);
+    case FMT_3BIT: return resident_d<FMT_3BIT>(head_dim);
+  }
+  return 0;
 }
 
 }  // extern "C"
