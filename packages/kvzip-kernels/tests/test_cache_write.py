@@ -313,38 +313,54 @@ def _y64(fmt, x: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.einsum("hij,thj->thi", t.encode.double(), xc)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ],
+)
+
+
+@pytest.mark.parametrize("dev", ["cpu", CUDA])
 @pytest.mark.parametrize(
     ("name", "dtype"),
     [("4bit", torch.bfloat16), ("3.5bit", torch.bfloat16), ("3bit", torch.bfloat16),
      ("3.5bit", torch.float16), ("4bit", torch.float32), ("3bit", torch.float32)],
+    ids=["4bit-bf16", "3.5bit-bf16", "3bit-bf16", "3.5bit-fp16", "4bit-fp32", "3bit-fp32"],
 )  # fmt: skip
-def test_gpu_compact_write_as_vllm_calls_it(name, dtype):
+def test_compact_write_as_vllm_calls_it(name, dtype, dev):
     """The shipped write at the 8B shape as kvzip-vllm's backend calls it (K and V pages side by
-    side in each block of one byte tensor, through ``block_stride``; no host reads): 4,099 bf16
-    tokens (1,031 for float16 / float32 x, whose kernel runs 64-token tiles) written as vLLM
-    writes a prompt (consecutive slots filling a block, the blocks in random order, padding
-    slots -1). K and V: the quantizer's bytes of the kernel's y; that y within float32
-    accumulation error of the float64 transform (1e-5 of max |y|, as the unit tests); no other
-    slot written; the status word clean."""
+    side in each block of one byte tensor, through ``block_stride``; no host reads): on the
+    GPU 4,099 bf16 tokens (1,031 for float16 / float32 x, whose kernel runs 64-token tiles),
+    on the CPU (the interpreter) 150 / 70, written as vLLM writes a prompt (consecutive slots
+    filling a block, the blocks in random order, padding slots -1). K and V: the quantizer's
+    bytes of the kernel's y; that y within float32 accumulation error of the float64
+    transform (1e-5 of max |y|, as test_write_compact.py); no other slot written; the status
+    word clean."""
+    if dev == "cpu" and torch.cuda.is_available():
+        pytest.skip("the interpreter twin of the cuda case")
     g = torch.Generator().manual_seed(9)
     heads, d, ps = 8, 128, 16
-    n = 4099 if dtype == torch.bfloat16 else 1031
+    n = (
+        (4099 if dtype == torch.bfloat16 else 1031)
+        if dev == "cuda"
+        else (150 if dtype == torch.bfloat16 else 70)
+    )
     fmt = get_format(name, calibration=synthetic_calibration(heads, d))
-    x = {kd: (torch.randn(n, heads, d, generator=g) * 3).to(dtype).cuda() for kd in "kv"}
+    x = {kd: (torch.randn(n, heads, d, generator=g) * 3).to(dtype).to(dev) for kd in "kv"}
     nb = n // ps + 9
     blocks = torch.randperm(nb, generator=g)[: -(-n // ps)]
     slots = (blocks[:, None] * ps + torch.arange(ps)).flatten()[:n]
-    slots[[3, 1000, n - 1]] = -1
+    slots[[3, n // 2, n - 1]] = -1
     lays = {kd: PagedLayout.of(fmt, d, ps, kd) for kd in "kv"}
     hk = heads * lays["k"].page_bytes
-    buf = torch.zeros(nb, hk + heads * lays["v"].page_bytes, dtype=torch.uint8, device="cuda")
+    buf = torch.zeros(nb, hk + heads * lays["v"].page_bytes, dtype=torch.uint8, device=dev)
     pages = {"k": buf[:, :hk].unflatten(1, (heads, -1)), "v": buf[:, hk:].unflatten(1, (heads, -1))}
-    status = new_status("cuda")
+    status = new_status(dev)
     for kd in "kv":
         cache_write(
-            fmt, x[kd], pages[kd], slots.cuda(), kind=kd, block_size=ps, check_slots=False,
+            fmt, x[kd], pages[kd], slots.to(dev), kind=kd, block_size=ps, check_slots=False,
             check_values=False, status=status, block_stride=buf.stride(0),
         )  # fmt: skip
     assert not status.any()
