@@ -5,12 +5,16 @@ For T new tokens of one Llama-3.1-8B layer (8 KV heads, d 128) the cache-write q
 scatters K and V (two kvzip_kernels.cache_write calls). The prefill of the same T tokens through
 that layer (bf16, random weights: RMSNorm, QKV, causal GQA attention via SDPA, O, SwiGLU MLP)
 is timed beside it in the same run; the ratio is the write's share of the prefill (issue 27
-item 5: under 2%). Write paths of the compact formats: ``split`` (torch ``sub`` + float32
-``bmm`` + the quantize/pack kernel), ``fused`` (write_fused.py: one kernel, float32 FMA
-transform) and ``compact`` (``_write_compact.py``: one kernel, the transform as exact bfloat16
-pieces on the tensor cores; one row per ``--compact-configs`` entry). Slots: ``blocks`` = as
-vLLM writes a prompt (consecutive tokens fill a block, the blocks in random order), ``tokens``
-= every token at a random slot (the pattern of the earlier runs). Writes
+item 5: under 2%). Write paths of the compact formats: ``shipped`` (the package's
+``cache_write`` as kvzip-vllm's backend calls it: since 2026-12-02 the one-kernel write of
+``_write_compact.py``, the transform as exact bfloat16 pieces on the tensor cores, in its
+default configuration), ``compact`` (that kernel called directly, one row per
+``--compact-configs`` entry) and ``fused`` (write_fused.py beside this script: the earlier
+one-kernel write with a float32 FMA transform, a research variant). The split path (torch
+``sub`` + float32 ``bmm`` + a quantize/pack kernel), timed as ``<fmt>`` with ``path`` "split"
+in the runs up to ``bench_cache_write_cwrite.json``, left the package (NOTES.md). Slots:
+``blocks`` = as vLLM writes a prompt (consecutive tokens fill a block, the blocks in random
+order), ``tokens`` = every token at a random slot (the pattern of the earlier runs). Writes
 bench_cache_write[_tag].json/.md to $OUT (or --out).
 """
 
@@ -52,11 +56,11 @@ def main():
     p.add_argument("--formats", default="fp8,int4,4bit,3.5bit,3bit")
     p.add_argument(
         "--write-paths",
-        default="split,fused,compact",
-        help="compact formats' write paths: split = sub + bmm + quantize/pack kernel (the "
-        "package's cache_write), fused = one kernel (write_fused.py beside this script, a "
-        "research variant), compact = one kernel with the transform on the tensor cores "
-        "(kvzip_kernels._write_compact)",
+        default="shipped",
+        help="compact formats' write paths: shipped = the package's cache_write (the "
+        "one-kernel write of kvzip_kernels._write_compact), compact = that kernel called "
+        "directly per --compact-configs entry, fused = the earlier one-kernel write "
+        "(write_fused.py beside this script, a research variant)",
     )
     p.add_argument(
         "--compact-configs",
@@ -139,13 +143,13 @@ def main():
         meta["note"],
         "",
         "| tokens | slots | format | config | write (K+V) us | prefill layer us | % of prefill "
-        "| write GB/s | bytes = split |",
+        "| write GB/s | bytes = shipped |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     md += [
         f"| {r['tokens']} | {r['slots']} | {r['format']} | {r['config']} | {r['us']} | "
         f"{r['prefill_us']} | {r['pct_of_prefill']} | {r['write_gbps']} | "
-        f"{r.get('same_bytes_as_split', '')} |"
+        f"{r.get('same_bytes_as_shipped', '')} |"
         for r in rows
     ]
     (out / f"bench_cache_write{tag}.md").write_text("\n".join(md) + "\n")
@@ -154,7 +158,7 @@ def main():
 def _variants(a, name):
     """(path, config) pairs timed for one format."""
     if not name[0].isdigit():
-        return [("split", "")]
+        return [("shipped", "")]
     out = []
     for path in a.write_paths.split(","):
         if path == "compact":
@@ -165,8 +169,6 @@ def _variants(a, name):
 
 
 def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
-    from write_fused import codebook_write_fused
-
     from kvzip_formats import get_format
     from kvzip_formats.ops import PagedLayout, new_paged_cache
     from kvzip_kernels import cache_write
@@ -183,16 +185,20 @@ def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
     for path, cfg in _variants(a, name):
         kc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="k")
         vc = new_paged_cache(fmt, nb, hkv, ps, d, device=dev, kind="v")
-        if path == "split":
+        if path == "shipped":
             # as kvzip-vllm's backend calls it: no host read of the slots or of the verdict
             # (the runs before 2026-12-02 checked the values: a device sync in every call)
-            def write(kc=kc, vc=vc):
+            def write(kc=kc, vc=vc, kinds="kv"):
+                args = dict(block_size=ps, check_slots=False, check_values=False, status=status)
                 for kind, x, c in (("k", k, kc), ("v", v, vc)):
-                    cache_write(fmt, x, c, slots, kind=kind, block_size=ps, check_slots=False,
-                                check_values=False, status=status)  # fmt: skip
+                    if kind in kinds:
+                        cache_write(fmt, x, c, slots, kind=kind, **args)
 
         else:
-            kern = codebook_write_fused if path == "fused" else compact_write
+            if path == "fused":
+                from write_fused import codebook_write_fused as kern
+            else:
+                kern = compact_write
             kw = {}
             if path == "compact":
                 bt, nw, ns, pr = map(int, cfg.split("/"))
@@ -206,12 +212,12 @@ def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
 
         us = timeit(torch, write)
         apart = {}
-        if path == "compact" and cfg == a.compact_configs.split(",")[0]:  # K and V apart
+        if path == "shipped" and name[0].isdigit():  # K and V apart
             apart = {
                 f"us_{kd}": round(timeit(torch, lambda kd=kd: write(kinds=kd)), 2) for kd in "kv"
             }
         moved = 2 * T * hkv * (d * 2 + fmt.token_head_bytes(d))
-        label = name if path == "split" else f"{name}-{path}"
+        label = name if path == "shipped" else f"{name}-{path}"
         row = dict(
             tokens=T,
             slots=pattern,
@@ -224,11 +230,11 @@ def _format_rows(a, torch, name, T, pattern, slots, k, v, nb, prefill_us):
             write_gbps=round(moved / us / 1e3, 1),
             **apart,
         )
-        if first is None:
+        if path == "shipped":
             first = (kc, vc)
-        else:  # bytes equal to the split path's (codes flip only where y's rounding does)
+        elif first is not None:  # bytes = the shipped path's (codes move where y's rounding does)
             same = sum(int((x == y).sum()) for x, y in zip(first, (kc, vc), strict=True))
-            row["same_bytes_as_split"] = round(same / (kc.numel() + vc.numel()), 7)
+            row["same_bytes_as_shipped"] = round(same / (kc.numel() + vc.numel()), 7)
         rows.append(row)
         print(row, flush=True)
     assert not status.any(), "a write rejected random normal rows"

@@ -60,12 +60,16 @@ def _stub_kernels():
         dc._fold_q_kernel = dc._unfold_o_kernel = _Stub()
     except ImportError:
         pass
-    try:
-        import kvzip_kernels._write_codebook as wc
-
-        wc._codebook_write_kernel = _Stub()
-    except ImportError:
-        pass
+    # the compact formats' write: one kernel since 2026-12-02 (_write_compact), the split
+    # path's quantize/pack kernel before (_write_codebook)
+    for mod_name, kern in (
+        ("kvzip_kernels._write_compact", "_compact_write_kernel"),
+        ("kvzip_kernels._write_codebook", "_codebook_write_kernel"),
+    ):
+        try:
+            setattr(importlib.import_module(mod_name), kern, _Stub())
+        except ImportError:
+            pass
 
 
 def main():

@@ -1,6 +1,6 @@
 """The research variant ``write_fused.py`` (not shipped: the compact formats' cache-write in one
 kernel): given its own transformed rows y, its bytes are the reference quantizer's; its y is
-the float32 transform within float32 rounding; rejected rows as the split path.
+the float32 transform within float32 rounding; rejected rows as the package's write.
 
     TRITON_INTERPRET=1 PYTHONPATH=packages/kvzip-kernels/tests:packages/kvzip-kernels/benchmarks \
         python3 -m pytest -q packages/kvzip-kernels/benchmarks/test_write_fused.py
@@ -15,11 +15,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from test_cache_write import _bad_case, _diff_report  # noqa: E402
-from write_fused import codebook_write_fused  # noqa: E402
+from write_fused import codebook_write_fused, split_y  # noqa: E402
 
 from kvzip_formats import FormatError, get_format  # noqa: E402
 from kvzip_formats.ops import PagedLayout, gather_rows, new_paged_cache  # noqa: E402
-from kvzip_kernels.cache_write import check_status, codebook_y, new_status  # noqa: E402
+from kvzip_kernels.cache_write import check_status, new_status  # noqa: E402
 from kvzip_kernels.testing import synthetic_calibration  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def test_fused_write_is_the_quantizer_of_its_y(name, kind, heads, head_dim, toke
     written[slots[keep]] = True
     rows = gather_rows(cache.cpu(), lay, torch.arange(8), 8 * 16, kind)
     assert not rows[~written].any()  # no other slot written
-    ref = codebook_y(fmt, x.to(device), kind, 0).cpu()[keep]  # skipped tokens: no y
+    ref = split_y(fmt, x.to(device), kind, 0).cpu()[keep]  # skipped tokens: no y
     err = ((y.cpu()[keep] - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-5, f"fused y differs from the float32 bmm by {err:.1e} (relative)"
 

@@ -1,27 +1,32 @@
 """Research variant (not shipped): the compact formats' cache-write in one kernel per call.
 
-Kept beside the benchmarks that timed it (``bench_cache_write.py`` times it as
-``<fmt>-fused``, ``test_write_fused.py`` checks it); the package writes by the split path,
-the one the H200 serving results were measured with. NOTES.md has its prediction and outcome
-(``results/kernels/bench_cache_write_fused.md``: 3.6-4.0% of a prefill of the same tokens at
-32k against the split path's 4.4-7.3%, both over the 2% target).
+Kept beside the benchmarks that timed it (``bench_cache_write.py --write-paths fused`` times
+it as ``<fmt>-fused``, ``test_write_fused.py`` checks it). The package writes by
+``kvzip_kernels._write_compact`` (the transform on the tensor cores). NOTES.md has this
+variant's prediction and outcome (``results/kernels/bench_cache_write_fused.md``: 3.6-4.0% of
+a prefill of the same tokens at 32k against the split path's 4.4-7.3%, both over the 2%
+target) and why it missed (``write_sass.py --old``: the float32 transform on the FMA pipes).
 
 Transform, quantize and pack in one kernel:
 
-The split path (``_write_codebook.py``) runs ``y = A (x - mean)`` as a torch ``sub`` and a
-float32 ``bmm`` and then the quantize/pack kernel: three launches and a float32 ``y`` of
+The split path (the package's write until 2026-12-02: ``_write_codebook.py`` at commit
+b398d2e; ``split_y`` below is its transform) ran ``y = A (x - mean)`` as a torch ``sub`` and a
+float32 ``bmm`` and then a quantize/pack kernel: three launches and a float32 ``y`` of
 ``[T, H, d]`` written and read back. Here one program takes a tile of ``BT`` tokens of one
 KV head: it loads x, subtracts the mean (float32, as torch's promotion does), computes each
 channel group's ``y`` with a float32 ``tl.dot`` (``input_precision="ieee"``: float32 products
 and sums, one rounding per step as spec/4bit.md section 3 allows), and quantizes and packs
 from registers: every code is computed once (the split kernel computes each one two or three
 times), the bit planes are formed by splitting the code tensor, and ``y`` never reaches
-memory. The quantizer is the split kernel's (same helpers, same edge and level tables), so
-given the same ``y`` the bytes are equal; ``y`` itself differs from the ``bmm``'s in the
-summation order only (``y_out=`` returns it for tests). Rejected rows: as the split kernel.
+memory. The quantizer is the split kernel's (``_codes``, ``_unit`` and the edge and level
+tables below are its), so given the same ``y`` the bytes are equal; ``y`` itself differs from
+the ``bmm``'s in the summation order only (``y_out=`` returns it for tests). Rejected rows:
+as the package's write.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -29,8 +34,48 @@ import triton.language as tl
 
 from kvzip_formats import FormatError
 from kvzip_kernels._decode_codebook import _level
-from kvzip_kernels._device_consts import codebook_edges_levels, transform_consts
-from kvzip_kernels._write_codebook import _codes, _unit
+from kvzip_kernels._device_consts import transform_consts
+
+
+def split_y(f, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
+    """The split path's transformed rows ``y = A (x - mean)``, float32 ``[T, H, d]``: one
+    torch ``sub`` and one batched float32 matmul per head on ``[H, T, d]`` views."""
+    mean, _, _, enc_t = transform_consts(f.transform_of(kind, layer), x.device)
+    xc = torch.sub(x, mean)  # float32 (type promotion)
+    return torch.bmm(xc.transpose(0, 1), enc_t).transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def codebook_edges_levels(groups: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decision edges [2, 16] (inf-padded) and positive levels [2, 8] of a row's two channel
+    groups, float32 on ``device``: the split and fused writes' quantizer tables."""
+    from kvzip_formats.compact import codebook
+
+    edges = torch.full((2, 16), float("inf"))
+    levels = torch.zeros(2, 8)
+    for g, (bits, *_rest) in enumerate(groups):
+        if bits:
+            e = codebook.edges(bits)
+            edges[g, : e.numel()] = e
+            pos = codebook.POSITIVE_LEVELS[bits]
+            levels[g, : len(pos)] = torch.tensor(pos)
+    return edges.to(device), levels.to(device)
+
+
+@triton.jit
+def _codes(u, BITS: tl.constexpr, edge_ptr):
+    """Code = #{edges < u} (ties go to the lower level), int32."""
+    c = tl.zeros(u.shape, tl.int32)
+    for e in tl.static_range((1 << BITS) - 1):
+        c += (u > tl.load(edge_ptr + e)).to(tl.int32)
+    return c
+
+
+@triton.jit
+def _unit(y, s0):
+    """u = y / s0 as the reference computes it (IEEE float32 division; 0 where s0 == 0)."""
+    safe = tl.where(s0 > 0, s0, 1.0)[:, None]
+    return tl.where(s0[:, None] > 0, tl.math.div_rn(y, safe), 0.0)
 
 
 @triton.jit

@@ -70,7 +70,7 @@ def _stub_kernels():
     import importlib
 
     for name in ("paged_decode", "decode_plan", "cache_write", "_device_consts", "_merge_extra",
-                 "_write_codebook"):  # fmt: skip
+                 "_write_codebook", "_write_compact"):  # fmt: skip
         try:
             mod = importlib.import_module(f"kvzip_kernels.{name}")
         except ImportError:

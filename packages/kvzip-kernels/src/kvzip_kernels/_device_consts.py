@@ -74,23 +74,6 @@ def codebook_lut(k_groups: tuple, v_groups: tuple, device: str) -> torch.Tensor:
     return lut.to(device)
 
 
-@functools.lru_cache(maxsize=64)
-def codebook_edges_levels(groups: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decision edges [2, 16] (inf-padded) and positive levels [2, 8] of a row's two channel
-    groups, float32 on ``device``: the cache-write quantizer's constants."""
-    from kvzip_formats.compact import codebook
-
-    edges = torch.full((2, 16), float("inf"))
-    levels = torch.zeros(2, 8)
-    for g, (bits, *_rest) in enumerate(groups):
-        if bits:
-            e = codebook.edges(bits)
-            edges[g, : e.numel()] = e
-            pos = codebook.POSITIVE_LEVELS[bits]
-            levels[g, : len(pos)] = torch.tensor(pos)
-    return edges.to(device), levels.to(device)
-
-
 @triton.jit
 def _fold_q_kernel(
     q_ptr,

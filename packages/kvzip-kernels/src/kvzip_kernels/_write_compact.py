@@ -9,11 +9,15 @@ leading 8 significand bits of what the previous ones left: a truncation split, e
 ``x`` (bfloat16: exact; float16: two pieces, float32: three, split the same way) multiplies
 them with exact products; the terms ``x_i A_j`` with ``i + j >= 3`` (below ``2**-24`` of the
 leading term) are dropped. ``A mean`` is a float32 bias computed once in float64. So ``y``
-carries float32 accumulation error only, like the float32 ``bmm`` of the split path
+carries float32 accumulation error only, like the float32 ``bmm`` of the earlier split write
 (spec/4bit.md section 3: a kernel's float32 ``y``; the quantizer is exact given ``y``, which
-``y_out=`` returns for tests). The split path's float32 ``bmm`` ran on the FMA pipes: the
-previous one-kernel write (``benchmarks/write_fused.py``) spent 2,207 of its 4,968 sm_90
-instructions per thread on FFMA (NOTES.md).
+``y_out=`` returns for tests). The earlier writes ran the float32 transform on the FMA pipes:
+the split one as a torch ``sub`` + ``bmm`` before a quantize/pack kernel, the fused one
+(``benchmarks/write_fused.py``) in its kernel, 2,207 of its 4,968 sm_90 instructions per
+thread on FFMA (NOTES.md, "Cache-write on the tensor cores").
+
+This is the package's only write of the compact formats (``cache_write`` calls it on CUDA,
+and on the CPU under ``TRITON_INTERPRET=1``).
 
 Quantizer. ``u = y / s0`` correctly rounded without a division per element: ``r = 1 / s0``
 once per row (IEEE), then ``q = y r``, ``e = fma(-q, s0, y)``, ``u = fma(e, r, q)`` (one
@@ -263,6 +267,7 @@ def tc_consts(t, device):
     return on_device(t, device, make, tag="tc_write")
 
 
+@functools.cache
 def _codebook_consts(bits: int):
     from kvzip_formats.compact import codebook
 
@@ -284,27 +289,38 @@ def _sm_count(device) -> int:
 XPIECES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
-def compact_write(
-    f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, y_out=None, block_t=128,
-    num_warps=8, num_stages=2, programs=-1,
-) -> None:  # fmt: skip
-    """The compact formats' write as one kernel; inputs validated by ``cache_write``.
-    ``y_out``: a float32 ``[T, H, d]`` tensor that receives the kernel's transformed rows
-    (tests: the bytes are the reference quantizer's of exactly these). ``programs``:
-    programs per KV head, each looping over tiles (0: one per tile of ``block_t`` tokens; -1:
-    the GPU's SMs divided by the KV heads, at least 1: one wave, the head's A loaded once per
-    program)."""
-    from kvzip_kernels._formats import _kernel_groups
-
-    n, h, d = x.shape
-    groups = _kernel_groups(f.spec.layout(d, kind))
-    if groups is None:
-        raise FormatError(f"{f.name}: no kernel packs rows of this layout at head_dim {d}")
+@functools.cache
+def _group_consts(groups: tuple) -> dict:
+    """The kernel's constexpr arguments of a row layout's (up to two) channel groups."""
     consts = {}
     for g, (bits, ch, off, off1) in enumerate(groups):
         e, lv = _codebook_consts(bits)
         consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
         consts.update({f"E{g}": e, f"L{g}": lv})
+    return consts
+
+
+def compact_write(
+    f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, y_out=None, block_t=128,
+    num_warps=8, num_stages=2, programs=-1, groups=None,
+) -> None:  # fmt: skip
+    """The compact formats' write as one kernel (``cache_write``'s, which validates the
+    inputs). ``y_out``: a float32 ``[T, H, d]`` tensor that receives the kernel's transformed
+    rows (tests: the bytes are the reference quantizer's of exactly these). ``programs``:
+    programs per KV head, each looping over tiles (0: one per tile of ``block_t`` tokens; -1:
+    the GPU's SMs divided by the KV heads, at least 1: one wave, the head's A loaded once per
+    program). ``groups``: the layout's channel groups as ``_formats._kernel_groups`` gives
+    them (``cache_write`` passes its ``KernelSpec``'s; None: derived here). The defaults
+    (128 tokens, 8 warps, 2 stages, one wave) are the configuration timed as the shipped one
+    (``results/kernels/bench_cache_write_cwrite.md``)."""
+    from kvzip_kernels._formats import _kernel_groups
+
+    n, h, d = x.shape
+    if groups is None:
+        groups = _kernel_groups(f.spec.layout(d, kind))
+    if groups is None:
+        raise FormatError(f"{f.name}: no kernel packs rows of this layout at head_dim {d}")
+    consts = _group_consts(groups)
     at, bias = tc_consts(f.transform_of(kind, layer), x.device)
     if y_out is not None and (
         y_out.shape != x.shape or y_out.dtype != torch.float32 or not y_out.is_contiguous()

@@ -1,9 +1,21 @@
 """Paged cache-write: quantize new tokens and scatter them into kvzip's paged layout.
 
-``cache_write(fmt, x, cache, slot_mapping, kind=..., block_size=...)`` is bit-exact with
-``kvzip_formats.ops.cache_write`` (the format's reference ``encode`` plus the scatter of
-``spec/paged_layout.md``). One program per token writes every KV head of that token: a
-token-head row is only 36-68 bytes, so a program per row would be launch-bound.
+``cache_write(fmt, x, cache, slot_mapping, kind=..., block_size=...)`` writes what
+``kvzip_formats.ops.cache_write`` writes (the format's reference ``encode`` plus the scatter of
+``spec/paged_layout.md``): bit-exact for ``fp8``, ``int4`` and ``int4-rot``; for the compact
+formats (``4bit``, ``3.5bit``, ``3bit``) the bytes are the reference quantizer's of the
+kernel's own float32 transform ``y`` (spec/4bit.md section 3), written by one kernel with the
+transform on the tensor cores (``_write_compact.py``). fp8 and int4: one program per token
+writes every KV head of that token (a token-head row is only 36-68 bytes, so a program per row
+would be launch-bound).
+
+Rejected inputs (spec/4bit.md section 9, spec/baselines.md) are found by the kernels, per row,
+as the reference finds them: an element of ``x`` that is NaN, infinite or beyond float16's
+range (``not |x| <= 65504``), or (compact formats) a token scale ``s0`` that is not finite (the
+RMS of ``y`` overflows float16). Such a row is written with a NaN scale, so that it decodes to
+NaN and never to a plausible value, and the kernel records the failure in ``status`` (see
+``check_status``): ``status[0]`` ORs ``X_BAD`` / ``RMS_BAD``, ``status[1]`` keeps
+``2**31 - 1 - first failing token`` (an atomic max, so that a zero-filled word is a fresh one).
 """
 
 from __future__ import annotations
@@ -16,9 +28,30 @@ import triton.language as tl
 
 from kvzip_formats import FormatError, KVFormat
 from kvzip_formats.ops.cache_write import check_slot_mapping
-from kvzip_kernels._device_consts import codebook_edges_levels, on_device, transform_consts
+from kvzip_kernels._device_consts import on_device
 from kvzip_kernels._formats import check_strided_cache, kernel_spec, resolve
-from kvzip_kernels._write_codebook import RMS_BAD, X_BAD, _report, _rows_out_of_range
+from kvzip_kernels._write_compact import compact_write
+
+X_BAD = 1  # an element of x is NaN, inf or |x| > 65504
+RMS_BAD = 2  # a transformed row's RMS is not finite in float16 (the compact formats)
+
+
+@triton.jit
+def _rows_out_of_range(x_ptr, tok, stride_xt, stride_xh, h, hm, D: tl.constexpr):
+    """[H_P] int1: heads of token ``tok`` whose row of ``x`` holds NaN, inf or |x| > 65504."""
+    d = tl.arange(0, D)
+    xp = x_ptr + tok.to(tl.int64) * stride_xt + h.to(tl.int64)[:, None] * stride_xh + d[None, :]
+    x = tl.load(xp, mask=hm[:, None], other=0.0).to(tl.float32)
+    bad = (tl.abs(x) <= 65504.0) == 0  # NaN compares false
+    return (tl.max(bad.to(tl.int32), 1) != 0) & hm
+
+
+@triton.jit
+def _report(status_ptr, tok, flags):
+    """Record a rejected token: OR its flags into status[0], the lowest token into status[1]
+    (as ``2**31 - 1 - tok``, by atomic max: a zero-filled status is a fresh one)."""
+    tl.atomic_or(status_ptr, flags, mask=flags != 0)
+    tl.atomic_max(status_ptr + 1, 2147483647 - tok, mask=flags != 0)
 
 
 @triton.jit
@@ -217,7 +250,8 @@ def cache_write(
     ):
         raise FormatError(f"status must be an int32 [2] tensor on {x.device} (see new_status)")
     if spec.family == "codebook":
-        _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status)
+        groups = spec.k_groups if kind == "k" else spec.v_groups
+        _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, groups)
     elif spec.family == "int4":
         xin = x
         if spec.rotation is not None:
@@ -294,25 +328,10 @@ def check_status(fmt: KVFormat | str, status: torch.Tensor, kind: str = "k") -> 
         )
 
 
-def codebook_y(f, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
-    """The compact formats' transformed rows ``y = A (x - mean)``, float32 ``[T, H, d]``, on
-    x's device (spec/4bit.md section 3 allows float32 here). One batched matmul per head on
-    ``[H, T, d]`` views: the result is a ``[T, H, d]`` view of an ``[H, T, d]`` tensor (the
-    write kernel takes its strides), so neither operand nor result is copied to another
-    layout. The transform comes from the device cache: uploading it per call waited for the
-    stream (~1 ms per write on the H200, _device_consts.py)."""
-    mean, _, _, enc_t = transform_consts(f.transform_of(kind, layer), x.device)
-    xc = torch.sub(x, mean)  # float32 (type promotion): one pass, no separate x.float()
-    return torch.bmm(xc.transpose(0, 1), enc_t).transpose(0, 1)
-
-
-def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status) -> None:
-    """The compact formats' write: ``y`` by torch, quantize + pack + scatter by a kernel."""
-    from kvzip_kernels._formats import _kernel_groups
-    from kvzip_kernels._write_codebook import _codebook_write_kernel
-
-    n, h, d = x.shape
-    groups = _kernel_groups(f.spec.layout(d, kind))
+def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, groups):
+    """The compact formats' write: one kernel (``_write_compact.compact_write``: the transform
+    on the tensor cores, the quantizer, the bit planes and the scatter). ``groups``: the
+    kernel's description of the row layout (``KernelSpec.k_groups`` / ``v_groups``)."""
     if groups is None:  # a layout the kernel cannot pack: the reference encode on the host
         keep = (slot_mapping >= 0).cpu()
         rows = f.encode(x.detach().cpu()[keep], kind=kind, layer=layer).to(cache.device)
@@ -321,32 +340,4 @@ def _codebook_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, sta
         lay.codes_view(cache, kind)[blk, :, off] = rows[..., : lay.code_bytes]
         lay.meta_view(cache)[blk, :, off] = rows[..., lay.code_bytes :]
         return
-    edges, levels = codebook_edges_levels(groups, str(x.device))
-    consts = {}
-    for g, (bits, ch, off, off1) in enumerate(groups):
-        consts.update({f"B{g}": bits, f"N{g}": ch, f"O{g}": off, f"P{g}": off1})
-    y = codebook_y(f, x, kind, layer)
-    _codebook_write_kernel[(n,)](
-        x,
-        y,
-        cache,
-        cache.view(torch.float16),
-        slot_mapping,
-        edges,
-        levels,
-        status,
-        x.stride(0),
-        x.stride(1),
-        y.stride(0),
-        y.stride(1),
-        h,
-        lay.page_bytes,
-        blk_stride,
-        H_P=triton.next_power_of_2(h),
-        D=d,
-        PS=lay.block_size,
-        CB=lay.code_bytes,
-        CHANNEL_MAJOR=kind == "v",
-        num_warps=4,
-        **consts,
-    )
+    compact_write(f, x, cache, slot_mapping, lay, kind, layer, blk_stride, status, groups=groups)
