@@ -513,3 +513,26 @@ def test_a_load_waits_for_a_store_in_flight_at_most_its_limit(make, device, monk
     held.release()
     pipe.drain()
     assert pipe.collect() == ([key(3)], [key(3)])  # stored; the failed load reported it dropped
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_step_waits_for_stores_in_flight_once_in_all(make, device, monkeypatch):
+    """The bound on waiting for stores in flight is one per load step, not one per chunk: a
+    step naming several chunks whose stores are held past it fails them all (vLLM recomputes
+    them) within about one bound, not one bound per chunk."""
+    import time as _time
+
+    monkeypatch.setattr(cuda_pipeline, "LOAD_WAIT_FOR_STORE_S", 0.3)
+    buf, caches, store, pipe = make(device)
+    fill(caches, seed=7)
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(3), 3), (key(4), 4), (key(5), 5)])
+    assert held.started.wait(60)
+    t0 = _time.monotonic()
+    pipe.start_loads([("r", key(3), 8), ("r", key(4), 9), ("r", key(5), 10)])
+    assert pipe.wait_loads() == {8, 9, 10}
+    waited = _time.monotonic() - t0
+    assert 0.3 <= waited < 0.6, waited  # one bound for the step (per chunk: >= 0.9 s)
+    assert store.stats.loads_waited_for_store == 3
+    held.release()
+    pipe.drain()

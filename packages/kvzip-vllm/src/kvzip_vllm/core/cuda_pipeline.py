@@ -211,6 +211,7 @@ class CudaTierPipeline:
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
         good, plans, records = [], [], []
+        deadline: list[float] = []  # one bound for the step's waits for stores in flight
         for item in loads:
             req_id, key, ids, skip = _load_item(item)
             if len(ids) != self.bpc or not 0 <= skip < self.bpc:
@@ -218,7 +219,11 @@ class CudaTierPipeline:
                     f"a load names {len(ids)} blocks (skip {skip}); a chunk is {self.bpc} blocks"
                 )
             entry = self.store.lease(key)
-            if entry is None and self._jobs.unfinished_tasks and self._wait_for_store(key):
+            if (
+                entry is None
+                and self._jobs.unfinished_tasks
+                and self._wait_for_store(key, deadline)
+            ):
                 entry = self.store.lease(key)
             if entry is None:
                 load.failed.update(ids[skip:])
@@ -248,19 +253,24 @@ class CudaTierPipeline:
             self._start_batched(load, good, plans, records)
         load.host_s = time.perf_counter() - load.t0
 
-    def _wait_for_store(self, key: bytes) -> bool:
-        """Wait, at most ``LOAD_WAIT_FOR_STORE_S``, for ``key`` to be stored: a chunk stored
-        by an earlier step and still coded in the background (the scheduler counts such chunks
-        as held, since an idle server takes no step that would report them). True once it is
-        stored; False past the limit or once no store is left in flight (the load then fails
-        and vLLM recomputes the chunk, which a long store queue can make the faster way)."""
+    def _wait_for_store(self, key: bytes, deadline: list[float]) -> bool:
+        """Wait for ``key`` to be stored: a chunk stored by an earlier step and still coded in
+        the background (the scheduler counts such chunks as held, since an idle server takes
+        no step that would report them). ``deadline`` is the load step's one bound, set at its
+        first wait to ``LOAD_WAIT_FOR_STORE_S`` from then and shared by every chunk of the
+        step (a bound per chunk let one step of many missing chunks wait a second for each:
+        2.6 s for one warm-up load on the H200, results/vllm/fixed_cost/h200_restore.md).
+        True once it is stored; False past the bound or once no store is left in flight (the
+        load then fails and vLLM recomputes the chunk, which a long store queue can make the
+        faster way)."""
         self.store.stats.loads_waited_for_store += 1
-        deadline = time.monotonic() + LOAD_WAIT_FOR_STORE_S
+        if not deadline:
+            deadline.append(time.monotonic() + LOAD_WAIT_FOR_STORE_S)
         while True:
             busy = self._jobs.unfinished_tasks  # (read first: a store done by now is seen)
             if key in self.store:
                 return True
-            if not busy or time.monotonic() >= deadline:
+            if not busy or time.monotonic() >= deadline[0]:
                 return False
             time.sleep(0.001)
 
