@@ -120,6 +120,8 @@ class KvzipWorker:
         self._bad_reqs: dict[str, tuple[int, int]] = {}  # req_id -> (first bad pos, report)
         self._bad_blocks: dict[int, int] = {}  # block id -> report
         self._cuda = None  # set in register_kv_caches when the cache is on a GPU
+        self._background = self._decoder = None  # CPU: tier/background.py, at registration
+        self._background_errors = 0  # the background coder's errors counted so far
         self._stats_dirty = False
         self.world, self.rank = _tp_rank(vllm_config)
         if self.world > 1 and self.stats_path:  # one file per rank: stats.json -> stats.rank1.json
@@ -184,6 +186,16 @@ class KvzipWorker:
             identity = torch.arange(n * c // 2)
             self._orders = orders or (identity, identity)
             logger.info("kvzip tier: CPU page order %s", "probed" if orders else "as stored")
+            from kvzip_vllm.tier import background
+
+            queue = self.settings.store_queue_bytes or background.DEFAULT_QUEUE_BYTES
+            # (looked up at each call: tests wrap the store's put and get)
+            self._background = background.BackgroundStores(
+                lambda key, layers: self.store.put(key, layers), max_bytes=queue
+            )
+            self._decoder = background.ChunkDecoder(
+                lambda key, outs: self.store.get(key, outs), self._block_outputs
+            )
         if device.type == "cuda":
             from kvzip_vllm.cuda_pipeline import CudaTierPipeline
 
@@ -269,6 +281,8 @@ class KvzipWorker:
         if meta.drop:  # a rank refused these stores: this rank's shards may be wrong too
             if self._cuda is not None:
                 self._cuda.drain()  # no store of a dropped key still in flight
+            if self._background is not None:
+                self._background.drain()
             for key in meta.drop:  # (not reported: the scheduler forgot them as it sent this)
                 self.store.drop(key)
                 self._logical.pop(key, None)
@@ -282,11 +296,12 @@ class KvzipWorker:
             return
         t0 = time.perf_counter()
         reqs_hit: dict[str, int] = {}
-        outs = self._block_outputs()
         failed = []
         tokens = 0
-        for load in meta.loads:
-            if self.store.get(load.key, outs):
+        self._wait_for_stores(meta.loads)
+        for i, outs in self._decoder.decode([load.key for load in meta.loads]):
+            load = meta.loads[i]
+            if outs is not None:
                 self._scatter(load.ids, outs, load.skip)
                 reqs_hit[load.req_id] = reqs_hit.get(load.req_id, 0) + 1
                 tokens += len(load.written) * self.block_size
@@ -312,6 +327,21 @@ class KvzipWorker:
         )
         self._write_stats()
 
+    def _wait_for_stores(self, loads: list[Load]) -> None:
+        """CPU: wait (at most ``LOAD_WAIT_FOR_STORE_S`` in all) for the stores of the loads'
+        chunks still being coded in the background (the scheduler counts them held); a chunk
+        still not stored then fails to load and vLLM recomputes it."""
+        from kvzip_vllm.cuda_pipeline import LOAD_WAIT_FOR_STORE_S
+
+        bg = self._background
+        waiting = [ld.key for ld in loads if bg.in_flight(ld.key)]
+        if not waiting:
+            return
+        self.store.stats.loads_waited_for_store += len(waiting)
+        deadline = time.monotonic() + LOAD_WAIT_FOR_STORE_S
+        for key in waiting:
+            bg.wait_for(key, max(0.0, deadline - time.monotonic()))
+
     def _clear(self) -> None:
         """Empty the store (``reset_cache``) before the step's loads and stores. The report
         says so (``cleared``) in place of listing every key: what it says stored or dropped
@@ -320,6 +350,9 @@ class KvzipWorker:
         if self._cuda is not None:
             self._cuda.drain()  # the store thread is done writing to the store
             self._cuda.collect()  # stores that landed before the clear: cleared with it
+        if self._background is not None:
+            self._background.drain()
+            self._background.collect()
         self.store.clear()
         self._logical.clear()
         self._report.stored, self._report.dropped = [], []
@@ -439,18 +472,25 @@ class KvzipWorker:
         if self._cuda is not None:
             self._cuda.start_stores([(st.key, st.ids) for st in stores])
             return
-        for st in stores:
-            try:
-                nbytes, evicted = self.store.put(st.key, self._gather(st.ids))
-            except Exception:  # noqa: BLE001  (a chunk not stored is recomputed later)
-                logger.exception("kvzip tier: storing chunk %d of %s failed", st.pos, st.req_id)
-                self.store.stats.store_errors += 1
-                nbytes, evicted = 0, []
-            self._report.dropped.extend(evicted)
-            (self._report.stored if nbytes else self._report.dropped).append(st.key)
-            if nbytes:
-                self._share(st.key)
+        for st in stores:  # copied out of the paged cache here, coded in the background
+            self._background.submit(st.key, self._gather(st.ids))
+
+    def _collect_background(self) -> bool:
+        """CPU: report the stores the background coder finished; True if there were any."""
+        stored, dropped = self._background.collect()
+        for key in stored:
+            self._share(key)
+        self._report.stored.extend(stored)
+        self._report.dropped.extend(dropped)
         s = self.store.stats
+        bg = self._background
+        s.store_errors += bg.errors - self._background_errors
+        self._background_errors = bg.errors
+        s.store_busy_seconds = bg.busy_seconds
+        s.store_queue_peak_bytes = bg.peak_bytes
+        s.store_wait_seconds = bg.wait_seconds
+        if not (stored or dropped):
+            return False
         logger.info(
             "kvzip tier: %d chunks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
             "the %.2f MB table set), %d evictions",
@@ -462,7 +502,7 @@ class KvzipWorker:
             s.table_bytes / 1e6,
             s.evictions,
         )
-        self._write_stats()
+        return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_cuda_loads()  # loads no layer waited for
@@ -479,8 +519,9 @@ class KvzipWorker:
             if stored or dropped or self._stats_dirty or self._report.refused:
                 self._stats_dirty = False
                 self._write_stats()
-        elif self._report.refused or self._report.failed_loads:
-            self._write_stats()
+        elif self._background is not None:
+            if self._collect_background() or self._report.refused or self._report.failed_loads:
+                self._write_stats()
         if self._report.empty():
             return None
         self._seq += 1
@@ -512,6 +553,10 @@ class KvzipWorker:
     def shutdown(self) -> None:
         if self._cuda is not None:
             self._cuda.close()
+        if self._background is not None:
+            self._background.close()
+            self._decoder.close()
+            self._collect_background()
         if self._shared_writer is not None:
             self._shared_writer.close(timeout_s=10.0)  # bounded: puts fail fast when down
             self.shared.close()

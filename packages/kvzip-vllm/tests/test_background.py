@@ -1,0 +1,107 @@
+"""The CPU tier's background coder and parallel decoder (kvzip_vllm.tier.background), on a
+real BlockStore: what they store decodes bit for bit, the queue bound holds, waits end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvzip_vllm.store import BlockStore
+from kvzip_vllm.tier.background import BackgroundStores, ChunkDecoder
+
+LAYERS, TOKENS, HEADS, DIM = 2, 32, 2, 16
+
+
+def chunk(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        tuple(
+            (torch.randn(TOKENS, HEADS, DIM, generator=g) * 0.5).to(torch.bfloat16)
+            for _ in range(2)
+        )
+        for _ in range(LAYERS)
+    ]
+
+
+def outs():
+    return [torch.empty(TOKENS, HEADS, DIM, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+
+
+def same(layers, got) -> bool:
+    flat = [t for kv in layers for t in kv]
+    return all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(flat, got))
+
+
+def test_stores_in_the_background_then_decodes_bit_exact():
+    store = BlockStore(1 << 24, fit_tokens=0)
+    bg = BackgroundStores(store.put)
+    data = {bytes([i]) * 32: chunk(i) for i in range(5)}
+    for key, layers in data.items():
+        bg.submit(key, layers)
+    assert bg.drain(30)
+    stored, dropped = bg.collect()
+    assert stored == list(data) and dropped == []
+    assert bg.collect() == ([], [])
+    dec = ChunkDecoder(store.get, outs, threads=3)
+    keys = [*data, b"\xff" * 32]  # the last one never stored
+    seen = []
+    for i, got in dec.decode(keys):
+        seen.append(i)
+        if i < len(data):
+            assert got is not None and same(data[keys[i]], got)
+        else:
+            assert got is None
+    assert seen == list(range(len(keys)))
+    dec.close()
+    bg.close()
+
+
+def test_queue_bound_waits_and_load_waits_for_store():
+    release = threading.Event()
+    done = []
+
+    def slow_put(key, layers):
+        release.wait(10)
+        done.append(key)
+        return 1, []
+
+    one = sum(t.numel() * t.element_size() for kv in chunk(0) for t in kv)
+    bg = BackgroundStores(slow_put, max_bytes=one)  # room for one chunk's copy
+    bg.submit(b"a", chunk(0))
+    assert bg.in_flight(b"a")
+    t = time.monotonic()
+    assert not bg.wait_for(b"a", 0.2)  # still coding: the wait ends at its limit
+    assert time.monotonic() - t >= 0.2
+    second = threading.Thread(target=bg.submit, args=(b"b", chunk(1)))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # no room in the queue: the step waits
+    release.set()
+    second.join(10)
+    assert not second.is_alive()
+    assert bg.wait_for(b"a", 10) and bg.drain(10)
+    assert done == [b"a", b"b"] and bg.peak_bytes == one and bg.wait_seconds > 0.2
+    assert bg.collect() == ([b"a", b"b"], [])
+    bg.close()
+
+
+def test_a_put_that_raises_is_reported_dropped():
+    def bad_put(key, layers):
+        if key == b"x":
+            raise MemoryError("injected")
+        return 8, [b"old"]
+
+    bg = BackgroundStores(bad_put)
+    bg.submit(b"x", chunk(0))
+    bg.submit(b"y", chunk(1))
+    assert bg.drain(10)
+    assert bg.collect() == ([b"y"], [b"x", b"old"]) and bg.errors == 1
+    bg.close()
+
+
+def test_bad_queue_size():
+    with pytest.raises(ValueError, match="max_bytes must be positive"):
+        BackgroundStores(lambda k, layers: (0, []), max_bytes=0)
