@@ -32,7 +32,8 @@ def outs():
 
 def same(layers, got) -> bool:
     flat = [t for kv in layers for t in kv]
-    return all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(flat, got))
+    pairs = zip(flat, got, strict=True)
+    return all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs)
 
 
 def test_stores_in_the_background_then_decodes_bit_exact():
