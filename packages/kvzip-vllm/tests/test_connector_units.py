@@ -193,6 +193,8 @@ def _step(w, *, loads=(), stores=(), req_blocks=None, seen=0):
     )
     w.start_load_kv(meta)
     w.wait_for_save(meta)
+    if w._background is not None:  # the CPU tier codes its stores in the background:
+        assert w._background.drain(60)  # the step's stores go out with this step's report
     return w.get_block_ids_with_load_errors(), w.build_connector_worker_meta()
 
 
