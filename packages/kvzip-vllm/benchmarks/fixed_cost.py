@@ -195,6 +195,8 @@ def child(args) -> dict:
             "loads_waited_for_store": st1.get("loads_waited_for_store", 0)
             - st0.get("loads_waited_for_store", 0),
             "calls_s": calls,
+            # CUDA: the host time of the tier's last load step, by part
+            "cuda_host_s": dict(getattr(getattr(worker, "_cuda", None), "last_host_s", {})),
         }
 
     # warm-up: document 0 prefilled and returned once (not counted)

