@@ -234,27 +234,23 @@ class KvzipWorker:
     def _gather(self, block_ids) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """CPU: per layer (K, V) of one chunk (its blocks ``block_ids`` in order), token-major
         ``[chunk_tokens, kv_heads, head_size]``."""
+        from kvzip_vllm.tier.background import gather_chunk
+
         ids = as_ids(block_ids)
         if len(ids) != self.bpc:
             raise ValueError(f"a chunk is {self.bpc} blocks, {len(ids)} block ids given")
-        parts = [self._gather_block(b) for b in ids]
-        if len(parts) == 1:
-            return parts[0]
-        return [
-            tuple(torch.cat([p[layer][i] for p in parts]) for i in range(2))
-            for layer in range(len(self.layers))
-        ]
+        idx = torch.tensor(ids, dtype=torch.int64)
+        return [gather_chunk(cache, idx, self._orders) for _, cache in self.layers]
 
     def _scatter(self, block_ids, outs: list[torch.Tensor], skip: int = 0) -> None:
         """CPU: write a decoded chunk into its blocks ``block_ids``, all but the first ``skip``."""
-        n = self.block_size
-        for j, block_id in enumerate(as_ids(block_ids)):
-            if j < skip:
-                continue
-            for layer, halves in enumerate(self._halves(block_id)):
-                for i, (half, order) in enumerate(zip(halves, self._orders, strict=True)):
-                    x = outs[2 * layer + i][j * n : (j + 1) * n]  # [N, H, D]
-                    half[:, order] = x.permute(1, 0, 2).reshape(half.shape)
+        from kvzip_vllm.tier.background import scatter_chunk
+
+        ids = torch.tensor(as_ids(block_ids)[skip:], dtype=torch.int64)
+        t0 = skip * self.block_size
+        for layer, (_, cache) in enumerate(self.layers):
+            k, v = outs[2 * layer][t0:], outs[2 * layer + 1][t0:]
+            scatter_chunk(cache, ids, k, v, self._orders)
 
     def _block_outputs(self, device="cpu") -> list[torch.Tensor]:
         """One token-major ``[chunk_tokens, kv_heads, head_size]`` buffer per layer and kind."""
