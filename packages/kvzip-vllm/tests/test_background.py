@@ -139,3 +139,23 @@ def test_chunk_gather_and_scatter_equal_the_block_by_block_copies():
         )
     others = [b for b in range(nb) if b not in (1, 8)]
     assert torch.equal(cache[others], before[others])
+
+
+def test_buffers_and_copies_made_in_inference_mode():
+    """vLLM's step runs in torch.inference_mode (thread-local): the decoder's buffers and the
+    coder's copies made there are inference tensors, written and read on other threads."""
+    store = BlockStore(1 << 24, fit_tokens=0)
+    bg = BackgroundStores(store.put)
+    dec = ChunkDecoder(store.get, outs, threads=2)
+    with torch.inference_mode():
+        data = {bytes([i]) * 32: chunk(i) for i in range(3)}
+        for key, layers in data.items():
+            bg.submit(key, layers)
+        assert bg.drain(30) and bg.collect()[0] == list(data)
+        got = [
+            (i, o is not None and same(data[k], o))
+            for (i, o), k in zip(dec.decode(list(data)), data, strict=True)
+        ]
+    assert got == [(0, True), (1, True), (2, True)]
+    dec.close()
+    bg.close()

@@ -132,7 +132,8 @@ class BackgroundStores:
             key, layers, n = job
             t = time.perf_counter()
             try:
-                nbytes, evicted = self._put(key, layers)
+                with torch.inference_mode():  # (thread-local: vLLM's step runs in it)
+                    nbytes, evicted = self._put(key, layers)
             except Exception:  # noqa: BLE001  (a chunk not stored is recomputed later)
                 logger.exception("kvzip tier: storing chunk %s failed", key[:4].hex())
                 nbytes, evicted = 0, []
@@ -198,7 +199,7 @@ class ChunkDecoder:
             nonlocal nxt
             while nxt < len(keys) and len(futures) < width:
                 b = free.pop()
-                futures[nxt] = (b, self._pool.submit(self._get, keys[nxt], self._bufs[b]))
+                futures[nxt] = (b, self._pool.submit(self._get_inference, keys[nxt], self._bufs[b]))
                 nxt += 1
 
         start()
@@ -208,6 +209,12 @@ class ChunkDecoder:
             yield i, (self._bufs[b] if ok else None)
             free.append(b)
             start()
+
+    def _get_inference(self, key: bytes, outs) -> bool:
+        # inference mode is thread-local: the buffers made in vLLM's step are inference
+        # tensors, which only take in-place writes inside it
+        with torch.inference_mode():
+            return self._get(key, outs)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
