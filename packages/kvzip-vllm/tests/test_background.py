@@ -159,3 +159,26 @@ def test_buffers_and_copies_made_in_inference_mode():
     assert got == [(0, True), (1, True), (2, True)]
     dec.close()
     bg.close()
+
+
+def test_pending_and_the_idle_callback():
+    """``pending`` counts stores not finished; ``on_idle`` runs once the last one is done (the
+    worker rewrites its stats file then, so an idle server's file counts every store)."""
+    release = threading.Event()
+    idle_seen = []
+
+    def put(key, layers):
+        release.wait(10)
+        return 1, []
+
+    bg = BackgroundStores(put, on_idle=lambda: idle_seen.append(bg.pending))
+    bg.submit(b"a", chunk(0))
+    bg.submit(b"b", chunk(1))
+    assert bg.pending == 2 and idle_seen == []
+    release.set()
+    assert bg.drain(10)
+    deadline = time.monotonic() + 10
+    while not idle_seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert idle_seen == [0] and bg.pending == 0
+    bg.close()

@@ -48,11 +48,18 @@ class BackgroundStores:
     store's ``put``) on chunks handed to it by :meth:`submit`; :meth:`collect` gives the keys
     stored and the keys dropped (evicted to make room, or not stored) since the last call."""
 
-    def __init__(self, put: Callable, *, max_bytes: int = DEFAULT_QUEUE_BYTES):
+    def __init__(
+        self,
+        put: Callable,
+        *,
+        max_bytes: int = DEFAULT_QUEUE_BYTES,
+        on_idle: Callable[[], None] | None = None,
+    ):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self._put = put
         self.max_bytes = max_bytes
+        self._on_idle = on_idle  # called by the thread when its last store in flight is done
         self._jobs: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._queued_bytes = 0
@@ -82,6 +89,12 @@ class BackgroundStores:
             self.peak_bytes = max(self.peak_bytes, self._queued_bytes)
             self._inflight[key] = self._inflight.get(key, 0) + 1
         self._jobs.put((key, layers, n))
+
+    @property
+    def pending(self) -> int:
+        """Stores submitted and not finished."""
+        with self._cond:
+            return sum(self._inflight.values())
 
     def in_flight(self, key: bytes) -> bool:
         with self._cond:
@@ -149,7 +162,13 @@ class BackgroundStores:
                     self._inflight[key] = left
                 else:
                     del self._inflight[key]
+                idle = not self._inflight
                 self._cond.notify_all()
+            if idle and self._on_idle is not None:
+                try:
+                    self._on_idle()
+                except Exception:  # noqa: BLE001  (a stats file that cannot be written)
+                    logger.exception("kvzip tier: the store thread's idle callback failed")
 
 
 #: the most threads a step's loads are decoded on

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,7 @@ class KvzipWorker:
         self._bad_blocks: dict[int, int] = {}  # block id -> report
         self._cuda = None  # set in register_kv_caches when the cache is on a GPU
         self._background = self._decoder = None  # CPU: tier/background.py, at registration
+        self._stats_lock = threading.Lock()
         self._background_errors = 0  # the background coder's errors counted so far
         self._stats_dirty = False
         self.world, self.rank = _tp_rank(vllm_config)
@@ -191,7 +193,9 @@ class KvzipWorker:
             queue = self.settings.store_queue_bytes or background.DEFAULT_QUEUE_BYTES
             # (looked up at each call: tests wrap the store's put and get)
             self._background = background.BackgroundStores(
-                lambda key, layers: self.store.put(key, layers), max_bytes=queue
+                lambda key, layers: self.store.put(key, layers),
+                max_bytes=queue,
+                on_idle=self._write_stats,  # the stats file current on an idle server too
             )
             self._decoder = background.ChunkDecoder(
                 lambda key, outs: self.store.get(key, outs), self._block_outputs
@@ -531,6 +535,8 @@ class KvzipWorker:
         """The tier's counters (also written to ``stats_path`` when set); with the shared
         tier, its ``shared_*`` counters too (this worker's calls)."""
         d = self.store.stats.as_dict()
+        if self._background is not None:  # chunks copied out of a step, still being coded
+            d["stores_in_flight"] = self._background.pending
         if self.shared is not None:
             d.update(self.shared.stats)
             d.update(self._shared_counts)
@@ -541,10 +547,11 @@ class KvzipWorker:
     def _write_stats(self) -> None:
         if not self.stats_path:
             return
-        tmp = f"{self.stats_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.stats(), f, indent=1)
-        os.replace(tmp, self.stats_path)
+        with self._stats_lock:  # the step's thread and the background coder's
+            tmp = f"{self.stats_path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.stats(), f, indent=1)
+            os.replace(tmp, self.stats_path)
 
     def shutdown(self) -> None:
         if self._cuda is not None:
