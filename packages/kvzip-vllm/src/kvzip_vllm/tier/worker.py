@@ -288,6 +288,8 @@ class KvzipWorker:
                 self._logical.pop(key, None)
         if not meta.loads:
             return
+        if self._background is not None:  # (before the shared tier is asked for them)
+            self._wait_for_stores(meta.loads)
         fetched = self._fetch_shared(meta.loads) if self.shared is not None else set()
         if self._cuda is not None:
             self._cuda_loads = {b: load for load in meta.loads for b in load.written}
@@ -298,7 +300,6 @@ class KvzipWorker:
         reqs_hit: dict[str, int] = {}
         failed = []
         tokens = 0
-        self._wait_for_stores(meta.loads)
         for i, outs in self._decoder.decode([load.key for load in meta.loads]):
             load = meta.loads[i]
             if outs is not None:
