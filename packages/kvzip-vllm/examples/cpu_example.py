@@ -84,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0]
         dt = time.perf_counter() - t
-        stats = json.loads(stats_path.read_text())
-        # the tier codes its stores in the background: wait until the stats count them
+        # the tier codes its stores in the background: wait until the stats count them (the
+        # coder writes the file when its last store in flight is done)
         deadline = time.monotonic() + 60
+        while not stats_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = json.loads(stats_path.read_text())
         while stats.get("stores_in_flight") and time.monotonic() < deadline:
             time.sleep(0.05)
             stats = json.loads(stats_path.read_text())
