@@ -16,6 +16,7 @@
 #   gpu_session.sh serve     # serve_h200.py: `vllm serve` with the tier and 4bit+r128 (.whl carried: serve_wheels.sh)
 #   gpu_session.sh offload   # tier_vs_offload.py: the tier beside vLLM's OffloadingConnector, same CPU bytes and traffic (.carry/smollm2/p1 carried)
 #   gpu_session.sh compacttier  # the tier core's CUDA paths and compact pages in the tier (test_cuda_pipeline, test_core, test_compact_tier)
+#   gpu_session.sh fixedcost # fixed_cost.py: a returning 6,000-token SmolLM2 prompt restored vs recomputed, call by call (.carry/smollm2 carried)
 #   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
 #   gpu_session.sh tp2serving  # nvidia-h200-x2: bench_serving.py --tp 2, fp8 and 4bit at 32k (not yet run)
 set -uo pipefail
@@ -121,6 +122,16 @@ quality)
   timeout 560 python3 $R/kvzip-vllm/benchmarks/vllm_quality.py --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 \
     --calibration /tmp/smollm2/calibration --out $RES --deadline-s 420 \
     --formats ${QUALITY_FORMATS:-4bit,4bit+r128,3.5bit+r128,3bit+r128} --windows ${QUALITY_WINDOWS:-16} 2>&1 | tail -30
+  ;;
+fixedcost)
+  env_line
+  # the embedded SmolLM2's pieces (p0 came with install; this call carries p1 if not there yet)
+  mkdir -p /tmp/smollm2 && cp -r .carry/smollm2/p1 /tmp/smollm2/ 2>/dev/null
+  # two engines one after the other (tier, none): 10 documents of 6,000 tokens, 4 returns each
+  # after a reset of vLLM's own prefix cache; every connector call timed (about 3-4 min)
+  VLLM_USE_V2_MODEL_RUNNER=0 timeout ${FIXEDCOST_LIMIT_S:-420} python3 $R/kvzip-vllm/benchmarks/fixed_cost.py \
+    --pieces /tmp/smollm2/p0 /tmp/smollm2/p1 --out $RES --name fixed_cost_h200 \
+    --docs ${FIXEDCOST_DOCS:-10} --returns ${FIXEDCOST_RETURNS:-4} 2>&1 | tee $RES/fixedcost.log | tail -40
   ;;
 window)
   env_line

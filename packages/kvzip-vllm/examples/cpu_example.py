@@ -84,7 +84,16 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0]
         dt = time.perf_counter() - t
-        return list(out.token_ids), dt, json.loads(stats_path.read_text())
+        # the tier codes its stores in the background: wait until the stats count them (the
+        # coder writes the file when its last store in flight is done)
+        deadline = time.monotonic() + 60
+        while not stats_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = json.loads(stats_path.read_text())
+        while stats.get("stores_in_flight") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            stats = json.loads(stats_path.read_text())
+        return list(out.token_ids), dt, stats
 
     _, _, after_warmup = run(warmup)  # 9 blocks: the table set is fitted from the first 8
     cold, cold_s, after_cold = run()  # computes the prompt; its full blocks go to the tier

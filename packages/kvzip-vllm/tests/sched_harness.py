@@ -301,6 +301,8 @@ class Harness:
                 r.tokens.append(t)
                 sampled[req_id] = [t]
         self.connector.wait_for_save()
+        bg = self.connector.worker._background  # the CPU tier codes stores in the background:
+        assert bg is None or bg.drain(60)  # this step's stores go out with its report
         errors = self.connector.get_block_ids_with_load_errors()
         report = self.connector.build_connector_worker_meta()
         self.connector.clear_connector_metadata()

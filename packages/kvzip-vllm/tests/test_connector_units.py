@@ -193,6 +193,8 @@ def _step(w, *, loads=(), stores=(), req_blocks=None, seen=0):
     )
     w.start_load_kv(meta)
     w.wait_for_save(meta)
+    if w._background is not None:  # the CPU tier codes its stores in the background:
+        assert w._background.drain(60)  # the step's stores go out with this step's report
     return w.get_block_ids_with_load_errors(), w.build_connector_worker_meta()
 
 
@@ -524,3 +526,37 @@ def test_the_cuda_pipeline_restores_chunks_in_one_copy_per_run_of_records():
         assert all(e.leases == 0 for e in w.store._entries.values())
     finally:
         pipe.close()
+
+
+def test_a_load_waits_for_its_store_still_coded_in_the_background():
+    """CPU tier: a chunk stored in one step is coded by the coder thread; a load of it in the
+    next step, before the store is done, waits for it and restores it bit for bit."""
+    import time
+
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load, Store
+
+    w = _worker()
+    caches = _caches()
+    w.register_kv_caches(caches)
+    real_put = w.store.put
+
+    def slow_put(key, layers, **kw):
+        time.sleep(0.3)
+        return real_put(key, layers, **kw)
+
+    # the first store (numba's compiled coder loaded) outside the timed part
+    w.wait_for_save(KvzipConnectorMetadata(stores=[Store("a", b"\x01" * 32, 1, 0)]))
+    assert w._background.drain(60)
+    w.store.put = slow_put
+    key = b"\x07" * 32
+    w.wait_for_save(KvzipConnectorMetadata(stores=[Store("a", key, 0, 0)]))
+    assert w.stats()["stores_in_flight"] == 1 and key not in w.store
+    w.start_load_kv(KvzipConnectorMetadata(loads=[Load("b", key, 5, 0)]))
+    assert w.get_block_ids_with_load_errors() == set()
+    s = w.stats()
+    assert s["loads_waited_for_store"] == 1 and s["stores_in_flight"] == 0
+    assert s["blocks_restored"] == 1
+    for name, cache in caches.items():
+        assert torch.equal(cache[5].view(torch.int16), cache[0].view(torch.int16)), name
+    rep = w.build_connector_worker_meta()
+    assert rep.stored == [b"\x01" * 32, key]  # both reported with this step

@@ -39,9 +39,17 @@ def test_the_core_imports_without_vllm():
         "    del sys.modules[m]\n"
         "import importlib\n"
         "for m in ('pages', 'blocks', 'store', 'cpu_layout', 'cuda_pipeline', 'shared_store',\n"
-        "          'transfer'):\n"
+        "          'background', 'transfer'):\n"
         "    importlib.import_module('kvzip_vllm.core.' + m)\n"
         "from kvzip_vllm.core import cpu_layout\n"
+        "from kvzip_vllm.core.transfer import KvTier\n"
+        "from kvzip_vllm.core.store import BlockStore\n"
+        "from kvzip_vllm.core.pages import Bf16Pages\n"
+        "import torch\n"
+        "c = [torch.zeros(4, 2, 16, 32, dtype=torch.bfloat16)]\n"
+        "t = KvTier(BlockStore(1 << 20, fit_tokens=0), c, Bf16Pages.of(c[0], None), 1)\n"
+        "assert t.background is not None and t.decoder is not None\n"
+        "t.shutdown()\n"
         "assert cpu_layout.probe_orders(16, 64, None, 'auto') is None\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"
         "print('ok')\n"
@@ -94,6 +102,7 @@ def test_bf16_tier_restores_bit_exact_and_reports_what_it_cannot_serve():
     tier = _tier(caches, Bf16Pages.of(caches[0], _cpu_orders()))
     keys = [bytes([i]) * 32 for i in range(3)]
     assert tier.submit_store(1, [ChunkStore(keys[0], (0, 1)), ChunkStore(keys[1], (2, 3))])
+    tier.wait({1})  # (the CPU path codes stores on its coder thread)
     (res,) = tier.get_finished()
     assert res.job_id == 1 and res.success and res.stored == keys[:2] and not res.dropped
     assert tier.get_finished() == []
@@ -116,6 +125,42 @@ def test_bf16_tier_restores_bit_exact_and_reports_what_it_cannot_serve():
         assert torch.equal(c[[6, 7]], b[[0, 1]])  # restored bit for bit
         assert torch.equal(c[8:], b[8:])  # the failed loads wrote nothing
     assert tier.store.stats.load_errors == 2
+
+
+def test_cpu_stores_leave_the_call_at_once_and_loads_wait_for_them():
+    """CPU, bf16: submit_store returns once the pages are copied out (the blocks may be
+    overwritten at once), get_finished reports the job only when the coder thread is done, and
+    a load of a chunk still in flight waits for its store and restores it bit for bit."""
+    import threading
+
+    caches = _bf16_caches()
+    orig = [c.clone() for c in caches]
+    tier = _tier(caches, Bf16Pages.of(caches[0], _cpu_orders()))
+    go = threading.Event()
+    real_put = tier.store.put
+
+    def held_put(key, layers, **kw):
+        assert go.wait(10)
+        return real_put(key, layers, **kw)
+
+    tier.store.put = held_put
+    keys = [b"\x05" * 32, b"\x06" * 32]
+    assert tier.submit_store(1, [ChunkStore(keys[0], (0, 1)), ChunkStore(keys[1], (2, 3))])
+    assert tier.stores_in_flight == 2 and tier.get_finished() == []
+    for c in caches:  # the engine reuses the blocks as soon as the call returned
+        c[:4] = 0
+    threading.Timer(0.2, go.set).start()
+    assert tier.submit_load(2, [ChunkLoad("a", keys[1], (6, 7))])
+    assert tier.store.stats.loads_waited_for_store == 1
+    done = {r.job_id: r for r in tier.get_finished()}
+    tier.wait({1})
+    done.update({r.job_id: r for r in tier.get_finished()})
+    assert done[2].success and done[2].hits == {"a": 1}
+    assert done[1].success and done[1].stored == keys
+    assert tier.stores_in_flight == 0
+    for c, o in zip(caches, orig, strict=True):
+        assert torch.equal(c[[6, 7]].view(torch.int16), o[[2, 3]].view(torch.int16))
+    tier.shutdown()
 
 
 def _compact(fmt_name="int4", n_blocks=12, recent=0, seed=0):

@@ -81,6 +81,7 @@ def _step(w, *, loads=(), stores=(), req_blocks=None, seen=0):
     )
     w.start_load_kv(meta)
     w.wait_for_save(meta)
+    assert w._background.drain(60)  # stores coded in the background: reported this step
     return w.get_block_ids_with_load_errors(), w.build_connector_worker_meta()
 
 

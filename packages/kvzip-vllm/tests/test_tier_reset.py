@@ -35,6 +35,7 @@ def _step(sched, w, so):
     meta = sched.build_connector_meta(so)
     w.start_load_kv(meta)
     w.wait_for_save(meta)
+    assert w._background.drain(60)  # stores coded in the background: reported this step
     assert w.get_block_ids_with_load_errors() == set()
     report = w.build_connector_worker_meta()
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))

@@ -86,6 +86,7 @@ def _run_step(workers, meta, ranks=None):
             continue
         w.start_load_kv(meta)
         w.wait_for_save(meta)
+        assert w._background.drain(60)  # stores coded in the background: reported this step
         errors = w.get_block_ids_with_load_errors()
         kv = KVConnectorOutput(
             kv_connector_worker_meta=w.build_connector_worker_meta(), invalid_block_ids=errors

@@ -39,6 +39,17 @@ def _llm(**kwargs):
     )
 
 
+def _settle() -> None:
+    """The in-process worker's stores coded in the background are done and its stats file
+    written: what a test then reads of the store is what the requests left."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker
+    if worker._background is not None:
+        assert worker._background.drain(120)
+        worker._write_stats()
+
+
 def _prompts(tok, n: int, length: int, offset: int = 0) -> list[list[int]]:
     from kvzip_eval.corpus import load_text
 
@@ -110,9 +121,9 @@ def eviction(args) -> dict:
 
     def gen(p):
         llm.reset_prefix_cache()  # every run starts from the tier alone
-        return list(
-            llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0].token_ids
-        )
+        out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0]
+        _settle()
+        return list(out.token_ids)
 
     first = [gen(p) for p in prompts]  # fills the tier; the small budget evicts
     again = [gen(p) for p in prompts]  # restores what is still held, recomputes the rest
@@ -194,6 +205,7 @@ class _Tier:
     def gen(self, p: list[int], max_tokens: int = FAULT_MAX_TOKENS) -> dict:
         sp = self.SamplingParams(max_tokens=max_tokens, temperature=0.0)
         out = self.llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
+        _settle()
         return {"ids": list(out.token_ids), "finish": str(out.finish_reason)}
 
     def ref(self, p: list[int], k: int) -> dict:
@@ -237,7 +249,7 @@ class _Tier:
     def evict_behind_the_schedulers_back(self, key: bytes) -> None:
         """The worker no longer holds ``key`` while the scheduler still counts it held: the
         state of an eviction between the scheduler's count and the load."""
-        assert self.scheduler.held(key)
+        assert self.scheduler._servable(key)  # held, or its store reported in a later step
         assert self.worker.store.drop(key)
 
     def fail_next_puts(self, *modes: str | None) -> None:
@@ -495,6 +507,7 @@ def load(args) -> dict:
         llm.reset_prefix_cache()  # the tier alone carries prefixes between rounds
         outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], greedy,
                             use_tqdm=False)  # fmt: skip
+        _settle()
         return {
             i: {"ids": list(o.outputs[0].token_ids), "finish": str(o.outputs[0].finish_reason)}
             for i, o in zip(order, outs, strict=True)

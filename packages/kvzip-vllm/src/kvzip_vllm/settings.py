@@ -124,7 +124,9 @@ class ConnectorSettings(BaseModel):
     memory inside ``budget_bytes`` (``stores_spilled_host``) and coded later, or, with no
     room there either, the step waits for the queue (``stores_waited_queue_full``). An
     empty queue always takes one step's stores; the first ``fit_tokens`` tokens' copies are
-    also kept until the table set is fitted from them."""
+    also kept until the table set is fitted from them. On the CPU: the host memory the copies
+    of chunks waiting for the coder thread may take (None: 1 GiB; past it the step waits for
+    room; ``kvzip_vllm.core.background``)."""
     fit_tokens: int = Field(1024, ge=0)
     """Without ``tables_path``: fit the table set from the first this many tokens stored
     (0: never; every blob then embeds its own table)."""

@@ -5,9 +5,11 @@ Shaped like vLLM's offloading workers (``submit_store`` / ``submit_load`` of a j
 engine adapter (kvzip-vllm's connector, or another engine's) only maps its steps onto jobs.
 Behind it, :class:`KvTier` holds the store (arena, index, LRU, budget:
 :class:`~kvzip_vllm.core.store.BlockStore`), the cache's :mod:`~kvzip_vllm.core.pages` layout
-(the one gather / scatter of every path), the CPU path (kvzip-lossless's CPU coder, or raw
-compact pages), the CUDA pipeline (:mod:`~kvzip_vllm.core.cuda_pipeline`) and the shared Redis
-store (fetched from before a load, written to after a store).
+(the one gather / scatter of every path), the CPU path (kvzip-lossless's CPU coder, coding
+stores on a thread out of the caller's step and decoding loads on a pool of threads:
+:mod:`~kvzip_vllm.core.background`; or raw compact pages), the CUDA pipeline
+(:mod:`~kvzip_vllm.core.cuda_pipeline`) and the shared Redis store (fetched from before a
+load, written to after a store).
 
 Promises the interface keeps (and the adapter builds on):
 
@@ -115,7 +117,12 @@ class KvTier(TierTransfers):
     ``bpc`` blocks. ``layout``: the caches' :mod:`~kvzip_vllm.core.pages` layout
     (:class:`Bf16Pages`: coded by kvzip-lossless; :class:`CompactPages`: raw pages, checked by
     a checksum). ``shared``: a :class:`~kvzip_vllm.core.shared_store.SharedBlobStore` (or None)
-    and ``shared_writer`` its background writer."""
+    and ``shared_writer`` its background writer. ``on_store_idle``: called by the CPU path's
+    coder thread when its last store in flight is done (e.g. to write a stats file).
+
+    bf16 caches on the CPU: ``submit_store`` copies the chunks' pages out and returns; a thread
+    codes them and a later ``get_finished`` reports them; ``submit_load`` first waits (at most
+    ``LOAD_WAIT_FOR_STORE_S`` in all) for stores still in flight of its chunks."""
 
     def __init__(
         self,
@@ -127,6 +134,7 @@ class KvTier(TierTransfers):
         queue_bytes: int | None = None,
         shared=None,
         shared_writer=None,
+        on_store_idle=None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -143,9 +151,22 @@ class KvTier(TierTransfers):
             )
         elif self.device.type == "cuda":
             store.pin()  # raw pages are copied from the arena where they lie
+        self.background = self.decoder = None  # the CPU path's coder thread and decode pool
+        if self.device.type == "cpu" and isinstance(layout, Bf16Pages):
+            from kvzip_vllm.core import background
+
+            # (the store's put / get looked up at each call: tests wrap them)
+            self.background = background.BackgroundStores(
+                lambda key, layers: self.store.put(key, layers),
+                max_bytes=queue_bytes or background.DEFAULT_QUEUE_BYTES,
+                on_idle=on_store_idle,
+            )
+            self.decoder = background.ChunkDecoder(self._get_checked, self.outputs)
+            self._background_errors = 0  # the coder's errors counted into the stats so far
         self._finished: list[TransferResult] = []
         self._load_job: tuple[int, dict, TransferResult] | None = None  # CUDA load in flight
-        self._store_jobs: dict[int, tuple[set[bytes], TransferResult]] = {}  # CUDA, in order
+        # stores in flight (CUDA pipeline, CPU coder thread), in order
+        self._store_jobs: dict[int, tuple[set[bytes], TransferResult]] = {}
 
     # -- helpers --------------------------------------------------------------------------
     def _check(self, ids: tuple[int, ...], skip: int = 0) -> None:
@@ -195,6 +216,35 @@ class KvTier(TierTransfers):
         outs = self.outputs(device)
         return outs if self.store.get(key, outs) else None
 
+    def _get_checked(self, key: bytes, outs: list[torch.Tensor]) -> bool:
+        """``store.get`` (bf16), a damaged entry logged and dropped: False (decode threads)."""
+        try:
+            return self.store.get(key, outs)
+        except (ValueError, kvzip_lossless.CorruptBlobError):
+            logger.exception("kvzip tier: restoring chunk %s failed", key[:4].hex())
+            self.store.drop(key)
+            return False
+
+    @property
+    def stores_in_flight(self) -> int:
+        """Stores submitted and still being coded (CPU path's coder thread)."""
+        return 0 if self.background is None else self.background.pending
+
+    def _wait_for_stores(self, loads: list[ChunkLoad]) -> None:
+        """CPU: wait (at most ``LOAD_WAIT_FOR_STORE_S`` in all) for the stores of the loads'
+        chunks still being coded (the engine's scheduler may count them held); a chunk still
+        not stored then fails to load and the engine recomputes it."""
+        from kvzip_vllm.core.cuda_pipeline import LOAD_WAIT_FOR_STORE_S
+
+        bg = self.background
+        waiting = list(dict.fromkeys(ld.key for ld in loads if bg.in_flight(ld.key)))
+        if not waiting:
+            return
+        self.store.stats.loads_waited_for_store += len(waiting)
+        deadline = time.monotonic() + LOAD_WAIT_FOR_STORE_S
+        for key in waiting:
+            bg.wait_for(key, max(0.0, deadline - time.monotonic()))
+
     def _read_pages(self, key: bytes, device):
         """Compact: ``(pages per layer, the sequence's sinks or None)`` of ``key``, checked;
         None when not held or damaged (dropped then)."""
@@ -239,12 +289,19 @@ class KvTier(TierTransfers):
         loads = [ld._replace(block_ids=as_ids(ld.block_ids)) for ld in map(_as_load, loads)]
         for ld in loads:
             self._check(ld.block_ids, ld.skip)
+        if self.background is not None:  # (before the shared tier is asked for them)
+            self._wait_for_stores(loads)
         fetched = self._fetch_shared(loads, res) if self.shared is not None else set()
         if self.pipeline is not None:
             self.wait({self._load_job[0]} if self._load_job else set())
             by_block = {b: ld for ld in loads for b in ld.block_ids[ld.skip :]}
             self._load_job = (job_id, by_block, res, fetched, t0)
             self.pipeline.start_loads([(ld.req_id, ld.key, ld.block_ids, ld.skip) for ld in loads])
+            return True
+        if self.decoder is not None:
+            self._decode_loads(loads, res, fetched)
+            self._finish_load(res, t0)
+            self._finished.append(res)
             return True
         for ld in loads:
             ok = False
@@ -267,6 +324,20 @@ class KvTier(TierTransfers):
         self._finish_load(res, t0)
         self._finished.append(res)
         return True
+
+    def _decode_loads(self, loads: list[ChunkLoad], res: TransferResult, fetched) -> None:
+        """CPU, bf16: the loads' chunks decoded on the decode pool, each scattered as it
+        comes (in order)."""
+        held = [ld.key in self.store for ld in loads]
+        decoded = self.decoder.decode([ld.key for ld, h in zip(loads, held, strict=True) if h])
+        for ld, h in zip(loads, held, strict=True):  # (failures reported in the loads' order)
+            outs = next(decoded)[1] if h else None
+            if outs is None:
+                self._fail(res, ld, fetched)
+                continue
+            self.scatter(ld.block_ids, outs, ld.skip)
+            res.hits[ld.req_id] = res.hits.get(ld.req_id, 0) + 1
+            res.tokens += (self.bpc - ld.skip) * self.layout.block_size
 
     def _load_pages(self, ld: ChunkLoad) -> bool:
         """Compact: one chunk's pages (and, for a sequence's first chunk written from its first
@@ -334,6 +405,9 @@ class KvTier(TierTransfers):
             self.pipeline.start_stores([(st.key, st.block_ids) for st in stores])
             self._collect()
             return True
+        if self.background is not None:
+            self._submit_background(job_id, stores, res)
+            return True
         compact = isinstance(self.layout, CompactPages)
         for st in stores:
             try:
@@ -369,6 +443,27 @@ class KvTier(TierTransfers):
         self._finished.append(res)
         return True
 
+    def _submit_background(self, job_id: int, stores: list[ChunkStore], res) -> None:
+        """CPU, bf16: the chunks' pages copied out of the cache (the blocks are free for reuse
+        once this returns), coded by the coder thread; the job finishes when they are done."""
+        want = set()
+        for st in stores:
+            try:
+                tensors = self.gather(st.block_ids)
+            except Exception:  # noqa: BLE001  (a chunk not stored is recomputed later)
+                logger.exception("kvzip tier: copying chunk %s failed", st.key[:4].hex())
+                self.store.stats.store_errors += 1
+                res.dropped.append(st.key)
+                res.success = False
+                continue
+            want.add(st.key)
+            self.background.submit(st.key, list(zip(tensors[0::2], tensors[1::2], strict=True)))
+        if want:
+            self._store_jobs[job_id] = (want, res)
+        else:
+            self._finished.append(res)
+        self._collect()
+
     def _share(self, keys: list[bytes]) -> None:
         """Queue chunks just stored locally for the shared store (never waits)."""
         if self.shared_writer is None:
@@ -384,9 +479,22 @@ class KvTier(TierTransfers):
             self.shared_writer.submit(key, blobs, entry.raw_bytes)
 
     def _collect(self) -> None:
-        """CUDA: the pipeline's finished stores, credited to their jobs (oldest first); keys
-        evicted to make room, to the oldest job still open (or a job of its own: -1)."""
-        stored, dropped = self.pipeline.collect()
+        """The finished stores (CUDA pipeline, CPU coder thread), credited to their jobs
+        (oldest first); keys evicted to make room, to the oldest job still open (or a job of
+        its own: -1)."""
+        if self.pipeline is not None:
+            stored, dropped = self.pipeline.collect()
+        elif self.background is not None:
+            bg, s = self.background, self.store.stats
+            stored, dropped = bg.collect()
+            errors = bg.errors  # (read once: the thread may count another meanwhile)
+            s.store_errors += errors - self._background_errors
+            self._background_errors = errors
+            s.store_busy_seconds = bg.busy_seconds
+            s.store_queue_peak_bytes = bg.peak_bytes
+            s.store_wait_seconds = bg.wait_seconds
+        else:
+            return
         self._share(stored)
         jobs = list(self._store_jobs.items())
         loose = TransferResult(-1, True)
@@ -409,16 +517,18 @@ class KvTier(TierTransfers):
 
     # -- polling --------------------------------------------------------------------------
     def get_finished(self) -> list[TransferResult]:
-        if self.pipeline is not None:
-            if self._load_job is not None:
-                self._finish_cuda_load()
-            self._collect()
+        if self.pipeline is not None and self._load_job is not None:
+            self._finish_cuda_load()
+        self._collect()
         done, self._finished = self._finished, []
         return done
 
     def wait(self, job_ids: set[int]) -> None:
-        if self.pipeline is None:
-            return  # the CPU path finishes every job as it is submitted
+        if self.pipeline is None:  # CPU: loads finish as submitted; stores on the coder
+            if self.background is not None and any(j in self._store_jobs for j in job_ids):
+                self.background.drain()
+                self._collect()
+            return
         if self._load_job is not None and self._load_job[0] in job_ids:
             self._finish_cuda_load()
         if any(j in self._store_jobs for j in job_ids):
@@ -429,8 +539,14 @@ class KvTier(TierTransfers):
         """Every store in flight held (or dropped) and collected."""
         if self.pipeline is not None:
             self.pipeline.drain()
-            self._collect()
+        if self.background is not None:
+            self.background.drain()
+        self._collect()
 
     def shutdown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+        if self.background is not None:
+            self.background.close()  # (finishes the stores queued)
+            self.decoder.close()
+            self._collect()

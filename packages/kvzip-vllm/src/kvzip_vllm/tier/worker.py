@@ -17,6 +17,10 @@ recomputation). The failures are known before any store of the step runs (CPU: l
 ``start_load_kv``; CUDA: ``wait_for_save`` finishes them first), so a block computed on a
 failed one is never in the store, and a wrong prefix is never served.
 
+Stores leave the step as soon as their pages are copied out (CPU: the core's coder thread;
+CUDA: the pipeline's store stream): a later step's ``build_connector_worker_meta`` reports
+them held or dropped; a load of a chunk still in flight waits for it in the core.
+
 With tensor parallelism each worker holds its own KV heads (its paged caches hold only
 those): it stores and restores its shard of each block under the scheduler's key made
 specific to its rank and world size (:meth:`KvzipWorker.shard_key`: the step's keys are
@@ -29,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -126,6 +131,7 @@ class KvzipWorker:
         self._job = 0  # transfer jobs submitted to the core
         self._load_job: int | None = None  # the step's load job (waited for before the forward)
         self._stats_dirty = False
+        self._stats_lock = threading.Lock()  # the step's thread and the core's coder thread
         self.world, self.rank = _tp_rank(vllm_config)
         if self.world > 1 and self.stats_path:  # one file per rank: stats.json -> stats.rank1.json
             root, ext = os.path.splitext(self.stats_path)
@@ -180,6 +186,11 @@ class KvzipWorker:
     def _cuda(self, pipeline) -> None:  # (tests run the pipeline on the CPU device)
         self.tier.pipeline = pipeline
 
+    @property
+    def _background(self):
+        """The core's CPU coder thread (None on the CUDA path and for compact pages)."""
+        return None if self.tier is None else self.tier.background
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
         compact = first.dtype == torch.uint8
@@ -217,6 +228,7 @@ class KvzipWorker:
             queue_bytes=self.settings.store_queue_bytes,
             shared=self.shared,
             shared_writer=self._shared_writer,
+            on_store_idle=self._write_stats,  # the stats file current on an idle server too
         )
 
     def _compact_layout(self, cache: torch.Tensor) -> pages.CompactPages:
@@ -280,8 +292,8 @@ class KvzipWorker:
         meta = self._shard_meta(meta)
         self._forget_seen(meta)
         if meta.drop:  # a rank refused these stores: this rank's shards may be wrong too
-            if self._cuda is not None:
-                self._cuda.drain()  # no store of a dropped key still in flight
+            if self.tier is not None:
+                self.tier.drain()  # no store of a dropped key still in flight
             for key in meta.drop:  # (not reported: the scheduler forgot them as it sent this)
                 self.store.drop(key)
                 self._logical.pop(key, None)
@@ -414,9 +426,13 @@ class KvzipWorker:
         self.tier.submit_store(
             self._job, [ChunkStore(st.key, st.ids, st.pos == 0) for st in stores]
         )
-        if self._cuda is not None:
-            return
+        if self._cuda is not None or self._background is not None:
+            return  # reported as they finish (build_connector_worker_meta)
         self._take_finished()
+        self._log_held()
+        self._write_stats()
+
+    def _log_held(self) -> None:
         s = self.store.stats
         logger.info(
             "kvzip tier: %d chunks held, %.2f MB (raw %.2f MB, ratio %.3f, %.3f with "
@@ -429,7 +445,6 @@ class KvzipWorker:
             s.table_bytes / 1e6,
             s.evictions,
         )
-        self._write_stats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_cuda_loads()  # loads no layer waited for
@@ -437,11 +452,13 @@ class KvzipWorker:
         return errors
 
     def build_connector_worker_meta(self) -> KvzipWorkerMetadata | None:
-        if self._cuda is not None:
+        if self._cuda is not None or self._background is not None:
             n = len(self._report.stored) + len(self._report.dropped)
             self._take_finished()
             changed = len(self._report.stored) + len(self._report.dropped) > n
-            if changed or self._stats_dirty or self._report.refused:
+            if changed and self._background is not None:
+                self._log_held()
+            if changed or self._stats_dirty or self._report.refused or self._report.failed_loads:
                 self._stats_dirty = False
                 self._write_stats()
         elif self._report.refused or self._report.failed_loads:
@@ -459,6 +476,8 @@ class KvzipWorker:
         """The tier's counters (also written to ``stats_path`` when set); with the shared
         tier, its ``shared_*`` counters too (this worker's calls)."""
         d = self.store.stats.as_dict()
+        if self._background is not None:  # chunks copied out of a step, still being coded
+            d["stores_in_flight"] = self.tier.stores_in_flight
         if self.shared is not None:
             d.update(self.shared.stats)
             d.update(self.tier.shared_counts if self.tier is not None else {})
@@ -469,10 +488,11 @@ class KvzipWorker:
     def _write_stats(self) -> None:
         if not self.stats_path:
             return
-        tmp = f"{self.stats_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.stats(), f, indent=1)
-        os.replace(tmp, self.stats_path)
+        with self._stats_lock:  # the step's thread and the core's coder thread
+            tmp = f"{self.stats_path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.stats(), f, indent=1)
+            os.replace(tmp, self.stats_path)
 
     def shutdown(self) -> None:
         if self.tier is not None:
