@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 KV_MEMORY_BYTES = 64 << 20
@@ -94,10 +95,30 @@ def main() -> int:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def settle() -> dict:
+        """The tier's stats once its stores are coded: the CPU tier codes them off the step,
+        and a load waits for a store still in flight only so long (LOAD_WAIT_FOR_STORE_S),
+        past which vLLM recomputes; the coder rewrites the file when its last store is done."""
+        if not ktc:
+            return {}
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if stats.exists():
+                try:
+                    s = json.loads(stats.read_text())
+                except ValueError:  # being rewritten
+                    s = None
+                if s is not None and not s.get("stores_in_flight"):
+                    return s
+            time.sleep(0.05)
+        raise TimeoutError(f"the tier's stores were still in flight after 300 s ({stats})")
+
     first = gen(ps)  # full prefills, one batch
     alone = [gen([p])[0] for p in ps]  # each alone: local prefix-cache hits
+    settle()  # every chunk of the first batch stored before the returns
     llm.reset_prefix_cache()
     again = [gen([p])[0] for p in ps]  # each alone: restored from the tier (or recomputed)
+    settle()
     cfg = llm.llm_engine.vllm_config
     cc = cfg.compilation_config
     res = {
