@@ -410,6 +410,23 @@ def write_md(path: Path, doc: dict) -> None:
             f"| {g['goal']} | {g['model']} | {g['context']} | {_fmt(g['value'])} | "
             f"{g['target']} | {_fmt(g['met'])} |"
         )
+    timed = [
+        e for e in doc["engines"] if ((e.get("tier") or {}).get("check") or {}).get("hook_seconds")
+    ]
+    if timed:
+        lines += [
+            "",
+            "Host seconds in the kvzip connector's hooks over the whole engine run (both roles, "
+            "warm-up included; `checker`: the benchmark's comparison, not the tier's), calls:",
+            "",
+        ]
+        for e in timed:
+            c = e["tier"]["check"]
+            top = sorted(c["hook_seconds"].items(), key=lambda kv: -kv[1])
+            lines.append(
+                f"- {e['model']}: "
+                + ", ".join(f"{k} {v:.3f} s ({c['hook_calls'].get(k, '-')})" for k, v in top)
+            )
     failed = [e for e in doc["engines"] if "error" in e]
     if failed:
         lines += ["", "Engines that did not finish:"]

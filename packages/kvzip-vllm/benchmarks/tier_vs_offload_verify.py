@@ -4,7 +4,9 @@ Like ``kvzip_gpu_verify.VerifyingKvzipConnector`` it keeps a device copy of ever
 tier is asked to store, as the forward computed it, and compares every block the tier
 restored with that copy, bit for bit; unlike it, the work is batched so that the times to
 first token it runs beside stay the tier's: one gather per layer per step for the step's new
-stores, one gather and one comparison per layer per step for the step's loads, and the count
+stores into a reference bank (one device tensor per layer), two gathers and one comparison
+per layer per step for the step's loads (no per-block views: about 4 launches per layer
+whatever the blocks restored), and the count
 of differing blocks stays on the device (no synchronisation) until :func:`counts` is read at
 the end of the run. The copies take as much GPU memory as the distinct chunks stored.
 
@@ -14,12 +16,50 @@ Worker side only (the engine runs in the benchmark's process: ``VLLM_ENABLE_V1_M
 
 from __future__ import annotations
 
+import functools
+import time
+from collections import defaultdict
+
 import torch
 
 from kvzip_vllm.connector import KvzipConnector
 
 #: the worker-side instances made in this process
 INSTANCES: list[CheckingKvzipConnector] = []
+
+#: host seconds and calls per connector hook, both roles of this process (scheduler and
+#: worker), the tier's part only: ``checker`` is the comparison's own host time, kept apart
+HOOK_SECONDS: dict[str, float] = defaultdict(float)
+HOOK_CALLS: dict[str, int] = defaultdict(int)
+
+#: the hooks vLLM calls on a connector every step (or every request)
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+)
+
+
+def _timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            HOOK_SECONDS[name] += time.perf_counter() - t0
+            HOOK_CALLS[name] += 1
+
+    return wrapper
 
 
 class CheckingKvzipConnector(KvzipConnector):
@@ -29,9 +69,16 @@ class CheckingKvzipConnector(KvzipConnector):
         if getattr(self, "worker", None) is not None:
             INSTANCES.append(self)
 
+    #: the reference bank's first capacity in blocks (then doubled as stores come)
+    BANK_MIN_ROWS = 64
+
     def _c_init(self) -> None:
         self._c_caches: list[torch.Tensor] = []
-        self._c_refs: dict[bytes, list[torch.Tensor]] = {}
+        # the reference bank: per layer one device tensor of stored blocks, rows appended
+        # (capacity doubled when full); a chunk's key gives the row of its first block
+        self._c_bank: list[torch.Tensor] = []
+        self._c_rows = 0
+        self._c_refs: dict[bytes, int] = {}
         self._c_differ: torch.Tensor | None = None
         self._c_checked = 0
         self._c_loads_unchecked = 0  # restored blocks of chunks never seen stored here
@@ -41,48 +88,77 @@ class CheckingKvzipConnector(KvzipConnector):
         self._c_caches = [kv_caches[name] for name in sorted(kv_caches)]
         self._c_differ = torch.zeros((), dtype=torch.int64, device=self._c_caches[0].device)
 
-    def _gather(self, ids: list[int]) -> list[torch.Tensor]:
-        idx = torch.tensor(ids, dtype=torch.long, device=self._c_caches[0].device)
-        return [c.index_select(0, idx) for c in self._c_caches]
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self._c_caches[0].device)
 
-    def wait_for_save(self):
+    def _append(self, ids: list[int]) -> int:
+        """Copy blocks ``ids`` of every layer into the bank; returns the first row used."""
+        need = self._c_rows + len(ids)
+        if not self._c_bank or need > self._c_bank[0].shape[0]:
+            cap = max(
+                need, 2 * (self._c_bank[0].shape[0] if self._c_bank else 0), self.BANK_MIN_ROWS
+            )
+            grown = []
+            for layer, c in enumerate(self._c_caches):
+                b = torch.empty((cap, *c.shape[1:]), dtype=c.dtype, device=c.device)
+                if self._c_bank:
+                    b[: self._c_rows].copy_(self._c_bank[layer][: self._c_rows])
+                grown.append(b)
+            self._c_bank = grown
+        idx = self._index(ids)
+        first = self._c_rows
+        for c, b in zip(self._c_caches, self._c_bank, strict=True):
+            torch.index_select(c, 0, idx, out=b[first:need])
+        self._c_rows = need
+        return first
+
+    def _c_wait_for_save(self):
         if self.has_connector_metadata() and self._c_caches:
             meta = self._get_connector_metadata()
             new = [st for st in getattr(meta, "stores", []) if st.key not in self._c_refs]
             if new:
-                got = self._gather([b for st in new for b in st.ids])
-                off = 0
+                first = self._append([b for st in new for b in st.ids])
                 for st in new:
-                    n = len(st.ids)
-                    self._c_refs[st.key] = [g[off : off + n] for g in got]
-                    off += n
-        return super().wait_for_save()
+                    self._c_refs[st.key] = first
+                    first += len(st.ids)
+
+    def wait_for_save(self):
+        t0 = time.perf_counter()
+        self._c_wait_for_save()
+        HOOK_SECONDS["checker"] += time.perf_counter() - t0
+        return _timed("wait_for_save", super().wait_for_save)()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = super().get_block_ids_with_load_errors()
+        errors = _timed("get_block_ids_with_load_errors", super().get_block_ids_with_load_errors)()
+        t0 = time.perf_counter()
+        self._c_check(errors)
+        HOOK_SECONDS["checker"] += time.perf_counter() - t0
+        return errors
+
+    def _c_check(self, errors: set[int]) -> None:
         if self.has_connector_metadata() and self._c_caches:
             meta = self._get_connector_metadata()
             ids: list[int] = []
-            refs: list[list[torch.Tensor]] = []
+            rows: list[int] = []
             for ld in getattr(meta, "loads", []):
-                chunk = self._c_refs.get(ld.key)
+                base = self._c_refs.get(ld.key)
                 for i, block_id in enumerate(ld.ids):
                     if i < ld.skip or block_id in errors:
                         continue
-                    if chunk is None:
+                    if base is None:
                         self._c_loads_unchecked += 1
                         continue
                     ids.append(block_id)
-                    refs.append([r[i] for r in chunk])
+                    rows.append(base + i)
             if ids:
-                got = self._gather(ids)
-                for layer, g in enumerate(got):
-                    want = torch.stack([r[layer] for r in refs])
+                got_idx, want_idx = self._index(ids), self._index(rows)
+                for c, b in zip(self._c_caches, self._c_bank, strict=True):
+                    got = c.index_select(0, got_idx)
+                    want = b.index_select(0, want_idx)
                     # bit for bit: the bytes, not the values (a NaN equals its copy here)
-                    diff = g.view(torch.uint8) != want.view(torch.uint8)
+                    diff = got.view(torch.uint8) != want.view(torch.uint8)
                     self._c_differ += diff.flatten(1).any(1).sum()
                 self._c_checked += len(ids)
-        return errors
 
     def counts(self) -> dict:
         """Blocks checked, differing (one synchronisation), and chunks copied."""
@@ -93,7 +169,15 @@ class CheckingKvzipConnector(KvzipConnector):
             "blocks_equal": self._c_checked - differ,
             "restored_blocks_without_copy": self._c_loads_unchecked,
             "chunks_copied": len(self._c_refs),
+            "hook_seconds": {k: round(v, 6) for k, v in sorted(HOOK_SECONDS.items())},
+            "hook_calls": dict(sorted(HOOK_CALLS.items())),
         }
+
+
+# the tier's own hooks, timed on the subclass (the two it overrides time their ``super()``)
+for _name in HOOKS:
+    if _name not in CheckingKvzipConnector.__dict__ and hasattr(KvzipConnector, _name):
+        setattr(CheckingKvzipConnector, _name, _timed(_name, getattr(KvzipConnector, _name)))
 
 
 def counts() -> dict | None:

@@ -254,6 +254,7 @@ def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
     conn.worker = _worker(chunk_tokens=2 * BS)
     conn._connector_metadata = None
     conn._c_init()
+    conn.BANK_MIN_ROWS = 2  # the second chunk stored grows the reference bank
     caches = _caches(5)
     conn.register_kv_caches(caches)
     key = bytes([7]) * 32
@@ -276,16 +277,27 @@ def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
     assert conn.counts()["chunks_copied"] == 1
     errors, _ = step(loads=[Load("b", key, (4, 5), 0, 1)], seen_report=1)  # block 4 held
     assert errors == set()
-    assert conn.counts() == {
+    c = conn.counts()
+    assert {k: c[k] for k in list(c)[:5]} == {
         "blocks_checked": 1,
         "blocks_differ": 0,
         "blocks_equal": 1,
         "restored_blocks_without_copy": 0,
         "chunks_copied": 1,
     }
+    # every hook the steps called is timed: the tier's part and the checker's apart
+    assert c["hook_calls"]["start_load_kv"] >= 2 and c["hook_calls"]["wait_for_save"] >= 2
+    assert c["hook_seconds"]["checker"] > 0
     errors, _ = step(loads=[Load("c", key, (8, 9), 0)], seen_report=1, damage=9)
     c = conn.counts()
     assert errors == set() and c["blocks_checked"] == 3 and c["blocks_differ"] == 1
     # a chunk the tier does not hold fails its load (vLLM recomputes it): nothing to check
     errors, _ = step(loads=[Load("d", bytes([8]) * 32, (10, 11), 0)], seen_report=1)
     assert errors == {10, 11} and conn.counts()["blocks_checked"] == 3
+    # a second chunk stored grows the bank (2 -> 4 rows); the first chunk's rows survive it
+    key2 = bytes([9]) * 32
+    _, report = step(stores=[Store("e", key2, (2, 3), 0)], seen_report=1)
+    assert conn.counts()["chunks_copied"] == 2 and conn._c_bank[0].shape[0] == 4
+    errors, _ = step(loads=[Load("f", key, (6, 7), 0), Load("g", key2, (10, 11), 0)], seen_report=2)
+    c = conn.counts()
+    assert errors == set() and c["blocks_checked"] == 7 and c["blocks_differ"] == 1
