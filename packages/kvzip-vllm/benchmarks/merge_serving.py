@@ -80,6 +80,8 @@ def merge(runs: list[dict]) -> dict:
             for i in fp8_calls
         }  # fmt: skip
         r["sessions_vs_fp8"] = r["decode_vs_fp8"] = 1.0
+        if r.get("step_tok_s"):
+            r["step_vs_fp8"] = r["per_user_vs_fp8"] = 1.0
     rows = fp8_rows + list(chosen.values())
     rows.sort(key=lambda r: (_order(r["format"]), r["context"]))
     measured = {r["format"] for r in rows}
@@ -122,8 +124,9 @@ def markdown(res: dict, command: str) -> str:
         lines += [f"Schedule of a call: {res['schedule']}.", ""]
     lines += [
         "| format | run | fp8 of run | context | KV tokens | sessions | vs fp8 | decode tok/s | "
-        "runs (range %) | vs fp8 | paired vs fp8 | ms/step | prefill tok/s | vs fp8 | runs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "runs (range %) | vs fp8 | paired vs fp8 | ms/step | at p50 step: tok/s | "
+        "runs (range %) | vs fp8 | per user vs fp8 | prefill tok/s | vs fp8 | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         sp = r.get("spread") or {}
@@ -134,9 +137,21 @@ def markdown(res: dict, command: str) -> str:
             f"{r.get('sessions_vs_fp8', '')} | {r.get('decode_tok_s', '')} | "
             f"{fmt_spread(sp.get('decode_tok_s'))} | {r.get('decode_vs_fp8', '')} | "
             f"{fmt_spread(r.get('decode_vs_fp8_paired'))} | {r.get('ms_per_step', '')} | "
+            f"{r.get('step_tok_s') or ''} | {fmt_spread(sp.get('step_tok_s'))} | "
+            f"{r.get('step_vs_fp8', '')} | {r.get('per_user_vs_fp8', '')} | "
             f"{r.get('prefill_tok_s', '') or ''} | {r.get('prefill_vs_fp8', '')} | "
             f"{n}{'' if n >= MIN_RUNS else ' (fewer than 3)'} |"
         )
+    lines += [
+        "",
+        "Two decode figures per run. `decode tok/s`: sessions x gen tokens over the time of a "
+        "generate of gen + 1 tokens less that of a generate of 1 token; each generate fills its "
+        "sessions again, so the fill's run-to-run variation (seconds, against a decode of about "
+        "3 s) enters the difference. `at p50 step`: sessions over the median engine step of the "
+        "decode (the fill and first token left out), the rate the sessions decode at; "
+        "`per user vs fp8` is its ratio over the sessions ratio (1.0: a user decodes as fast "
+        "as an fp8 user).",
+    ]
     drift = [r for r in res["rows"] if r.get("fp8_by_run")]
     if drift:
         lines += ["", "fp8 decode tok/s, median per call (drift between calls):", ""]

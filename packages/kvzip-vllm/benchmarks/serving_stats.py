@@ -144,6 +144,7 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
             )
         sp = {k: spread([r.get(k) for r in rs]) for k in ("decode_tok_s", "prefill_tok_s")}
         sp["ms_per_step"] = spread([r.get("ms_per_step") for r in rs])
+        sp["step_tok_s"] = spread([r.get("decode_tok_s_at_p50_step") for r in rs])
         row = {
             "format": fmt,
             "context": ctx,
@@ -151,6 +152,7 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
             "decode_tok_s": sp["decode_tok_s"]["median"],
             "prefill_tok_s": sp["prefill_tok_s"]["median"] if sp["prefill_tok_s"] else None,
             "ms_per_step": sp["ms_per_step"]["median"] if sp["ms_per_step"] else None,
+            "step_tok_s": sp["step_tok_s"]["median"] if sp["step_tok_s"] else None,
             "n_runs": len(rs),
             "complete": len(rs) >= MIN_RUNS,
         }
@@ -166,8 +168,11 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
 def add_ratios(rows: list[dict], baseline: str = "fp8") -> list[dict]:
     """Each row beside the baseline's row of its context (in place; rows without one are left
     as they are): ``sessions_vs_fp8``, ``kv_tokens_vs_fp8``, ``decode_vs_fp8`` and
-    ``prefill_vs_fp8`` (median over median), and ``decode_vs_fp8_paired``: the spread of the
-    per-repeat ratios (repeat i of the format over repeat i of the baseline)."""
+    ``prefill_vs_fp8`` (median over median), ``step_vs_fp8`` (the same for ``step_tok_s``:
+    sessions over the median engine step, which leaves out the fill that ``decode_tok_s``
+    subtracts), ``per_user_vs_fp8`` (``step_vs_fp8`` over ``sessions_vs_fp8``: one user's
+    speed), and ``decode_vs_fp8_paired``: the spread of the per-repeat ratios (repeat i of the
+    format over repeat i of the baseline)."""
     base = {r["context"]: r for r in rows if r["format"] == baseline}
     for r in rows:
         b = base.get(r["context"])
@@ -178,9 +183,12 @@ def add_ratios(rows: list[dict], baseline: str = "fp8") -> list[dict]:
             ("kv_tokens", "kv_tokens_vs_fp8"),
             ("decode_tok_s", "decode_vs_fp8"),
             ("prefill_tok_s", "prefill_vs_fp8"),
+            ("step_tok_s", "step_vs_fp8"),
         ):
             if r.get(k) and b.get(k):
                 r[name] = round(r[k] / b[k], 3)
+        if r.get("step_vs_fp8") and r.get("sessions_vs_fp8"):
+            r["per_user_vs_fp8"] = round(r["step_vs_fp8"] / r["sessions_vs_fp8"], 3)
         mine = {x.get("rep"): x["decode_tok_s"] for x in r.get("runs", ())}
         theirs = {x.get("rep"): x["decode_tok_s"] for x in b.get("runs", ())}
         pairs = [mine[i] / theirs[i] for i in sorted(set(mine) & set(theirs), key=str)]

@@ -107,6 +107,26 @@ def test_rows_are_medians_and_ratios_are_beside_fp8_run_by_run():
     assert "decode_vs_fp8_paired" not in by["fp8"] and by["fp8"]["decode_vs_fp8"] == 1.0
 
 
+def test_step_figures_are_sessions_over_the_median_step_beside_fp8_per_user():
+    # decode_tok_s subtracts two timed generates (each with its own fill): noisy; the step
+    # figure is sessions over the median engine step of each run
+    runs = [
+        _run("fp8", 131072, i, d, sessions=13, decode_tok_s_at_p50_step=s)
+        for i, (d, s) in enumerate([(262.9, 265.3), (283.6, 265.4), (284.5, 266.2)])
+    ] + [
+        _run("4bit", 131072, i, d, sessions=25, decode_tok_s_at_p50_step=s)
+        for i, (d, s) in enumerate([(645.4, 550.7), (545.9, 548.4), (557.9, 550.3)])
+    ]
+    by = {r["format"]: r for r in st.add_ratios(st.aggregate(runs))}
+    assert by["4bit"]["step_tok_s"] == 550.3 and by["fp8"]["step_tok_s"] == 265.4
+    assert by["4bit"]["spread"]["step_tok_s"]["rel_range"] == pytest.approx(2.3 / 550.3, abs=1e-4)
+    assert by["4bit"]["step_vs_fp8"] == round(550.3 / 265.4, 3)
+    assert by["4bit"]["per_user_vs_fp8"] == round(round(550.3 / 265.4, 3) / round(25 / 13, 3), 3)
+    # runs without step times: no step figure, no ratio
+    bare = st.add_ratios(st.aggregate([_run("fp8", 8, 0, 1.0), _run("4bit", 8, 0, 2.0)]))
+    assert all(r["step_tok_s"] is None and "step_vs_fp8" not in r for r in bare)
+
+
 def test_runs_of_different_fills_are_not_one_figure():
     with pytest.raises(ValueError, match="different sessions"):
         st.aggregate([_run("4bit", 32768, 0, 1.0, sessions=103), _run("4bit", 32768, 1, 1.0)])
