@@ -4,8 +4,8 @@ Like ``kvzip_gpu_verify.VerifyingKvzipConnector`` it keeps a device copy of ever
 tier is asked to store, as the forward computed it, and compares every block the tier
 restored with that copy, bit for bit; unlike it, the work is batched so that the times to
 first token it runs beside stay the tier's: one gather per layer per step for the step's new
-stores into a reference bank (one device tensor per layer), two gathers and one comparison
-per layer per step for the step's loads (no per-block views: about 4 launches per layer
+stores into a reference bank (segments of one device tensor per layer, never copied as it
+grows), two gathers and one comparison per layer per step and bank segment for the step's loads (no per-block views: about 4 launches per layer
 whatever the blocks restored), and the count
 of differing blocks stays on the device (no synchronisation) until :func:`counts` is read at
 the end of the run. The copies take as much GPU memory as the distinct chunks stored.
@@ -69,14 +69,16 @@ class CheckingKvzipConnector(KvzipConnector):
         if getattr(self, "worker", None) is not None:
             INSTANCES.append(self)
 
-    #: the reference bank's first capacity in blocks (then doubled as stores come)
-    BANK_MIN_ROWS = 64
+    #: rows (blocks) of one segment of the reference bank: the bank grows a segment at a time
+    #: and never copies what it holds (a bank that doubled needed its old and new copies at
+    #: once: at the 8B shape, 32 GB of stored blocks asked for 64 GB more and ran out)
+    SEGMENT_ROWS = 4096
 
     def _c_init(self) -> None:
         self._c_caches: list[torch.Tensor] = []
-        # the reference bank: per layer one device tensor of stored blocks, rows appended
-        # (capacity doubled when full); a chunk's key gives the row of its first block
-        self._c_bank: list[torch.Tensor] = []
+        # the reference bank: segments of SEGMENT_ROWS rows, each one device tensor per layer;
+        # rows are appended in order, a chunk's key gives the row of its first block
+        self._c_bank: list[list[torch.Tensor]] = []
         self._c_rows = 0
         self._c_refs: dict[bytes, int] = {}
         self._c_differ: torch.Tensor | None = None
@@ -91,24 +93,30 @@ class CheckingKvzipConnector(KvzipConnector):
     def _index(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self._c_caches[0].device)
 
+    def _by_segment(self, ids: list[int], rows: list[int]) -> dict[int, tuple[list, list]]:
+        """``(ids, rows)`` pairs grouped by the bank segment of the row: segment -> (ids,
+        offsets in the segment), in order."""
+        out: dict[int, tuple[list, list]] = {}
+        for i, r in zip(ids, rows, strict=True):
+            seg, off = divmod(r, self.SEGMENT_ROWS)
+            a, b = out.setdefault(seg, ([], []))
+            a.append(i)
+            b.append(off)
+        return out
+
     def _append(self, ids: list[int]) -> int:
         """Copy blocks ``ids`` of every layer into the bank; returns the first row used."""
-        need = self._c_rows + len(ids)
-        if not self._c_bank or need > self._c_bank[0].shape[0]:
-            cap = max(
-                need, 2 * (self._c_bank[0].shape[0] if self._c_bank else 0), self.BANK_MIN_ROWS
-            )
-            grown = []
-            for layer, c in enumerate(self._c_caches):
-                b = torch.empty((cap, *c.shape[1:]), dtype=c.dtype, device=c.device)
-                if self._c_bank:
-                    b[: self._c_rows].copy_(self._c_bank[layer][: self._c_rows])
-                grown.append(b)
-            self._c_bank = grown
-        idx = self._index(ids)
         first = self._c_rows
-        for c, b in zip(self._c_caches, self._c_bank, strict=True):
-            torch.index_select(c, 0, idx, out=b[first:need])
+        need = first + len(ids)
+        while len(self._c_bank) * self.SEGMENT_ROWS < need:
+            self._c_bank.append(
+                [torch.empty((self.SEGMENT_ROWS, *c.shape[1:]), dtype=c.dtype, device=c.device)
+                 for c in self._c_caches]
+            )  # fmt: skip
+        for seg, (blocks, offs) in self._by_segment(ids, list(range(first, need))).items():
+            idx, lo = self._index(blocks), offs[0]  # a segment's rows are consecutive
+            for c, b in zip(self._c_caches, self._c_bank[seg], strict=True):
+                torch.index_select(c, 0, idx, out=b[lo : lo + len(offs)])
         self._c_rows = need
         return first
 
@@ -150,15 +158,15 @@ class CheckingKvzipConnector(KvzipConnector):
                         continue
                     ids.append(block_id)
                     rows.append(base + i)
-            if ids:
-                got_idx, want_idx = self._index(ids), self._index(rows)
-                for c, b in zip(self._c_caches, self._c_bank, strict=True):
+            for seg, (got_ids, offs) in self._by_segment(ids, rows).items():
+                got_idx, want_idx = self._index(got_ids), self._index(offs)
+                for c, b in zip(self._c_caches, self._c_bank[seg], strict=True):
                     got = c.index_select(0, got_idx)
                     want = b.index_select(0, want_idx)
                     # bit for bit: the bytes, not the values (a NaN equals its copy here)
                     diff = got.view(torch.uint8) != want.view(torch.uint8)
                     self._c_differ += diff.flatten(1).any(1).sum()
-                self._c_checked += len(ids)
+            self._c_checked += len(ids)
 
     def counts(self) -> dict:
         """Blocks checked, differing (one synchronisation), and chunks copied."""

@@ -254,7 +254,7 @@ def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
     conn.worker = _worker(chunk_tokens=2 * BS)
     conn._connector_metadata = None
     conn._c_init()
-    conn.BANK_MIN_ROWS = 2  # the second chunk stored grows the reference bank
+    conn.SEGMENT_ROWS = 3  # the second chunk stored spans two segments of the reference bank
     caches = _caches(5)
     conn.register_kv_caches(caches)
     key = bytes([7]) * 32
@@ -294,10 +294,14 @@ def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
     # a chunk the tier does not hold fails its load (vLLM recomputes it): nothing to check
     errors, _ = step(loads=[Load("d", bytes([8]) * 32, (10, 11), 0)], seen_report=1)
     assert errors == {10, 11} and conn.counts()["blocks_checked"] == 3
-    # a second chunk stored grows the bank (2 -> 4 rows); the first chunk's rows survive it
+    # a second chunk stored (rows 2, 3) adds a segment; the first chunk's rows stay where they are
     key2 = bytes([9]) * 32
     _, report = step(stores=[Store("e", key2, (2, 3), 0)], seen_report=1)
-    assert conn.counts()["chunks_copied"] == 2 and conn._c_bank[0].shape[0] == 4
+    assert conn.counts()["chunks_copied"] == 2 and len(conn._c_bank) == 2
     errors, _ = step(loads=[Load("f", key, (6, 7), 0), Load("g", key2, (10, 11), 0)], seen_report=2)
     c = conn.counts()
     assert errors == set() and c["blocks_checked"] == 7 and c["blocks_differ"] == 1
+    # a wrong byte in a block whose reference lies in the second segment is caught there too
+    errors, _ = step(loads=[Load("h", key2, (0, 1), 0)], seen_report=2, damage=1)
+    c = conn.counts()
+    assert errors == set() and c["blocks_checked"] == 9 and c["blocks_differ"] == 2
