@@ -5,10 +5,10 @@ tier is asked to store, as the forward computed it, and compares every block the
 restored with that copy, bit for bit; unlike it, the work is batched so that the times to
 first token it runs beside stay the tier's: one gather per layer per step for the step's new
 stores into a reference bank (segments of one device tensor per layer, never copied as it
-grows), two gathers and one comparison per layer per step and bank segment for the step's loads (no per-block views: about 4 launches per layer
-whatever the blocks restored), and the count
-of differing blocks stays on the device (no synchronisation) until :func:`counts` is read at
-the end of the run. The copies take as much GPU memory as the distinct chunks stored.
+grows), two gathers and one comparison per layer per step and bank segment for the step's
+loads (no per-block views: about 4 launches per layer whatever the blocks restored), and the
+count of differing blocks stays on the device (no synchronisation) until :func:`counts` is
+read at the end of the run. The copies take as much GPU memory as the distinct chunks stored.
 
 Worker side only (the engine runs in the benchmark's process: ``VLLM_ENABLE_V1_MULTIPROCESSING
 =0``, one rank), found through :data:`INSTANCES`.
