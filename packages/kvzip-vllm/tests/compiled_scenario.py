@@ -89,10 +89,18 @@ def main() -> int:
     ids = tok(load_text())["input_ids"]
     n = args.prompt_tokens
     ps = [ids[5000 + i * n : 5000 + (i + 1) * n] for i in range(args.num_prompts)]
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    # the top-2 log-probs of every position too: where two runs part, whether the first
+    # token they differ in was a near-tie in both (bf16 rounding may pick either)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    logprobs: dict[str, list] = {}
 
-    def gen(batch):
+    def gen(batch, name=None):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        if name is not None:
+            logprobs[name] = [
+                [{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                for o in outs
+            ]
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def settle() -> dict:
@@ -113,8 +121,8 @@ def main() -> int:
             time.sleep(0.05)
         raise TimeoutError(f"the tier's stores were still in flight after 300 s ({stats})")
 
-    first = gen(ps)  # full prefills, one batch
-    alone = [gen([p])[0] for p in ps]  # each alone: local prefix-cache hits
+    first = gen(ps, "first")  # full prefills, one batch
+    alone = [gen([p], f"alone{i}")[0] for i, p in enumerate(ps)]  # local prefix-cache hits
     settle()  # every chunk of the first batch stored before the returns
     llm.reset_prefix_cache()
     again = [gen([p])[0] for p in ps]  # each alone: restored from the tier (or recomputed)
@@ -127,6 +135,10 @@ def main() -> int:
         "first": first,
         "alone": alone,
         "again": again,
+        "logprobs": {
+            "first": logprobs["first"],
+            "alone": [logprobs[f"alone{i}"][0] for i in range(len(ps))],
+        },
         "stats": json.loads(stats.read_text()) if stats.exists() else {},
         "compile": {
             "mode": str(cc.mode),

@@ -227,8 +227,13 @@ def test_served_window_reads_the_prompt_in_bf16_and_decodes_step_by_step(smollm2
     kl_stepped, _ = kl_positions(loaded, ref[T:], stepped)
     assert kl_served.mean() > 0  # the rows older than the window are read in the format
     assert kl_served.mean() < kl_eval.mean()
-    # measured 0.2% apart (0.00955 stepped, 0.00957 in one pass)
-    assert abs(kl_stepped.mean() - kl_served.mean()) < 0.02 * kl_served.mean()
+    # the step-by-step decode also reads the prompt's last rows in bf16: as close as one pass
+    assert kl_stepped.mean() < kl_eval.mean()
+    # two units in the last place of the hidden state move a position's KL by up to about
+    # 0.001 of 0.002-0.012 here, and the mean of 12 positions by a few percent: measured 0.2%
+    # apart on an AMD EPYC (0.00955 stepped, 0.00957 in one pass) and 3.9% on an Intel Xeon with
+    # AMX (0.0072, 0.0074; CI of 2026-12-03); allowed 10%
+    assert abs(kl_stepped.mean() - kl_served.mean()) < 0.10 * kl_served.mean()
 
 
 def _fake_run(work: Path, name: str, n=3, T=9, G=5, k=4, V=30, seed=4):
