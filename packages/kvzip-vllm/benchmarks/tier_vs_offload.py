@@ -427,6 +427,16 @@ def write_md(path: Path, doc: dict) -> None:
                 f"- {e['model']}: "
                 + ", ".join(f"{k} {v:.3f} s ({c['hook_calls'].get(k, '-')})" for k, v in top)
             )
+            st = e["tier"].get("stats_end") or {}
+            parts = ("restore_seconds", "load_submit_seconds", "load_host_seconds",
+                     "load_wait_seconds")  # fmt: skip
+            if all(k in st for k in parts):
+                lines.append(
+                    f"  - the tier's loads: restore {st['restore_seconds']:.3f} s (start of the "
+                    f"step's loads to the end of their wait), of which submit "
+                    f"{st['load_submit_seconds']:.3f} s, host start "
+                    f"{st['load_host_seconds']:.3f} s, wait {st['load_wait_seconds']:.3f} s"
+                )
     failed = [e for e in doc["engines"] if "error" in e]
     if failed:
         lines += ["", "Engines that did not finish:"]

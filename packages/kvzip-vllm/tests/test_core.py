@@ -124,7 +124,12 @@ def test_bf16_tier_restores_bit_exact_and_reports_what_it_cannot_serve():
     for c, b in zip(caches, before, strict=True):
         assert torch.equal(c[[6, 7]], b[[0, 1]])  # restored bit for bit
         assert torch.equal(c[8:], b[8:])  # the failed loads wrote nothing
-    assert tier.store.stats.load_errors == 2
+    st = tier.store.stats
+    assert st.load_errors == 2
+    # the load's time is counted where it went: submit_load as a whole (the CPU path restores
+    # inside it, so all of restore_seconds lies within it); the GPU path's parts stay 0 here
+    assert 0 < st.restore_seconds <= st.load_submit_seconds
+    assert st.load_host_seconds == st.load_wait_seconds == 0.0
 
 
 def test_cpu_stores_leave_the_call_at_once_and_loads_wait_for_them():
@@ -271,6 +276,11 @@ def test_the_cuda_pipeline_behind_the_same_interface():
         assert res.failed_blocks == {6} and [f.key for f in res.failed] == [b"\0" * 32]
         for c in caches:
             assert torch.equal(c[5], c[1])
+        # the load's parts: starting it (within submit_load) and waiting for it (after it)
+        st = tier.store.stats
+        assert 0 < st.load_host_seconds <= st.load_submit_seconds
+        assert 0 < st.load_wait_seconds
+        assert st.load_host_seconds + st.load_wait_seconds <= st.restore_seconds
     finally:
         tier.shutdown()
 

@@ -168,6 +168,8 @@ def test_restore_into_other_blocks_bit_exact(make, monkeypatch, device, layout, 
     assert (st.restore_hits, st.blocks_restored, st.tokens_restored) == (2, 4, 4 * n)
     assert st.raw_bytes_stored == len(src) * layers * 2 * n * heads * d * 2
     assert 0 < st.bytes_stored and st.restore_seconds > 0 and st.load_errors == 0
+    assert 0 < st.load_host_seconds and 0 < st.load_wait_seconds
+    assert st.load_host_seconds + st.load_wait_seconds <= st.restore_seconds
     assert st.bytes_held >= st.bytes_stored  # extents (and the batch plans) counted
     assert pipe.wait_loads() == set()  # idempotent
 

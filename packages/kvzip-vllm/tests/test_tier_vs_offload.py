@@ -236,6 +236,22 @@ def test_markdown_names_settings_rows_goals_and_failures(tmp_path):
     assert "| ttft_mean_kvzip_over_offload | 8b | all | 0.8 | <= 0.7 | False |" in text
     assert "smollm2 kvzip: 'boom'" in text
     json.dumps(doc)  # the JSON side serialises
+    # a kvzip engine with hook times: its hooks, slowest first, and its loads' parts
+    kv = next(e for e in engines if e["connector"] == "kvzip" and "error" not in e)
+    kv["tier"] = dict(
+        kv.get("tier") or {},
+        check={"hook_seconds": {"start_load_kv": 2.5, "checker": 0.25},
+               "hook_calls": {"start_load_kv": 51}},
+        stats_end={"restore_seconds": 1.3, "load_submit_seconds": 0.2,
+                   "load_host_seconds": 0.1, "load_wait_seconds": 0.9},
+    )  # fmt: skip
+    tvo.write_md(p, doc)
+    text = p.read_text()
+    assert "- 8b: start_load_kv 2.500 s (51), checker 0.250 s (-)" in text
+    assert (
+        "restore 1.300 s (start of the step's loads to the end of their wait), of which "
+        "submit 0.200 s, host start 0.100 s, wait 0.900 s" in text
+    )
 
 
 def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():

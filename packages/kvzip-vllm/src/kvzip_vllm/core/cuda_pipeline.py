@@ -252,6 +252,7 @@ class CudaTierPipeline:
         if good:
             self._start_batched(load, good, plans, records)
         load.host_s = time.perf_counter() - load.t0
+        self.store.stats.load_host_seconds += load.host_s
 
     def _wait_for_store(self, key: bytes, deadline: list[float]) -> bool:
         """Wait for ``key`` to be stored: a chunk stored by an earlier step and still coded in
@@ -281,6 +282,7 @@ class CudaTierPipeline:
         failed, self._carry = self._carry, set()
         if load is None:
             return failed
+        t_wait = time.perf_counter()
         failed |= load.failed
         self.last_host_s = {"start_loads": load.host_s, "plan": load.host_plan_s}
         self.last_copies = load.copies
@@ -334,6 +336,7 @@ class CudaTierPipeline:
         s.tokens_restored += tokens
         s.load_errors += len(load.dropped)  # one key per failed chunk
         s.restore_seconds += time.perf_counter() - load.t0
+        s.load_wait_seconds += time.perf_counter() - t_wait
         self._dropped.extend(load.dropped)
         return failed
 

@@ -242,6 +242,12 @@ class TierStats:
     blocks_restored: int = 0
     tokens_restored: int = 0
     restore_seconds: float = 0.0
+    # where a load's time goes: the whole of ``submit_load`` (every path); GPU path: the host
+    # part of starting the step's loads (leases, plans, copies and decodes launched) and
+    # ``wait_loads`` (the step's one sync and the scatter into the cache)
+    load_submit_seconds: float = 0.0
+    load_host_seconds: float = 0.0
+    load_wait_seconds: float = 0.0
     store_seconds: float = 0.0
     load_errors: int = 0  # chunks missing or failing their checksum at load: recomputed
     # chunks not stored because a chunk before them in their request failed to load this

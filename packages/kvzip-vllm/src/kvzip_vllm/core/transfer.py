@@ -285,6 +285,12 @@ class KvTier(TierTransfers):
 
     def submit_load(self, job_id: int, loads: list[ChunkLoad]) -> bool:
         t0 = time.perf_counter()
+        try:
+            return self._submit_load(job_id, loads, t0)
+        finally:
+            self.store.stats.load_submit_seconds += time.perf_counter() - t0
+
+    def _submit_load(self, job_id: int, loads: list[ChunkLoad], t0: float) -> bool:
         res = TransferResult(job_id, True)
         loads = [ld._replace(block_ids=as_ids(ld.block_ids)) for ld in map(_as_load, loads)]
         for ld in loads:
