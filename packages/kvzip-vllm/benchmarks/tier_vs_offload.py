@@ -437,6 +437,15 @@ def write_md(path: Path, doc: dict) -> None:
                     f"{st['load_submit_seconds']:.3f} s, host start "
                     f"{st['load_host_seconds']:.3f} s, wait {st['load_wait_seconds']:.3f} s"
                 )
+            calls = c.get("load_calls") or []
+            if calls:
+                walls = sorted(w for w, _, _ in calls)
+                cpus = sorted(x for _, x, _ in calls)
+                lines.append(
+                    f"  - `start_load_kv` with loads: {len(calls)} calls, wall median "
+                    f"{walls[len(walls) // 2] * 1e3:.1f} ms (max {walls[-1] * 1e3:.1f}), this "
+                    f"thread's CPU median {cpus[len(cpus) // 2] * 1e3:.1f} ms"
+                )
     failed = [e for e in doc["engines"] if "error" in e]
     if failed:
         lines += ["", "Engines that did not finish:"]

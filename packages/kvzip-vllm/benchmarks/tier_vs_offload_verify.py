@@ -16,7 +16,11 @@ Worker side only (the engine runs in the benchmark's process: ``VLLM_ENABLE_V1_M
 
 from __future__ import annotations
 
+import cProfile
 import functools
+import io
+import os
+import pstats
 import time
 from collections import defaultdict
 
@@ -31,6 +35,14 @@ INSTANCES: list[CheckingKvzipConnector] = []
 #: worker), the tier's part only: ``checker`` is the comparison's own host time, kept apart
 HOOK_SECONDS: dict[str, float] = defaultdict(float)
 HOOK_CALLS: dict[str, int] = defaultdict(int)
+
+#: every ``start_load_kv`` call with loads: (wall seconds, this thread's CPU seconds, chunks
+#: loaded): a wall time far above the CPU time is a wait (a device sync, a lock, the GIL)
+LOAD_CALLS: list[tuple[float, float, int]] = []
+
+#: ``KVZIP_TVO_PROFILE=1``: those calls also run under cProfile (this thread only), its
+#: top functions by cumulative time reported in :func:`counts` (``load_profile``)
+PROFILE = cProfile.Profile() if os.environ.get("KVZIP_TVO_PROFILE") == "1" else None
 
 #: the hooks vLLM calls on a connector every step (or every request)
 HOOKS = (
@@ -130,6 +142,23 @@ class CheckingKvzipConnector(KvzipConnector):
                     self._c_refs[st.key] = first
                     first += len(st.ids)
 
+    def start_load_kv(self, forward_context, **kwargs):
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        n = len(getattr(meta, "loads", ()) or ())
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            if n and PROFILE is not None:
+                PROFILE.enable()
+            return super().start_load_kv(forward_context, **kwargs)
+        finally:
+            if n and PROFILE is not None:
+                PROFILE.disable()
+            wall = time.perf_counter() - t0
+            HOOK_SECONDS["start_load_kv"] += wall
+            HOOK_CALLS["start_load_kv"] += 1
+            if n:
+                LOAD_CALLS.append((wall, time.thread_time() - c0, n))
+
     def wait_for_save(self):
         t0 = time.perf_counter()
         self._c_wait_for_save()
@@ -179,6 +208,8 @@ class CheckingKvzipConnector(KvzipConnector):
             "chunks_copied": len(self._c_refs),
             "hook_seconds": {k: round(v, 6) for k, v in sorted(HOOK_SECONDS.items())},
             "hook_calls": dict(sorted(HOOK_CALLS.items())),
+            "load_calls": [[round(w, 6), round(c, 6), n] for w, c, n in LOAD_CALLS],
+            "load_profile": _profile_top(),
         }
 
 
@@ -186,6 +217,15 @@ class CheckingKvzipConnector(KvzipConnector):
 for _name in HOOKS:
     if _name not in CheckingKvzipConnector.__dict__ and hasattr(KvzipConnector, _name):
         setattr(CheckingKvzipConnector, _name, _timed(_name, getattr(KvzipConnector, _name)))
+
+
+def _profile_top(lines: int = 45) -> list[str] | None:
+    """The profiled loads' top functions by cumulative time (None: not profiled)."""
+    if PROFILE is None:
+        return None
+    buf = io.StringIO()
+    pstats.Stats(PROFILE, stream=buf).sort_stats("cumulative").print_stats(lines)
+    return [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()]
 
 
 def counts() -> dict | None:
