@@ -3,12 +3,13 @@
 Like ``kvzip_gpu_verify.VerifyingKvzipConnector`` it keeps a device copy of every chunk the
 tier is asked to store, as the forward computed it, and compares every block the tier
 restored with that copy, bit for bit; unlike it, the work is batched so that the times to
-first token it runs beside stay the tier's: one gather per layer per step for the step's new
-stores into a reference bank (segments of one device tensor per layer, never copied as it
-grows), two gathers and one comparison per layer per step and bank segment for the step's
-loads (no per-block views: about 4 launches per layer whatever the blocks restored), and the
-count of differing blocks stays on the device (no synchronisation) until :func:`counts` is
-read at the end of the run. The copies take as much GPU memory as the distinct chunks stored.
+first token it runs beside stay the tier's: the step's new stores are copied into a reference
+bank (segments of one device tensor ``[rows, layers, *block]``, never copied as it grows);
+the step's loads are checked with one gather per layer into one stacked tensor, one gather of
+the bank and one comparison per bank segment (about layers + 6 launches a step whatever the
+blocks restored, block ids uploaded without a synchronisation), and the count of differing
+blocks stays on the device until :func:`counts` is read at the end of the run. The copies
+take as much GPU memory as the distinct chunks stored.
 
 Worker side only (the engine runs in the benchmark's process: ``VLLM_ENABLE_V1_MULTIPROCESSING
 =0``, one rank), found through :data:`INSTANCES`.
@@ -88,9 +89,9 @@ class CheckingKvzipConnector(KvzipConnector):
 
     def _c_init(self) -> None:
         self._c_caches: list[torch.Tensor] = []
-        # the reference bank: segments of SEGMENT_ROWS rows, each one device tensor per layer;
-        # rows are appended in order, a chunk's key gives the row of its first block
-        self._c_bank: list[list[torch.Tensor]] = []
+        # the reference bank: segments of SEGMENT_ROWS rows, each one device tensor [rows,
+        # layers, *block]; rows are appended in order, a chunk's key gives its first block's
+        self._c_bank: list[torch.Tensor] = []
         self._c_rows = 0
         self._c_refs: dict[bytes, int] = {}
         self._c_differ: torch.Tensor | None = None
@@ -103,7 +104,9 @@ class CheckingKvzipConnector(KvzipConnector):
         self._c_differ = torch.zeros((), dtype=torch.int64, device=self._c_caches[0].device)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=self._c_caches[0].device)
+        """``ids`` on the caches' device, through page-locked memory on CUDA (no sync)."""
+        t, device = torch.tensor(ids, dtype=torch.long), self._c_caches[0].device
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
     def _by_segment(self, ids: list[int], rows: list[int]) -> dict[int, tuple[list, list]]:
         """``(ids, rows)`` pairs grouped by the bank segment of the row: segment -> (ids,
@@ -120,15 +123,15 @@ class CheckingKvzipConnector(KvzipConnector):
         """Copy blocks ``ids`` of every layer into the bank; returns the first row used."""
         first = self._c_rows
         need = first + len(ids)
+        c0 = self._c_caches[0]
         while len(self._c_bank) * self.SEGMENT_ROWS < need:
-            self._c_bank.append(
-                [torch.empty((self.SEGMENT_ROWS, *c.shape[1:]), dtype=c.dtype, device=c.device)
-                 for c in self._c_caches]
-            )  # fmt: skip
+            shape = (self.SEGMENT_ROWS, len(self._c_caches), *c0.shape[1:])
+            self._c_bank.append(torch.empty(shape, dtype=c0.dtype, device=c0.device))
         for seg, (blocks, offs) in self._by_segment(ids, list(range(first, need))).items():
             idx, lo = self._index(blocks), offs[0]  # a segment's rows are consecutive
-            for c, b in zip(self._c_caches, self._c_bank[seg], strict=True):
-                torch.index_select(c, 0, idx, out=b[lo : lo + len(offs)])
+            rows = self._c_bank[seg][lo : lo + len(offs)]
+            for layer, c in enumerate(self._c_caches):
+                rows[:, layer].copy_(c.index_select(0, idx))
         self._c_rows = need
         return first
 
@@ -189,12 +192,11 @@ class CheckingKvzipConnector(KvzipConnector):
                     rows.append(base + i)
             for seg, (got_ids, offs) in self._by_segment(ids, rows).items():
                 got_idx, want_idx = self._index(got_ids), self._index(offs)
-                for c, b in zip(self._c_caches, self._c_bank[seg], strict=True):
-                    got = c.index_select(0, got_idx)
-                    want = b.index_select(0, want_idx)
-                    # bit for bit: the bytes, not the values (a NaN equals its copy here)
-                    diff = got.view(torch.uint8) != want.view(torch.uint8)
-                    self._c_differ += diff.flatten(1).any(1).sum()
+                got = torch.stack([c.index_select(0, got_idx) for c in self._c_caches], 1)
+                want = self._c_bank[seg].index_select(0, want_idx)
+                # bit for bit: the bytes, not the values (a NaN equals its copy here)
+                diff = got.view(torch.uint8) != want.view(torch.uint8)
+                self._c_differ += diff.flatten(1).any(1).sum()
             self._c_checked += len(ids)
 
     def counts(self) -> dict:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kvzip_lossless
 from kvzip_vllm import support
 from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
 
@@ -306,17 +307,27 @@ def test_scheduler_rewinds_and_stores_again_after_a_refusal():
     assert [(s.key, s.pos) for s in meta.stores] == [(keys[2], 2), (keys[3], 3)]
 
 
-def test_the_cuda_path_refuses_the_same_stores():
+@pytest.mark.parametrize("device_scatter", [True, False], ids=["device-scatter", "torch-scatter"])
+def test_the_cuda_path_refuses_the_same_stores(device_scatter):
     """The worker on the CUDA tier pipeline (run on the CPU device, Triton interpreted): a
     damaged entry fails its load in ``wait_loads``, and the stores computed on it are refused
-    before they reach the store thread."""
+    before they reach the store thread. With the chunks written on the device (CUDA's
+    default), the forward is ordered after them with no host wait: the load is finished, and
+    its damage found, in ``wait_for_save``."""
     from kvzip_vllm.cuda_pipeline import CudaTierPipeline
     from kvzip_vllm.tier.metadata import Load, Store
 
     w = _worker()
     caches = _caches(1)
     w.register_kv_caches(caches)
-    w._cuda = CudaTierPipeline(w.store, [c for _, c in w.layers], BS)
+    w._cuda = CudaTierPipeline(w.store, [c for _, c in w.layers], BS, device_scatter=device_scatter)
+    # a table set (fitted on the caches' first blocks): entries batch-planned, as on the GPU
+    window = [
+        tuple(c[:3].permute(0, 2, 1, 3)[..., h].reshape(-1, HEADS, HEAD).contiguous()
+              for h in (slice(0, HEAD), slice(HEAD, None)))
+        for _, c in w.layers
+    ]  # fmt: skip
+    w.store.set_tables(kvzip_lossless.build_kv_tables([window]), 3 * BS)
     try:
         keys = [bytes([i]) * 32 for i in range(6)]
         w.wait_for_save(_meta(stores=[Store("a", keys[i], i, i) for i in range(3)]))
@@ -331,7 +342,10 @@ def test_the_cuda_path_refuses_the_same_stores():
         meta = _meta(loads=loads, stores=stores, req_blocks={"b": [4, 5, 6, 7], "d": [9]})
         w.start_load_kv(meta)
         w.wait_for_layer_load("model.layers.0.self_attn.attn")
+        w.wait_for_layer_load("model.layers.1.self_attn.attn")
+        assert (w._cuda._load is not None) is device_scatter  # still to be waited for
         w.wait_for_save(meta)
+        assert w._cuda._load is None
         assert w.get_block_ids_with_load_errors() == {6}
         w._cuda.drain()
         rep = w.build_connector_worker_meta()

@@ -124,13 +124,21 @@ def make(request):
     pipes = []
 
     def build(
-        device, layout="LBNHC", budget=1 << 30, tables="calibrated", queue_bytes=2 << 30, bpc=1
+        device,
+        layout="LBNHC",
+        budget=1 << 30,
+        tables="calibrated",
+        queue_bytes=2 << 30,
+        bpc=1,
+        device_scatter=None,
     ):
         layers, heads, n, d = SHAPES[device]
         buf, caches = paged_caches(layers, heads, n, d, device, layout)
         ts = calibrated_tables(layers, heads, d) if tables == "calibrated" else None
         store = BlockStore(budget, tables=ts, fit_tokens=2 * n if tables == "fit" else 0)
-        pipe = CudaTierPipeline(store, caches, n, bpc, queue_bytes=queue_bytes)
+        pipe = CudaTierPipeline(
+            store, caches, n, bpc, queue_bytes=queue_bytes, device_scatter=device_scatter
+        )
         pipes.append(pipe)
         return buf, caches, store, pipe
 
@@ -139,13 +147,22 @@ def make(request):
         pipe.close()
 
 
+#: the batched chunks' writes: one masked launch on the device before the host reads the flags
+#: (core.scatter, the CUDA default), or torch after it has
+SCATTERS = [True, False]
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device_scatter", SCATTERS, ids=["device-scatter", "torch-scatter"])
 @pytest.mark.parametrize(
     "layout,tables", [("LBNHC", "calibrated"), ("BLNHC", "fit"), ("LBHNC", "embedded")]
 )
-def test_restore_into_other_blocks_bit_exact(make, monkeypatch, device, layout, tables):
+def test_restore_into_other_blocks_bit_exact(
+    make, monkeypatch, device, layout, tables, device_scatter
+):
     monkeypatch.setattr(cuda_pipeline, "BLOCKS_PER_GROUP", 2)  # two copy/decode block groups
-    buf, caches, store, pipe = make(device, layout, tables=tables)
+    buf, caches, store, pipe = make(device, layout, tables=tables, device_scatter=device_scatter)
+    assert pipe.device_scatter is device_scatter
     fill(caches, seed=1)
     want = [c.clone() for c in caches]
     src = [1, 3, 4, 7]
@@ -158,6 +175,9 @@ def test_restore_into_other_blocks_bit_exact(make, monkeypatch, device, layout, 
     dst = [0, 2, 9, 11]
     loads = [("r1", key(1), 0), ("r1", key(3), 2), ("r2", key(4), 9), ("r2", key(7), 11)]
     pipe.start_loads(loads)
+    # ordered without a host wait only where the chunks are written on the device (the
+    # embedded-table entries are decoded one by one, written by wait_loads)
+    assert pipe.order_loads() is (device_scatter and tables != "embedded")
     assert pipe.wait_loads() == set()
     for s, d in zip(src, dst, strict=True):
         assert_block_equal(caches, d, want, s)
@@ -175,8 +195,9 @@ def test_restore_into_other_blocks_bit_exact(make, monkeypatch, device, layout, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_damaged_or_missing_blocks_refused(make, device):
-    buf, caches, store, pipe = make(device)
+@pytest.mark.parametrize("device_scatter", SCATTERS, ids=["device-scatter", "torch-scatter"])
+def test_damaged_or_missing_blocks_refused(make, device, device_scatter):
+    buf, caches, store, pipe = make(device, device_scatter=device_scatter)
     fill(caches, seed=2)
     want = [c.clone() for c in caches]
     store_blocks(pipe, [(key(i), i) for i in (0, 1, 2, 3)])
@@ -192,6 +213,7 @@ def test_damaged_or_missing_blocks_refused(make, device):
     buf.view(torch.int16).fill_(-1)
     loads = [("a", key(0), 5), ("a", key(1), 6), ("a", key(2), 7), ("b", key(9), 8)]
     pipe.start_loads([*loads, ("c", key(3), 10)])
+    assert pipe.order_loads() is device_scatter  # (the damage is not known on the host yet)
     assert pipe.wait_loads() == {6, 8, 10}
     assert_block_equal(caches, 5, want, 0)
     assert_block_equal(caches, 7, want, 2)

@@ -49,6 +49,7 @@ import torch
 
 import kvzip_lossless
 from kvzip_formats import settings as table
+from kvzip_vllm.core import scatter
 from kvzip_vllm.core.blocks import as_ids
 from kvzip_vllm.core.pages import Bf16Pages
 from kvzip_vllm.core.store import BlockStore
@@ -75,6 +76,13 @@ class _Load:
     leased: list = field(default_factory=list)  # store entries read by the step's copies
     single: list = field(default_factory=list)  # chunks decoded one by one: (load, outputs)
     copies: int = 0  # host-to-device copies issued for the step's records
+    # the batched chunks written on the device (core.scatter), the flags' host copy and the
+    # event after both (None: written by wait_loads on the host's reading of the flags)
+    scattered: bool = False
+    flags_host: torch.Tensor | None = None
+    done: object = None
+    ordered: bool = False  # the compute stream waits for the step's writes (order_loads)
+    t_ordered: float = 0.0
     host_plan_s: float = 0.0  # host time: the step's offsets over the plans (numpy)
     host_s: float = 0.0  # host time of start_loads (lookups, plan, copies and launches)
 
@@ -145,6 +153,7 @@ class CudaTierPipeline:
         queue_bytes: int | None = None,
         spill_bytes: int | None = None,
         layout: Bf16Pages | None = None,
+        device_scatter: bool | None = None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -160,6 +169,16 @@ class CudaTierPipeline:
         _, h, n, c = caches[0].shape
         self.block_shape = (n * bpc, h, c // 2)  # token-major [chunk_tokens, kv_heads, head]
         cuda = self.device.type == "cuda"
+        # the batched chunks written by one masked launch on the decode stream (core.scatter):
+        # no host synchronisation before the forward (the default on CUDA); else by torch
+        # after the host has read the flags
+        why = scatter.supported(caches) if self.layout.k_index is None else "a CPU page order"
+        if device_scatter is None:
+            device_scatter = cuda and why is None
+        elif device_scatter and why is not None:
+            raise ValueError(f"device_scatter: not for these caches ({why})")
+        self.device_scatter = device_scatter
+        self._bases = scatter.layer_pointers(caches) if device_scatter else None
         if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
             logger.info("kvzip tier: GPU coder %s", kvzip_lossless.coder(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)
@@ -292,9 +311,15 @@ class CudaTierPipeline:
         try:
             if load.blocks:
                 n, b = len(load.blocks), self.bpc
-                if self.decode_stream is not None:
+                if self.decode_stream is not None and not load.ordered:
                     torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
-                bad = load.flags.cpu().numpy()  # the step's one sync
+                if load.done is not None:  # written on the device: only the flags to read
+                    load.done.synchronize()  # the step's one sync (the decode stream only)
+                    bad = load.flags_host.numpy()
+                elif load.scattered:
+                    bad = load.flags_host.numpy()
+                else:
+                    bad = load.flags.cpu().numpy()  # the step's one sync
                 for j in np.flatnonzero(bad):
                     _, key, ids, skip = load.blocks[j]
                     logger.warning(
@@ -312,7 +337,7 @@ class CudaTierPipeline:
                     dest.extend(ids[skip:])
                     hits[req_id] = hits.get(req_id, 0) + 1
                     tokens += (b - skip) * self.block_size
-                if rows:
+                if rows and not load.scattered:
                     out = load.out.view(load.out.shape[0], n * b, self.block_size,
                                         *self.block_shape[1:])  # fmt: skip
                     if rows != list(range(n * b)):
@@ -335,8 +360,13 @@ class CudaTierPipeline:
         s.blocks_restored += sum(hits.values())
         s.tokens_restored += tokens
         s.load_errors += len(load.dropped)  # one key per failed chunk
-        s.restore_seconds += time.perf_counter() - load.t0
-        s.load_wait_seconds += time.perf_counter() - t_wait
+        t_end = time.perf_counter()
+        # (loads ordered before the forward: start to ordered, then the wait for the flags;
+        # the forward's own host time between them is not the restore's)
+        s.restore_seconds += (
+            (load.t_ordered - load.t0) + (t_end - t_wait) if load.ordered else t_end - load.t0
+        )
+        s.load_wait_seconds += t_end - t_wait
         self._dropped.extend(load.dropped)
         return failed
 
@@ -658,11 +688,54 @@ class CudaTierPipeline:
                     self.decode_stream.wait_event(events[g])
                 bads.append(preps[g].run()[1])
             load.flags = torch.cat(bads).view(n, S).amax(1)  # per chunk, on the device
+            if self.device_scatter:
+                self._scatter_on_device(load, good, out)
         load.out = out
         # (the prepared decodes' buffers, allocated on the copy or the decode stream and read
         # on the decode stream: held until the step's sync in wait_loads)
         load.keep += [blob_dev, records, preps]
         load.host_s = time.perf_counter() - load.t0
+
+    def _scatter_on_device(self, load: _Load, good, out: torch.Tensor) -> None:
+        """On the decode stream (current): the step's decoded chunks written into the caches
+        by one masked launch (a chunk whose flag is set is not written), the flags copied to
+        the host behind it, and an event after both; nothing here waits."""
+        b = self.bpc
+        plan = [
+            (j * b + i, ids[i], j)
+            for j, (_, _, ids, skip) in enumerate(good)
+            for i in range(skip, b)
+        ]  # fmt: skip
+        host = torch.tensor(plan, dtype=torch.int64).T.contiguous()  # [3, R]
+        cuda = self.device.type == "cuda"
+        dev = host.pin_memory().to(self.device, non_blocking=True) if cuda else host
+        rows = out.view(out.shape[0], len(good) * b, self.block_size, *self.block_shape[1:])
+        flags = load.flags.to(torch.int32)
+        scatter.masked_scatter(rows, self.caches, self._bases, dev, flags)
+        if cuda:
+            load.flags_host = torch.empty(flags.shape, dtype=torch.int32, pin_memory=True)
+            load.flags_host.copy_(flags, non_blocking=True)
+            load.done = torch.cuda.Event()
+            load.done.record()
+        else:
+            load.flags_host = flags
+        load.keep += [dev, flags]
+        load.scattered = True
+
+    def order_loads(self) -> bool:
+        """Make the compute stream wait for the started loads' writes into the caches without
+        waiting on the host (their failures are read later, by :meth:`wait_loads`, before the
+        step's stores). False when the loads' writes need :meth:`wait_loads` first: chunks
+        decoded one by one, or written by torch after the host has read the flags."""
+        load = self._load
+        if load is None or load.ordered:
+            return True
+        if load.single or (load.blocks and not load.scattered):
+            return False
+        if self.decode_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
+        load.ordered, load.t_ordered = True, time.perf_counter()
+        return True
 
     def _store_batched(self, keys: list[bytes], staged) -> None:
         """Code a store job's chunks with one ``kvzip_lossless.encode_batch`` call (every

@@ -108,6 +108,14 @@ class TierTransfers(ABC):
     def wait(self, job_ids: set[int]) -> None:
         """Block until the jobs ``job_ids`` are finished (loads: their blocks are written)."""
 
+    def ready(self, job_ids: set[int]) -> None:
+        """Order the caller's device work after the loads ``job_ids``' writes into the cache
+        (the engine's forward reads them next). A transfer that writes on the device may do
+        it without a host wait, its failures reported by a later :meth:`wait` or
+        :meth:`get_finished` (before anything computed on them is stored); by default it is
+        :meth:`wait`."""
+        self.wait(job_ids)
+
     def shutdown(self) -> None:
         return
 
@@ -528,6 +536,13 @@ class KvTier(TierTransfers):
         self._collect()
         done, self._finished = self._finished, []
         return done
+
+    def ready(self, job_ids: set[int]) -> None:
+        job = self._load_job
+        if self.pipeline is not None and job is not None and job[0] in job_ids:
+            if self.pipeline.order_loads():  # written on the device: no host wait
+                return
+        self.wait(job_ids)
 
     def wait(self, job_ids: set[int]) -> None:
         if self.pipeline is None:  # CPU: loads finish as submitted; stores on the coder

@@ -130,6 +130,7 @@ class KvzipWorker:
         self._bad_blocks: dict[int, int] = {}  # block id -> report
         self._job = 0  # transfer jobs submitted to the core
         self._load_job: int | None = None  # the step's load job (waited for before the forward)
+        self._load_ready = False  # the forward is ordered after the load job's writes
         self._stats_dirty = False
         self._stats_lock = threading.Lock()  # the step's thread and the core's coder thread
         self.world, self.rank = _tp_rank(vllm_config)
@@ -302,7 +303,7 @@ class KvzipWorker:
         self._job += 1
         loads = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in meta.loads]
         self._loads = {(ld.req_id, ld.key): ld for ld in meta.loads}
-        self._load_job = self._job
+        self._load_job, self._load_ready = self._job, False
         self.tier.submit_load(self._job, loads)
         if self._cuda is not None:
             self._stats_dirty = True
@@ -381,10 +382,16 @@ class KvzipWorker:
         if self._load_job is not None:  # the step's loads written (or failed); never the
             self.tier.wait({self._load_job})  # stores: they are coded in the background
             self._load_job = None
+            self._load_ready = False
         self._take_finished()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._finish_cuda_loads()
+        # the forward reads the step's restored blocks after their writes (on the device:
+        # no host wait where the pipeline writes them there); their failures are taken in
+        # wait_for_save, before the step's stores
+        if self._cuda is not None and self._load_job is not None and not self._load_ready:
+            self.tier.ready({self._load_job})
+            self._load_ready = True
 
     def _admit(self, meta: KvzipConnectorMetadata) -> list[Store]:
         """The step's stores that depend on no failed load; the others are refused."""
