@@ -16,6 +16,7 @@
 #   gpu_session.sh serve     # serve_h200.py: `vllm serve` with the tier and 4bit+r128 (.whl carried: serve_wheels.sh)
 #   gpu_session.sh offload   # tier_vs_offload.py: the tier beside vLLM's OffloadingConnector, same CPU bytes and traffic (.carry/smollm2/p1 carried)
 #   gpu_session.sh compacttier  # the tier core's CUDA paths and compact pages in the tier (test_cuda_pipeline, test_core, test_compact_tier)
+#   gpu_session.sh scatter   # the CUDA pipeline's tests with both scatters, and core/scatter.py's (masked launch)
 #   gpu_session.sh fixedcost # fixed_cost.py: a returning 6,000-token SmolLM2 prompt restored vs recomputed, call by call (.carry/smollm2 carried)
 #   gpu_session.sh tp2       # nvidia-h200-x2: the tier and the compact backend at TP = 2 (not yet run)
 #   gpu_session.sh tp2serving  # nvidia-h200-x2: bench_serving.py --tp 2, fp8 and 4bit at 32k (not yet run)
@@ -177,6 +178,12 @@ offload)
   timeout ${OFFLOAD_LIMIT_S:-530} python3 $R/kvzip-vllm/benchmarks/tier_vs_offload.py --out $RES \
     --name ${OFFLOAD_NAME:-tier_vs_offload_h200} --models $models $pieces \
     --deadline-s ${OFFLOAD_DEADLINE_S:-490} ${OFFLOAD_ARGS:-} 2>&1 | tee $RES/offload.log | tail -45
+  ;;
+scatter)
+  env_line
+  PYTHONPATH=$PYTHONPATH:$R/kvzip-vllm/tests timeout 240 python3 -m pytest -q -m gpu \
+    $R/kvzip-vllm/tests/test_cuda_pipeline.py $R/kvzip-vllm/tests/test_scatter.py 2>&1 \
+    | tee $RES/scatter_tests.log | tail -4
   ;;
 compacttier)
   env_line
