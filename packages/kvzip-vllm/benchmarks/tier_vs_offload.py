@@ -446,6 +446,20 @@ def write_md(path: Path, doc: dict) -> None:
                     f"{walls[len(walls) // 2] * 1e3:.1f} ms (max {walls[-1] * 1e3:.1f}), this "
                     f"thread's CPU median {cpus[len(cpus) // 2] * 1e3:.1f} ms"
                 )
+            steps = [x for x in c.get("steps") or [] if x["loads"] and x.get("rest") is not None]
+            if steps:
+                med = {
+                    k: sorted(x[k] for x in steps)[len(steps) // 2]
+                    for k in ("load", "forward", "after", "rest", "device")
+                    if all(x.get(k) is not None for x in steps)
+                }
+                lines.append(
+                    f"  - steps that restored ({len(steps)}), median ms: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+                    + " (load: start_load_kv; forward: from there to wait_for_save; after: to "
+                    "the end of get_block_ids_with_load_errors, the checker included; rest: to "
+                    "the next step; device: the compute stream, step start to forward end)"
+                )
     failed = [e for e in doc["engines"] if "error" in e]
     if failed:
         lines += ["", "Engines that did not finish:"]

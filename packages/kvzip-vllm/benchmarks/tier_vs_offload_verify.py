@@ -45,6 +45,12 @@ LOAD_CALLS: list[tuple[float, float, int]] = []
 #: top functions by cumulative time reported in :func:`counts` (``load_profile``)
 PROFILE = cProfile.Profile() if os.environ.get("KVZIP_TVO_PROFILE") == "1" else None
 
+#: every step's timeline (worker side): host times (perf_counter) at ``start_load_kv`` entry
+#: and exit, ``wait_for_save`` entry and ``get_block_ids_with_load_errors`` exit, the step's
+#: chunks loaded, and CUDA events at ``start_load_kv`` entry and ``wait_for_save`` entry on
+#: the compute stream (the device time from the step's restore to the end of its forward)
+STEPS: list[dict] = []
+
 #: the hooks vLLM calls on a connector every step (or every request)
 HOOKS = (
     "get_num_new_matched_tokens",
@@ -149,6 +155,11 @@ class CheckingKvzipConnector(KvzipConnector):
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         n = len(getattr(meta, "loads", ()) or ())
         t0, c0 = time.perf_counter(), time.thread_time()
+        step = {"sld0": t0, "loads": n, "ev": []}
+        if self._c_caches and self._c_caches[0].is_cuda:
+            step["ev"].append(torch.cuda.Event(enable_timing=True))
+            step["ev"][0].record()
+        STEPS.append(step)
         try:
             if n and PROFILE is not None:
                 PROFILE.enable()
@@ -157,6 +168,7 @@ class CheckingKvzipConnector(KvzipConnector):
             if n and PROFILE is not None:
                 PROFILE.disable()
             wall = time.perf_counter() - t0
+            step["sld1"] = t0 + wall
             HOOK_SECONDS["start_load_kv"] += wall
             HOOK_CALLS["start_load_kv"] += 1
             if n:
@@ -164,6 +176,11 @@ class CheckingKvzipConnector(KvzipConnector):
 
     def wait_for_save(self):
         t0 = time.perf_counter()
+        if STEPS and "wfs0" not in STEPS[-1]:
+            STEPS[-1]["wfs0"] = t0
+            if STEPS[-1]["ev"]:
+                STEPS[-1]["ev"].append(torch.cuda.Event(enable_timing=True))
+                STEPS[-1]["ev"][1].record()
         self._c_wait_for_save()
         HOOK_SECONDS["checker"] += time.perf_counter() - t0
         return _timed("wait_for_save", super().wait_for_save)()
@@ -172,7 +189,10 @@ class CheckingKvzipConnector(KvzipConnector):
         errors = _timed("get_block_ids_with_load_errors", super().get_block_ids_with_load_errors)()
         t0 = time.perf_counter()
         self._c_check(errors)
-        HOOK_SECONDS["checker"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        HOOK_SECONDS["checker"] += t1 - t0
+        if STEPS and "gbe1" not in STEPS[-1]:
+            STEPS[-1]["gbe1"] = t1
         return errors
 
     def _c_check(self, errors: set[int]) -> None:
@@ -212,6 +232,7 @@ class CheckingKvzipConnector(KvzipConnector):
             "hook_calls": dict(sorted(HOOK_CALLS.items())),
             "load_calls": [[round(w, 6), round(c, 6), n] for w, c, n in LOAD_CALLS],
             "load_profile": _profile_top(),
+            "steps": _timeline(),
         }
 
 
@@ -219,6 +240,31 @@ class CheckingKvzipConnector(KvzipConnector):
 for _name in HOOKS:
     if _name not in CheckingKvzipConnector.__dict__ and hasattr(KvzipConnector, _name):
         setattr(CheckingKvzipConnector, _name, _timed(_name, getattr(KvzipConnector, _name)))
+
+
+def _timeline() -> list[dict]:
+    """:data:`STEPS` as milliseconds: ``load`` (start_load_kv), ``forward`` (its exit to
+    wait_for_save: the forward's host time), ``after`` (wait_for_save to the end of
+    get_block_ids_with_load_errors), ``rest`` (to the next step's start: sampling, the
+    scheduler, the engine's own work), ``device`` (the compute stream from the step's start to
+    its forward's end, CUDA), ``loads`` (chunks)."""
+    if any(len(s["ev"]) == 2 for s in STEPS):
+        torch.cuda.synchronize()
+    out = []
+    for s, nxt in zip(STEPS, [*STEPS[1:], None], strict=True):
+        if "sld1" not in s or "wfs0" not in s or "gbe1" not in s:
+            continue
+        row = {
+            "loads": s["loads"],
+            "load": (s["sld1"] - s["sld0"]) * 1e3,
+            "forward": (s["wfs0"] - s["sld1"]) * 1e3,
+            "after": (s["gbe1"] - s["wfs0"]) * 1e3,
+            "rest": (nxt["sld0"] - s["gbe1"]) * 1e3 if nxt is not None else None,
+        }
+        if len(s["ev"]) == 2:
+            row["device"] = s["ev"][0].elapsed_time(s["ev"][1])
+        out.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    return out
 
 
 def _profile_top(lines: int = 45) -> list[str] | None:

@@ -321,3 +321,7 @@ def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
     errors, _ = step(loads=[Load("h", key2, (0, 1), 0)], seen_report=2, damage=1)
     c = conn.counts()
     assert errors == set() and c["blocks_checked"] == 9 and c["blocks_differ"] == 2
+    # the steps' timeline: one row per step, its chunks loaded, host times in order
+    assert [x["loads"] for x in c["steps"]] == [0, 1, 1, 1, 0, 2, 1]
+    assert all(x["load"] >= 0 and x["forward"] >= 0 and x["after"] >= 0 for x in c["steps"])
+    assert c["steps"][-1]["rest"] is None and all(x["rest"] >= 0 for x in c["steps"][:-1])
