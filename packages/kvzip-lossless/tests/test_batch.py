@@ -148,6 +148,11 @@ def test_batch_refuses_bad_input():
         kl.decode_batch(eb.data[:-8], eb.offsets, eb.plans, tables=ts)
     with pytest.raises(ValueError, match="was not given"):
         kl.decode_batch(eb.data, eb.offsets, eb.plans, tables=table_set(seed=20))
+    for field, value, why in ((2, 5, "of 5 columns"), (7, 99, "no slot 99")):
+        wrong = eb.plans.copy()
+        wrong[2, field] = value  # blob 2 names columns or a slot its table set lacks
+        with pytest.raises(ValueError, match=why):
+            batch._set_index(wrong, [ts])
     with pytest.raises(ValueError, match="out holds"):
         kl.decode_batch(eb.data, eb.offsets, eb.plans, tables=ts,
                         out=torch.empty(100, dtype=torch.bfloat16))  # fmt: skip
@@ -273,3 +278,25 @@ def test_cuda_batch_8b_chunk_matches_cpu(design, monkeypatch):
     oy, by = kl.decode_batch(ey.data, ey.offsets, ey.plans, tables=ty)
     assert by.cpu().tolist() == [0]
     assert torch.equal(oy.cpu().view(torch.int16), y.view(-1).view(torch.int16))
+
+
+def test_bank_slot_arrays_are_each_blobs_table_offsets():
+    """``Bank.slot_arrays`` (one lookup over all blobs) gives each blob its (set, slot)'s
+    offsets, sizes and columns from the bank's per-table dictionaries; zeros for slot -1."""
+    sets = [table_set(), table_set(seed=20)]
+    bk = gpu_batch.Bank(sets, "cpu")
+    rng = np.random.default_rng(0)
+    n = 200
+    set_idx = rng.integers(0, 2, n)
+    slots = np.array([rng.integers(-1, len(sets[k])) for k in set_idx])
+    got = bk.slot_arrays(set_idx, slots)
+    for i in range(n):
+        key = (int(set_idx[i]), int(slots[i]))
+        want = (
+            (0, 0, 0, 0, 0)
+            if key[1] < 0
+            else (bk.tab_off[key], bk.bmap_off[key], bk.base_off[key], bk.nb[key], bk.cols[key])
+        )
+        assert tuple(got[:, i].tolist()) == want, i
+    with pytest.raises(ValueError, match="does not hold"):
+        bk.slot_arrays(np.array([0]), np.array([len(sets[0]) + 5]))

@@ -340,11 +340,15 @@ def _set_index(plans: np.ndarray, sets: list[TableSet]) -> np.ndarray:
         m = (tid == t) & (slot >= 0)
         idx[m] = k = ids[t]
         ts = sets[k]
-        for s, c in set(zip(slot[m].tolist(), cols[m].tolist(), strict=True)):
-            if s >= len(ts) or ts.tables[s].columns != c:
-                raise ValueError(
-                    f"table set {ts.table_id:016x} has no slot {s} of {c} columns ({len(ts)} slots)"
-                )
+        have = np.array([tb.columns for tb in ts.tables] or [0], np.int64)  # per slot
+        sm, cm = slot[m], cols[m]
+        wrong = (sm >= len(ts)) | (have[np.minimum(sm, len(have) - 1)] != cm)
+        if wrong.any():
+            i = int(np.flatnonzero(wrong)[0])
+            s_, c_ = int(sm[i]), int(cm[i])
+            raise ValueError(
+                f"table set {ts.table_id:016x} has no slot {s_} of {c_} columns ({len(ts)} slots)"
+            )
     return idx
 
 

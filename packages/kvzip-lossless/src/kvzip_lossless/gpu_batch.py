@@ -100,19 +100,32 @@ class Bank:
         self.bmap = torch.from_numpy(cat(bmaps)).to(device)
         self.base = torch.from_numpy(cat(bases)).to(device)
 
+    def _lut(self) -> np.ndarray:
+        """``[5, sets, max slots + 1]`` int64: the slot arrays of (set, slot), the last column
+        zeros (slot -1 indexes it)."""
+        lut = getattr(self, "_lut_arr", None)
+        if lut is None:
+            n_sets = 1 + max((k[0] for k in self.tab_off), default=-1)
+            n_slots = 1 + max((k[1] for k in self.tab_off), default=-1)
+            lut = np.zeros((5, max(n_sets, 1), n_slots + 1), np.int64)
+            for key in self.tab_off:
+                lut[:, key[0], key[1]] = (
+                    self.tab_off[key], self.bmap_off[key], self.base_off[key], self.nb[key],
+                    self.cols[key],
+                )  # fmt: skip
+            self._lut_arr = lut
+        return lut
+
     def slot_arrays(self, set_idx: np.ndarray, slots: np.ndarray):
         """(tab_off, bmap_off, base_off, n_buckets, columns) int64 per blob; zeros where the
-        slot is -1 (no table)."""
-        out = np.zeros((5, len(slots)), np.int64)
-        for key in set(zip(set_idx.tolist(), slots.tolist(), strict=True)):
-            if key[1] < 0:
-                continue
-            m = (set_idx == key[0]) & (slots == key[1])
-            out[:, m] = np.array(
-                [self.tab_off[key], self.bmap_off[key], self.base_off[key], self.nb[key],
-                 self.cols[key]], np.int64,
-            )[:, None]  # fmt: skip
-        return out
+        slot is -1 (no table). One lookup over every blob (no loop over the slots)."""
+        lut = self._lut()
+        slots = np.asarray(slots, np.int64)
+        s = np.where(slots < 0, lut.shape[2] - 1, slots)
+        k = np.where(slots < 0, 0, np.asarray(set_idx, np.int64))
+        if len(s) and (s.max() >= lut.shape[2] or k.min() < 0 or k.max() >= lut.shape[1]):
+            raise ValueError("a blob names a table slot or set this bank does not hold")
+        return lut[:, k, s]
 
 
 _banks: OrderedDict = OrderedDict()
