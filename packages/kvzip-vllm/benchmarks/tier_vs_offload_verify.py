@@ -20,13 +20,13 @@ from __future__ import annotations
 import cProfile
 import functools
 import io
-import os
 import pstats
 import time
 from collections import defaultdict
 
 import torch
 
+from kvzip_formats import settings
 from kvzip_vllm.connector import KvzipConnector
 
 #: the worker-side instances made in this process
@@ -43,7 +43,7 @@ LOAD_CALLS: list[tuple[float, float, int]] = []
 
 #: ``KVZIP_TVO_PROFILE=1``: those calls also run under cProfile (this thread only), its
 #: top functions by cumulative time reported in :func:`counts` (``load_profile``)
-PROFILE = cProfile.Profile() if os.environ.get("KVZIP_TVO_PROFILE") == "1" else None
+PROFILE = cProfile.Profile() if settings.TVO_PROFILE.get() == "1" else None
 
 #: every step's timeline (worker side): host times (perf_counter) at ``start_load_kv`` entry
 #: and exit, ``wait_for_save`` entry and ``get_block_ids_with_load_errors`` exit, the step's

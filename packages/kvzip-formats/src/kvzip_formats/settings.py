@@ -205,6 +205,30 @@ STORE_STREAM_PRIORITY = Setting(
     package=_VLLM,
     scope="bench",
 )
+LOAD_GROUP_CHUNKS = Setting(
+    "KVZIP_LOAD_GROUP_CHUNKS",
+    int,
+    16,
+    ("kvzip_vllm.core.cuda_pipeline",),
+    "chunks per copy/decode group of the tier's CUDA loads (a load of n chunks runs in "
+    "min(16, max(1, n // this)) groups: the copy of one group overlaps the decode of the last; "
+    "each group costs host work), for measuring the split",
+    package=_VLLM,
+    scope="bench",
+    check=_positive,
+    rule="a positive integer",
+)
+TVO_PROFILE = Setting(
+    "KVZIP_TVO_PROFILE",
+    str,
+    "0",
+    ("kvzip-vllm/benchmarks/tier_vs_offload_verify.py",),
+    "1: `tier_vs_offload.py`'s checked kvzip engine profiles every `start_load_kv` with loads "
+    "(cProfile's top functions in the result JSON)",
+    package=_VLLM,
+    scope="bench",
+    choices=("0", "1"),
+)
 TIER_BYTES = Setting(
     "KVZIP_TIER_BYTES",
     int,

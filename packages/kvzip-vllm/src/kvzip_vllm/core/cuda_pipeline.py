@@ -60,7 +60,8 @@ logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 #: the last group's decode follows the last copy. Each group costs one prepare (numpy over its
 #: plans) and three launches. Measured on the H200 (results/vllm/h200_run8/, 8B shape, 256-token
 #: chunks): 16 chunks per group, at most 16 groups, restore 0.84-0.89x a raw copy.
-BLOCKS_PER_GROUP, MAX_GROUPS = 16, 16
+#: ``KVZIP_LOAD_GROUP_CHUNKS`` sets the chunks per group (for measuring the split).
+BLOCKS_PER_GROUP, MAX_GROUPS = table.LOAD_GROUP_CHUNKS.get(), 16
 
 
 @dataclass
