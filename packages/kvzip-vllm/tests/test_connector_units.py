@@ -340,10 +340,12 @@ def test_the_cuda_path_refuses_the_same_stores(device_scatter):
         loads = [Load("b", keys[i], 4 + i, i) for i in range(3)]
         stores = [Store("b", keys[3], 7, 3), Store("d", keys[5], 9, 0)]
         meta = _meta(loads=loads, stores=stores, req_blocks={"b": [4, 5, 6, 7], "d": [9]})
-        w.start_load_kv(meta)
+        w.start_load_kv(meta)  # (the forward ordered after the restore here already)
+        assert (w._cuda._load is not None) is device_scatter  # still to be waited for
+        assert w._load_ready
         w.wait_for_layer_load("model.layers.0.self_attn.attn")
         w.wait_for_layer_load("model.layers.1.self_attn.attn")
-        assert (w._cuda._load is not None) is device_scatter  # still to be waited for
+        assert (w._cuda._load is not None) is device_scatter
         w.wait_for_save(meta)
         assert w._cuda._load is None
         assert w.get_block_ids_with_load_errors() == {6}

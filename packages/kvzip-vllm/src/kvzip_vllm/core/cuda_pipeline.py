@@ -27,12 +27,18 @@ cache): the step's records are copied from the arena to one device buffer on a c
 run of records lying back to back in the arena, as a prefix stored in order does, is one copy),
 in a few chunk groups; on a decode stream each group is decoded by one ``decode_batch`` call as
 soon as its copies have landed (header and tile checks on the device, one damage flag per
-blob). ``wait_loads`` makes the compute stream wait, reads the step's flags once (its only
-synchronisation), drops damaged entries and reports their blocks as failed (vLLM recomputes
-them), and scatters the good chunks' blocks into the paged cache on the compute stream: a
-damaged blob's output never reaches the cache. Entries that cannot be batch-decoded (blobs
-that embed their own table: stored with ``fit_tokens=0``, or by another path) are decoded
-chunk by chunk with ``kvzip_lossless.decompress``.
+blob), and on CUDA the decoded chunks are written into the paged cache right behind it by one
+masked launch (:mod:`~kvzip_vllm.core.scatter`: a chunk whose flag is set is not written, so a
+damaged blob's output never reaches the cache). ``order_loads`` makes the compute stream wait
+for those writes without a host wait (the connector calls it before the forward is launched);
+``wait_loads`` (before the step's stores) reads the step's flags once (its only
+synchronisation, on the decode stream's event), drops damaged entries and reports their
+blocks as failed (vLLM recomputes them). Without the device scatter (``device_scatter=False``,
+the CPU device, a CPU page order) ``wait_loads`` reads the flags first and then scatters the
+good chunks with torch on the compute stream, and the forward waits for it. Entries that
+cannot be batch-decoded (blobs that embed their own table: stored with ``fit_tokens=0``, or by
+another path) are decoded chunk by chunk with ``kvzip_lossless.decompress`` and written by
+``wait_loads`` (``order_loads`` then defers to it).
 """
 
 from __future__ import annotations

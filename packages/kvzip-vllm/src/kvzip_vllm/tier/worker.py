@@ -307,6 +307,10 @@ class KvzipWorker:
         self.tier.submit_load(self._job, loads)
         if self._cuda is not None:
             self._stats_dirty = True
+            # the forward is ordered after the restore now, before any of it is launched (on
+            # the device, no host wait, where the pipeline writes the chunks there): it does
+            # not rest on vLLM calling wait_for_layer_load (a CUDA graph replay does not)
+            self._ready_loads()
             return
         self._take_finished()
         self._write_stats()
@@ -385,13 +389,15 @@ class KvzipWorker:
             self._load_ready = False
         self._take_finished()
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # the forward reads the step's restored blocks after their writes (on the device:
-        # no host wait where the pipeline writes them there); their failures are taken in
-        # wait_for_save, before the step's stores
+    def _ready_loads(self) -> None:
+        """The compute stream ordered after the step's load job's writes (once a step); the
+        failures are taken in wait_for_save, before the step's stores."""
         if self._cuda is not None and self._load_job is not None and not self._load_ready:
             self.tier.ready({self._load_job})
             self._load_ready = True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._ready_loads()  # (done in start_load_kv already)
 
     def _admit(self, meta: KvzipConnectorMetadata) -> list[Store]:
         """The step's stores that depend on no failed load; the others are refused."""
