@@ -300,3 +300,18 @@ def test_bank_slot_arrays_are_each_blobs_table_offsets():
         assert tuple(got[:, i].tolist()) == want, i
     with pytest.raises(ValueError, match="does not hold"):
         bk.slot_arrays(np.array([0]), np.array([len(sets[0]) + 5]))
+
+
+def test_decode_items_are_every_blobs_tiles_and_column_chunks_in_order():
+    """``gpu_batch._decode_items`` (int32 repeats into columns) lists, blob by blob and tile
+    by tile, every (blob, tile, 32-column chunk) once, as the direct construction does; blobs
+    without tiles and an empty batch included."""
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 7, 300):
+        nt = rng.integers(0, 20, n)
+        nch = rng.integers(1, 40, n)
+        items, t_blob = gpu_batch._decode_items(nt, nch)
+        want = [(b, t, c) for b in range(n) for t in range(nt[b]) for c in range(nch[b])]
+        assert items.dtype == np.int32 and t_blob.dtype == np.int32
+        assert items.reshape(-1, 3).tolist() == [list(w) for w in want]
+        assert t_blob.tolist() == [b for b in range(n) for _ in range(nt[b])]

@@ -690,6 +690,28 @@ def cuda_decoder(decoder: str | None = None) -> str:
     return _choice(decoder, settings.DECODER, CUDA_DECODERS, "decoder")
 
 
+def _decode_items(nt: np.ndarray, nch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode's work items, int32 ``[n_items, 3]``: (blob, tile in the blob, 32-column
+    chunk in the tile), blob by blob, tile by tile; and each tile's blob (int32 ``[T]``), for
+    blobs of ``nt`` tiles of ``nch`` column chunks. Built by repeats in int32 straight into
+    their columns (a restore's host time: 655k items, a group of 20 8B-shaped chunks, in about
+    3 ms where int64 gathers and a stack took about 21 ms on the CPU tried)."""
+    n, T = len(nt), int(nt.sum())
+    t_nch = np.repeat(nch.astype(np.int64), nt)
+    n_items = int(t_nch.sum())
+    if n_items >= 1 << 31:
+        raise ValueError(f"{n_items} decode work items in one batch; at most 2**31 - 1")
+    t_blob = np.repeat(np.arange(n, dtype=np.int32), nt)
+    gt0 = (np.cumsum(nt) - nt).astype(np.int32)
+    t_idx = np.arange(T, dtype=np.int32) - np.repeat(gt0, nt)
+    items = np.empty((n_items, 3), np.int32)
+    items[:, 0] = np.repeat(np.arange(n, dtype=np.int32), nt * nch)
+    items[:, 1] = np.repeat(t_idx, t_nch)
+    t_first = (np.cumsum(t_nch) - t_nch).astype(np.int32)
+    items[:, 2] = np.arange(n_items, dtype=np.int32) - np.repeat(t_first, t_nch)
+    return items, t_blob
+
+
 def prepare_decode(
     data, offsets, plans, sets, set_idx, out, out_offsets, backend=None, decoder=None
 ):
@@ -713,21 +735,16 @@ def prepare_decode(
     bdesc = np.stack([offsets, length, C, rpt, nt, dir_off, ts, tab_off, bm_off, base_off,
                       nbk, out_offsets, numel, gt0, tid, slot], 1).astype(np.int64)  # fmt: skip
     T = int(nt.sum())
-    t_blob = np.repeat(np.arange(n), nt)
-    t_idx = np.arange(T) - gt0[t_blob]
-    t_nch = nch[t_blob]
-    n_items = int(t_nch.sum())
-    i_tile = np.repeat(np.arange(T), t_nch)
-    i_chunk = np.arange(n_items) - (np.cumsum(t_nch) - t_nch)[i_tile]
-    items = np.stack([t_blob[i_tile], t_idx[i_tile], i_chunk], 1).astype(np.int64)
+    items, t_blob = _decode_items(nt, nch)
+    n_items = len(items)
     host_descriptors = be == "cuda" and dev.type == "cuda"
     if host_descriptors:
         # the CUDA kernels read the descriptors from page-locked host memory (same pointer on
         # the device: unified addressing): no host-to-device copy to queue on a copy engine,
         # so a restore's bulk copies can go first and the host prepares while they run
         bdesc_d = _pinned(bdesc.ravel())
-        items_d = _pinned(items.astype(np.int32).ravel())
-        tblob_d = _pinned(t_blob.astype(np.int32))
+        items_d = _pinned(items.ravel())
+        tblob_d = _pinned(t_blob)
     else:
         up = _upload(np.concatenate([bdesc.ravel(), items.ravel(), t_blob]), dev)
         bdesc_d, items_d, tblob_d = torch.split(up, [bdesc.size, items.size, T])
