@@ -99,27 +99,20 @@ class Bank:
         self.cum16 = self.cum16.to(device)  # the CUDA decoder's two-round search reads these
         self.bmap = torch.from_numpy(cat(bmaps)).to(device)
         self.base = torch.from_numpy(cat(bases)).to(device)
-
-    def _lut(self) -> np.ndarray:
-        """``[5, sets, max slots + 1]`` int64: the slot arrays of (set, slot), the last column
-        zeros (slot -1 indexes it)."""
-        lut = getattr(self, "_lut_arr", None)
-        if lut is None:
-            n_sets = 1 + max((k[0] for k in self.tab_off), default=-1)
-            n_slots = 1 + max((k[1] for k in self.tab_off), default=-1)
-            lut = np.zeros((5, max(n_sets, 1), n_slots + 1), np.int64)
-            for key in self.tab_off:
-                lut[:, key[0], key[1]] = (
-                    self.tab_off[key], self.bmap_off[key], self.base_off[key], self.nb[key],
-                    self.cols[key],
-                )  # fmt: skip
-            self._lut_arr = lut
-        return lut
+        # [5, sets, max slots + 1] int64: slot_arrays' values of (set, slot); the last column
+        # zeros (slot -1 indexes it)
+        n_slots = 1 + max((key[1] for key in self.tab_off), default=-1)
+        self._lut = np.zeros((5, max(len(sets), 1), n_slots + 1), np.int64)
+        for key in self.tab_off:
+            self._lut[:, key[0], key[1]] = (
+                self.tab_off[key], self.bmap_off[key], self.base_off[key], self.nb[key],
+                self.cols[key],
+            )  # fmt: skip
 
     def slot_arrays(self, set_idx: np.ndarray, slots: np.ndarray):
         """(tab_off, bmap_off, base_off, n_buckets, columns) int64 per blob; zeros where the
         slot is -1 (no table). One lookup over every blob (no loop over the slots)."""
-        lut = self._lut()
+        lut = self._lut
         slots = np.asarray(slots, np.int64)
         s = np.where(slots < 0, lut.shape[2] - 1, slots)
         k = np.where(slots < 0, 0, np.asarray(set_idx, np.int64))

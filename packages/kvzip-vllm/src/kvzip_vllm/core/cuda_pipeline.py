@@ -713,9 +713,9 @@ class CudaTierPipeline:
             for j, (_, _, ids, skip) in enumerate(good)
             for i in range(skip, b)
         ]  # fmt: skip
-        host = torch.tensor(plan, dtype=torch.int64).T.contiguous()  # [3, R]
+        cols = [x for col in zip(*plan, strict=True) for x in col]  # rows, blocks, chunks
+        dev = self._device_ids(cols).view(3, len(plan))  # [3, R], uploaded without a sync
         cuda = self.device.type == "cuda"
-        dev = host.pin_memory().to(self.device, non_blocking=True) if cuda else host
         rows = out.view(out.shape[0], len(good) * b, self.block_size, *self.block_shape[1:])
         flags = load.flags.to(torch.int32)
         scatter.masked_scatter(rows, self.caches, self._bases, dev, flags)
