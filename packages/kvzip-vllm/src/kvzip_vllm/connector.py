@@ -194,7 +194,7 @@ class KvzipConnector(KVConnectorBase_V1):
             blocks_per_chunk(self.settings.chunk_tokens, vllm_config.cache_config.block_size)
         except ConnectorSettingsError as e:
             raise support.UnsupportedConfigError(str(e)) from None
-        from kvzip_vllm.store import namespace
+        from kvzip_vllm.core.store import namespace
 
         ns = namespace(
             model=_model_identity(vllm_config),

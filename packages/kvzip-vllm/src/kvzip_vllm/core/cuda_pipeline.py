@@ -1,7 +1,7 @@
 """The tier's loads and stores on the GPU (connector.py uses it when the paged cache is on CUDA).
 
-No vLLM here: the pipeline sees the per-layer paged-cache views (:mod:`kvzip_vllm.blocks`) and
-the :class:`~kvzip_vllm.store.BlockStore`; the coding is kvzip-lossless's public batched API
+No vLLM here: the pipeline sees the per-layer paged-cache views (:mod:`kvzip_vllm.core.blocks`) and
+the :class:`~kvzip_vllm.core.store.BlockStore`; the coding is kvzip-lossless's public batched API
 (``encode_batch`` / ``decode_batch``, spec/blob.md section 9). On a CPU device it runs the
 same steps with no streams (kvzip-lossless's CPU path, or its Triton kernels under
 ``TRITON_INTERPRET=1``), which is how it is tested without a GPU.

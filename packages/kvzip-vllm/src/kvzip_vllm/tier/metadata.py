@@ -10,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvzip_vllm.blocks import as_ids
+from kvzip_vllm.core.blocks import as_ids
 
 
 class Load(NamedTuple):

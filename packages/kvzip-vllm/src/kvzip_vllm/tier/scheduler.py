@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvzip_vllm import support
-from kvzip_vllm.store import block_key, shard_key
+from kvzip_vllm.core.store import block_key, shard_key
 from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, KvzipWorkerMetadata, Load, Store
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
-"""The shared tier inside the connector: a :class:`~kvzip_vllm.shared_store.SharedBlobStore`
+"""The shared tier inside the connector: a :class:`~kvzip_vllm.core.shared_store.SharedBlobStore`
 (a Redis server many vLLM instances reach) behind each worker's in-process
-:class:`~kvzip_vllm.store.BlockStore`, which stays in front as the cache.
+:class:`~kvzip_vllm.core.store.BlockStore`, which stays in front as the cache.
 
 - Worker, after a local store: the entry's blobs go onto a bounded queue that one background
   thread writes to the server (:class:`SharedWriter`): a step never waits for the server; a
@@ -48,7 +48,7 @@ def open_shared(settings):
     """The settings' shared store, or None when ``shared_url`` is not set."""
     if not settings.shared_url:
         return None
-    from kvzip_vllm.shared_store import SharedBlobStore
+    from kvzip_vllm.core.shared_store import SharedBlobStore
 
     extra = {}
     if settings.shared_timeout_s is not None:
