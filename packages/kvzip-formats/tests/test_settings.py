@@ -76,6 +76,26 @@ def test_markdown_has_one_row_per_setting_under_its_scope():
     assert "KVZIP_KV_FORMAT" in user and "KVZIP_TEST_FORMAT" not in user
 
 
+def _names(text: str) -> list[str]:
+    return [line.split("`")[1] for line in text.splitlines() if line.startswith("| `KVZIP_")]
+
+
+def test_each_setting_is_in_the_block_of_its_audience_alone():
+    """The README's block lists what users set; docs/development.md's the test and benchmark
+    variables; between them, every row once."""
+    user, dev = settings.block("user"), settings.block("dev")
+    assert _names(user) == [s.name for s in settings.all_settings() if s.audience == "user"]
+    assert _names(dev) == [s.name for s in settings.all_settings() if s.audience == "dev"]
+    assert sorted(_names(user) + _names(dev)) == sorted(s.name for s in settings.all_settings())
+    for name in ("KVZIP_TVO_PROFILE", "KVZIP_TREE", "KVZIP_LOAD_GROUP_CHUNKS"):
+        assert name in dev and name not in user
+    assert "docs/development.md" in user  # the README points at the developer table
+    assert user.startswith(settings.BEGIN) and user.endswith(settings.END)
+    assert dev.startswith(settings.DEV_BEGIN) and dev.endswith(settings.DEV_END)
+    assert set(settings.AUDIENCES) == set(settings.MARKERS) == set(settings.DOCUMENTS)
+    assert sorted(sum(settings.AUDIENCES.values(), ())) == sorted(settings.SCOPES)
+
+
 def test_write_then_check_a_readme(tmp_path, capsys):
     readme = tmp_path / "README.md"
     stale = f"# x\n\n{settings.BEGIN}\n| old |\n{settings.END}\n\nafter\n"
@@ -88,6 +108,24 @@ def test_write_then_check_a_readme(tmp_path, capsys):
     assert settings.readme_block(text) == settings.block()
     assert settings.main(["--check", str(readme)]) == 0
     assert not settings.write_readme(readme)  # already up to date
+
+
+def test_write_then_check_a_document_with_both_blocks(tmp_path, capsys):
+    doc = tmp_path / "development.md"
+    stale = (
+        f"# d\n{settings.DEV_BEGIN}\n| old |\n{settings.DEV_END}\nmiddle\n"
+        f"{settings.BEGIN}\n{settings.END}\nend\n"
+    )
+    doc.write_text(stale)
+    assert settings.main(["--check", str(doc)]) == 1
+    err = capsys.readouterr().err
+    assert "dev settings block differs" in err and "user settings block differs" in err
+    assert settings.main(["--write", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# d\n") and "\nmiddle\n" in text and text.endswith("\nend\n")
+    assert settings.readme_block(text, "dev") == settings.block("dev")
+    assert settings.readme_block(text, "user") == settings.block("user")
+    assert settings.main(["--check", str(doc)]) == 0
 
 
 def test_a_readme_without_the_block_is_refused(tmp_path):

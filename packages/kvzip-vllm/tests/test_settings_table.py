@@ -1,6 +1,7 @@
 """The repository against kvzip's table of settings (kvzip_formats.settings): every ``KVZIP_*``
 variable it reads or documents is declared, the sources read them through the table, and the
-README's settings section is the generated one. Here because kvzip-vllm's environment holds
+generated settings tables (the README's user settings, docs/development.md's test and benchmark
+variables) are the generated ones. Here because kvzip-vllm's environment holds
 every package."""
 
 from __future__ import annotations
@@ -62,11 +63,14 @@ def test_the_sources_read_kvzip_variables_through_the_table_only():
 
 
 def test_the_readme_settings_section_is_the_generated_one():
-    text = (ROOT / "README.md").read_text()
-    assert settings.readme_block(text) == settings.block(), (
-        "README.md's settings table differs from kvzip_formats.settings: run "
-        "python -m kvzip_formats.settings --write README.md"
-    )
+    """The root README lists the user settings; docs/development.md the test and benchmark
+    variables; each block is the generated one (every declared row in one of them)."""
+    for audience, doc in settings.DOCUMENTS.items():
+        text = (ROOT / doc).read_text()
+        assert settings.readme_block(text, audience) == settings.block(audience), (
+            f"{doc}'s {audience} settings table differs from kvzip_formats.settings: run "
+            f"python -m kvzip_formats.settings --write {doc}"
+        )
 
 
 def test_the_connector_readme_tables_name_the_tables_variables():

@@ -67,7 +67,9 @@ ENCODER = Setting(
     str,
     "l1",
     ("kvzip_lossless.gpu_batch",),
-    "the CUDA batched encoder's design (both write the same bytes)",
+    "the CUDA batched encoder's design (both write the same bytes; `smem` is the measured "
+    "alternative, for comparing the two)",
+    scope="bench",
     choices=("l1", "smem"),
 )
 DECODER = Setting(
@@ -75,7 +77,9 @@ DECODER = Setting(
     str,
     "l1",
     ("kvzip_lossless.gpu_batch",),
-    "the CUDA batched decoder's design (both read the same bytes)",
+    "the CUDA batched decoder's design (both read the same bytes; `smem` is the measured "
+    "alternative, for comparing the two)",
+    scope="bench",
     choices=("l1", "smem"),
 )
 CUDA_SO = Setting(
