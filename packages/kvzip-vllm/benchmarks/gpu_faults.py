@@ -188,7 +188,7 @@ class GpuTier:
         K, layer 0 V, ...), token-major, on the CPU (diagnosis)."""
         import torch
 
-        from kvzip_vllm.blocks import gather_token_major
+        from kvzip_vllm.core.blocks import gather_token_major
 
         if self.worker.layers[0][1].device.type == "cpu":  # the CPU page order: the worker's
             return [x for kv in self.worker._gather_block(block_id) for x in kv]

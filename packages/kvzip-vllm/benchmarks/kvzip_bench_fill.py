@@ -121,7 +121,7 @@ class KvzipBenchFill(KVConnectorBase_V1):
             x = torch.randn(shape, generator=g, device=cache.device)
             return x.to(torch.float8_e4m3fn).view(torch.uint8)
         # a kvzip format: its own write path encodes random K/V into one block
-        from kvzip_vllm.paged import PagedAttention
+        from kvzip_kernels.paged import PagedAttention
         from kvzip_vllm.settings import backend_settings, load_format
 
         s = backend_settings()
@@ -150,7 +150,7 @@ class KvzipBenchFill(KVConnectorBase_V1):
         slots = torch.arange(bs, device=cache.device) + bs
         sinks = None
         if pa.sink_tokens:
-            from kvzip_vllm.sinks import plan_step, sink_plan
+            from kvzip_kernels.sinks import plan_step, sink_plan
 
             fresh, rows = sink_plan([0, bs], [bs], pa.sink_tokens)
             first = torch.tensor([1], device=cache.device)

@@ -266,7 +266,7 @@ def test_a_store_that_raises_is_reported_not_held():
 
 
 def test_scheduler_rewinds_and_stores_again_after_a_refusal():
-    from kvzip_vllm.store import block_key
+    from kvzip_vllm.core.store import block_key
     from kvzip_vllm.tier.metadata import KvzipWorkerMetadata, Refusal
     from kvzip_vllm.tier.scheduler import KvzipScheduler
 
@@ -314,7 +314,7 @@ def test_the_cuda_path_refuses_the_same_stores(device_scatter):
     before they reach the store thread. With the chunks written on the device (CUDA's
     default), the forward is ordered after them with no host wait: the load is finished, and
     its damage found, in ``wait_for_save``."""
-    from kvzip_vllm.cuda_pipeline import CudaTierPipeline
+    from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline
     from kvzip_vllm.tier.metadata import Load, Store
 
     w = _worker()
@@ -419,7 +419,7 @@ def test_scheduler_keys_chunks_by_their_last_blocks_hash_and_reports_whole_chunk
     """Chunks of 2 blocks: a key per chunk (the chained hash of its last block), a hit only
     of whole chunks held (a prefix ending mid-chunk is not reported), a load of a chunk partly
     in vLLM's own cache writes only its other blocks, only whole computed chunks stored."""
-    from kvzip_vllm.store import block_key
+    from kvzip_vllm.core.store import block_key
     from kvzip_vllm.tier.metadata import KvzipWorkerMetadata
     from kvzip_vllm.tier.scheduler import KvzipScheduler
 
@@ -508,7 +508,7 @@ def test_the_cuda_pipeline_restores_chunks_in_one_copy_per_run_of_records():
     """The CUDA pipeline (CPU device, Triton interpreted) with chunks of 2 blocks: chunks
     stored back to back in the arena are copied to the device in one copy, decoded bit for
     bit into the blocks after each load's skip."""
-    from kvzip_vllm.cuda_pipeline import CudaTierPipeline
+    from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline
 
     w = _worker(chunk_tokens=2 * BS)
     caches = _caches(4)

@@ -22,9 +22,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvzip_lossless  # noqa: E402
-from kvzip_vllm import cuda_pipeline  # noqa: E402
-from kvzip_vllm.cuda_pipeline import CudaTierPipeline  # noqa: E402
-from kvzip_vllm.store import RECORD_ALIGN, BlockStore  # noqa: E402
+from kvzip_vllm.core import cuda_pipeline  # noqa: E402
+from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline  # noqa: E402
+from kvzip_vllm.core.store import RECORD_ALIGN, BlockStore  # noqa: E402
 
 pytest.importorskip("triton", reason="kvzip-lossless's GPU decode kernel is a Triton kernel")
 
@@ -251,7 +251,7 @@ def test_budget_evicts_lru_and_reports_dropped(make, device):
 def test_the_default_store_queue_is_half_the_free_device_memory_capped(monkeypatch):
     """``store_queue_bytes=None``: half the GPU memory free once vLLM holds its KV cache, at
     most 16 GiB; off CUDA a fixed 2 GiB."""
-    from kvzip_vllm import cuda_pipeline as cp
+    from kvzip_vllm.core import cuda_pipeline as cp
 
     assert cp.default_queue_bytes(torch.device("cpu")) == 2 << 30
     free = {"bytes": 10 << 30}
@@ -465,7 +465,7 @@ def test_pipeline_module_imports_no_vllm():
     import subprocess
 
     code = (
-        "import sys, kvzip_vllm.cuda_pipeline, kvzip_vllm.store, kvzip_vllm.blocks; "
+        "import sys, kvzip_vllm.core.cuda_pipeline, kvzip_vllm.core.store, kvzip_vllm.core.blocks; "
         "bad = [m for m in sys.modules if m.split('.')[0] == 'vllm']; "
         "assert not bad, bad"
     )

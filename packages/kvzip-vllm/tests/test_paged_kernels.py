@@ -731,18 +731,3 @@ def test_errors_on_real_calls_are_not_swallowed():
         p.write(x, x, cache_, torch.arange(3), layer=0)
     with pytest.raises(ValueError, match="kv_cache must be uint8"):
         p.pages(cache_.view(torch.int8))
-
-
-def test_kvzip_vllm_modules_re_export_the_same_objects():
-    """``kvzip_vllm.paged`` / ``.sinks`` / ``.window`` moved to kvzip-kernels: the old names are
-    the same objects (a path counter read through either counts the same calls)."""
-    import kvzip_kernels.sinks
-    import kvzip_kernels.window
-    import kvzip_vllm.paged
-    import kvzip_vllm.sinks
-    import kvzip_vllm.window
-
-    assert kvzip_vllm.paged.PATH_CALLS is paged.PATH_CALLS
-    assert kvzip_vllm.paged.PagedAttention is PagedAttention
-    assert kvzip_vllm.sinks.SinkPool is kvzip_kernels.sinks.SinkPool
-    assert kvzip_vllm.window.plan_window is kvzip_kernels.window.plan_window

@@ -20,13 +20,13 @@ import torch
 from redis_server import INSTALL_HINT, RedisServer, redis_server_binary
 
 import kvzip_lossless
-from kvzip_vllm.shared_store import (
+from kvzip_vllm.core.shared_store import (
     FORMAT_VERSION,
     SharedBlobStore,
     SharedStoreConfigError,
     encode_value,
 )
-from kvzip_vllm.store import block_key, namespace, pack_record
+from kvzip_vllm.core.store import block_key, namespace, pack_record
 
 LOGGER = "kvzip_vllm.shared_store"
 # A call may take its socket timeout plus scheduling noise (two cores shared by several jobs).
@@ -471,7 +471,7 @@ def test_bad_arguments_raise(server):
 # ---------------------------------------------------------------------------- two processes
 _CHILD = r"""
 import json, pickle, sys
-from kvzip_vllm.shared_store import SharedBlobStore
+from kvzip_vllm.core.shared_store import SharedBlobStore
 url, mode, path = sys.argv[1], sys.argv[2], sys.argv[3]
 st = SharedBlobStore(url, 64 << 20)
 with open(path, "rb") as f:

@@ -205,7 +205,7 @@ def _sched(url):
 
 
 def test_the_scheduler_counts_blocks_the_shared_store_holds(server):
-    from kvzip_vllm.store import block_key
+    from kvzip_vllm.core.store import block_key
     from kvzip_vllm.tier.metadata import KvzipWorkerMetadata
 
     sched = _sched(server.url)
@@ -232,7 +232,7 @@ def test_the_scheduler_counts_blocks_the_shared_store_holds(server):
 
 
 def test_with_tensor_parallelism_a_block_counts_once_every_rank_shard_is_shared(server):
-    from kvzip_vllm.store import block_key, shard_key
+    from kvzip_vllm.core.store import block_key, shard_key
 
     sched = _sched(server.url)
     sched.world = 2  # the scheduler of a TP = 2 engine

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvzip_lossless
-from kvzip_vllm.store import BlockStore, block_key, namespace
+from kvzip_vllm.core.store import BlockStore, block_key, namespace
 
 LAYERS, N, H, D = 3, 32, 3, 64
 
@@ -134,7 +134,7 @@ def test_bad_budget_rejected():
 
 
 def test_entries_lie_in_one_arena_allocated_once_and_charged_as_used():
-    import kvzip_vllm.store as st
+    import kvzip_vllm.core.store as st
 
     store = BlockStore(8 << 20, fit_tokens=0)
     arena, ptr = store.arena, store.arena.buf.data_ptr()
@@ -195,7 +195,7 @@ def test_a_leased_record_is_not_overwritten_until_released():
 
 
 def test_pinning_registers_the_arena_or_says_it_did_not(monkeypatch):
-    import kvzip_vllm.store as st
+    import kvzip_vllm.core.store as st
 
     calls = []
     monkeypatch.setattr(st, "_host_register", lambda t: calls.append(t.numel()) or True)

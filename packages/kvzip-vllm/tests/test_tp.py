@@ -100,7 +100,7 @@ def _page(w, block_id):
 
 
 def test_a_block_is_held_only_once_every_rank_stored_it(monkeypatch):
-    from kvzip_vllm.store import shard_key
+    from kvzip_vllm.core.store import shard_key
 
     workers = _workers(monkeypatch)
     sched = _scheduler()
@@ -192,7 +192,7 @@ def test_a_rank1_load_failure_is_recomputed_and_every_ranks_copy_dropped(monkeyp
     from the union of the ranks' errors and recomputes from it. The blocks computed on it in
     that step are stored by rank 0 (it saw no failure) but refused by rank 1: the scheduler
     has every rank drop them next step, so rank 0's possibly wrong shards are never served."""
-    from kvzip_vllm.store import shard_key
+    from kvzip_vllm.core.store import shard_key
 
     workers = _workers(monkeypatch)
     w0, w1 = workers

@@ -99,7 +99,7 @@ def run(args) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from kvzip_vllm import paged
+    from kvzip_kernels import paged
 
     if compact:
         # vLLM runs in this process, so registering here also works where kvzip-vllm's

@@ -1,9 +1,9 @@
 """The shared tier: the capacity tier's compressed blocks in a Redis server that many vLLM
 instances reach, so a prefix computed on one instance is restored on another.
 
-:class:`SharedBlobStore` holds exactly what :class:`kvzip_vllm.store.BlockStore` holds for a
+:class:`SharedBlobStore` holds exactly what :class:`kvzip_vllm.core.store.BlockStore` holds for a
 block (its kvzip-lossless blobs, layer 0 K, layer 0 V, layer 1 K, ...) under the same key
-(:func:`kvzip_vllm.store.block_key`), the Redis key being ``<namespace>:v<format version>:``
+(:func:`kvzip_vllm.core.store.block_key`), the Redis key being ``<namespace>:v<format version>:``
 and that key (an instance running another version of this value format never reads these).
 It keeps nothing of its own in memory: the byte budget and the eviction live on the server,
 which it configures on every connection (``CONFIG SET maxmemory <budget_bytes>`` and
@@ -28,7 +28,7 @@ store then answers misses at once (``shared_skipped_down``) until its backoff (d
 ``backoff_initial_s`` to ``backoff_max_s``) has passed, and the next call tries again. A
 restarted server is reconfigured on reconnection (its CONFIG SET values are gone with it).
 
-Composition (the connector's): the in-process :class:`~kvzip_vllm.store.BlockStore` stays in
+Composition (the connector's): the in-process :class:`~kvzip_vllm.core.store.BlockStore` stays in
 front as the cache. On a local miss, ``entry = shared.get_entry(key)`` and, if found,
 ``local.put_blobs(key, tuple(entry.blobs), entry.raw_bytes)`` then ``local.get(key, outs)``
 (which decodes and checks the blobs' CRCs); after a local store, ``shared.put(key, blobs,
@@ -58,7 +58,7 @@ try:
     from redis.retry import Retry
 except ImportError as e:  # pragma: no cover  (the extra is not installed)
     raise ImportError(
-        "kvzip_vllm.shared_store needs the Redis client: pip install 'kvzip-vllm[shared]'"
+        "kvzip_vllm.core.shared_store needs the Redis client: pip install 'kvzip-vllm[shared]'"
     ) from e
 
 log = logging.getLogger("kvzip_vllm.shared_store")  # its name before the move
