@@ -413,7 +413,7 @@ TREE = Setting(
     "KVZIP_TREE",
     Path,
     None,
-    ("kvzip-vllm/benchmarks/gpu_session.sh", "kvzip-kernels/benchmarks/gpu_v5.sh"),
+    ("kvzip-vllm/benchmarks/gpu_session.sh",),
     "a snapshot of the checkout that a GPU session runs",
     package=_VLLM,
     scope="bench",
