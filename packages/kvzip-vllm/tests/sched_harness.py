@@ -21,6 +21,7 @@ small integers in bf16; the greedy token is ``h_p % VOCAB``.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -107,6 +108,7 @@ class Record:
 class Harness:
     async_scheduling: bool
     max_tokens_per_step: int = 64
+    load_mode: str = "async"  # the tier's loads: asynchronous (its default) or in the step
     scheduler: object = None
     worker: object = None
     caches: dict = field(default_factory=dict)
@@ -118,6 +120,8 @@ class Harness:
     resumes: list = field(default_factory=list)  # (req_id, num_computed) after a failed load
     failed_steps: set = field(default_factory=set)
     affected: dict = field(default_factory=dict)  # tokens vLLM's recovery takes back, by request
+    pending_loads: dict = field(default_factory=dict)  # asynchronous loads not yet finished
+    finished_loads: list = field(default_factory=list)  # (step, req_id) reported by get_finished
 
     def build(self):
         from vllm.config import (
@@ -162,6 +166,7 @@ class Harness:
                     "chunk_tokens": CHUNK,
                     "fit_tokens": 0,
                     "budget_bytes": 16 << 20,
+                    "load_mode": self.load_mode,
                 },
             ),
         )
@@ -279,10 +284,11 @@ class Harness:
                 cache[list(ld.written)] = 255.0
         self.connector.bind_connector_metadata(meta)
         self.connector.start_load_kv(None)
-        for ld in meta.loads:
-            if not set(ld.written) & self.worker._load_errors:
-                data = [self.caches[n][list(ld.written)].clone() for n in self.caches]
-                self.records.append(Record("load", self.step_no, ld.req_id, ld.pos, ld.key, data))
+        if self.load_mode == "async":
+            for ld in meta.loads:  # (written by the tier's load thread, reported later)
+                self.pending_loads.setdefault(ld.req_id, []).append(ld)
+        else:
+            self._record_loads(meta.loads, self.worker._load_errors)
         sampled = {}
         for req_id, n in so.num_scheduled_tokens.items():
             r = self.runner[req_id]
@@ -303,7 +309,11 @@ class Harness:
         self.connector.wait_for_save()
         bg = self.connector.worker._background  # the CPU tier codes stores in the background:
         assert bg is None or bg.drain(60)  # this step's stores go out with its report
+        _, recving = self.connector.get_finished(set(so.finished_req_ids))
         errors = self.connector.get_block_ids_with_load_errors()
+        for req_id in sorted(recving or ()):
+            self.finished_loads.append((self.step_no, req_id))
+            self._record_loads(self.pending_loads.pop(req_id, []), errors)
         report = self.connector.build_connector_worker_meta()
         self.connector.clear_connector_metadata()
         stored = set(report.stored) if report is not None else set()
@@ -319,34 +329,64 @@ class Harness:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             kv_connector_output=KVConnectorOutput(
-                invalid_block_ids=errors, kv_connector_worker_meta=report
+                finished_recving=recving,
+                invalid_block_ids=errors,
+                kv_connector_worker_meta=report,
             ),
         )
 
+    def _record_loads(self, loads, errors) -> None:
+        """Each restored chunk's written blocks as the cache holds them once restored."""
+        for ld in loads:
+            if not set(ld.written) & errors:
+                data = [self.caches[n][list(ld.written)].clone() for n in self.caches]
+                self.records.append(Record("load", self.step_no, ld.req_id, ld.pos, ld.key, data))
+
     def _take(self, so, out) -> None:
-        failed = bool(out.kv_connector_output.invalid_block_ids)
+        kv = out.kv_connector_output
+        failed = bool(kv.invalid_block_ids)
         # what vLLM counts computed before the step's output (as its recovery does)
         before = {
             r: self.requests[r].num_computed_tokens - n for r, n in so.num_scheduled_tokens.items()
         }
+        # requests whose asynchronous load finished: the tokens it was to restore
+        loaded = {r: self.requests[r].num_computed_tokens for r in kv.finished_recving or ()}
         self.scheduler.update_from_output(so, out)
-        if failed:
+        if failed and self.load_mode != "async":
             for req_id in so.num_scheduled_tokens:
                 req = self.requests[req_id]
                 self.resumes.append((req_id, req.num_computed_tokens))
                 self.affected[req_id] = before[req_id] - req.num_computed_tokens
+        for req_id, n in loaded.items():  # a failed chunk: vLLM computes from its first block
+            req = self.requests[req_id]
+            if req.num_computed_tokens < n and not req.is_finished():
+                self.resumes.append((req_id, req.num_computed_tokens))
+                self.affected[req_id] = n - req.num_computed_tokens
 
-    def run(self, max_steps: int = 400) -> None:
+    def run(self, max_steps: int = 400, timeout_s: float = 60.0, until=None) -> None:
         """vLLM's engine loop until every request has finished: ``EngineCore.step`` with
-        synchronous scheduling, ``step_with_batch_queue`` (two steps in flight) without."""
+        synchronous scheduling, ``step_with_batch_queue`` (two steps in flight) without.
+        Steps that schedule nothing (requests waiting for their loads) do not count against
+        ``max_steps``; the loop gives up after ``timeout_s``. ``until``: return as soon as it
+        returns True (checked before each step)."""
         depth = 2 if self.async_scheduling else 1
-        queue: deque = deque()
-        for _ in range(max_steps):
+        queue: deque = getattr(self, "_queue", None) or deque()  # steps in flight (until=)
+        self._queue = deque()
+        deadline = time.monotonic() + timeout_s
+        steps = 0
+        while steps < max_steps and time.monotonic() < deadline:
+            if until is not None and until():
+                self._queue = queue
+                return
             if not self.scheduler.has_requests() and not queue:
                 return
             if self.scheduler.has_requests():
                 so = self.scheduler.schedule()
                 self.step_no += 1
+                if so.total_num_scheduled_tokens:
+                    steps += 1
+                elif self.pending_loads:
+                    time.sleep(0.002)  # an idle engine polling its loads
                 queue.appendleft((so, self._execute(so)))
                 if len(queue) < depth and so.total_num_scheduled_tokens > 0:
                     continue

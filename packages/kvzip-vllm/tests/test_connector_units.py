@@ -8,10 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tier_steps import finish_loads  # noqa: E402
 
 import kvzip_lossless
 from kvzip_vllm import support
 from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
+
+# every test under both load designs (conftest.load_mode)
+pytestmark = pytest.mark.usefixtures("load_mode")
 
 vllm = pytest.importorskip("vllm", reason="the connector needs vLLM")
 
@@ -40,7 +44,7 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
     msg = str(e.value)
     assert "'budget_byte'" in msg
     assert (
-        "known keys: budget_bytes, chunk_tokens, fit_tokens, shared_budget_bytes, "
+        "known keys: budget_bytes, chunk_tokens, fit_tokens, load_mode, shared_budget_bytes, "
         "shared_timeout_s, shared_url, stats_path, store_queue_bytes, tables_path"
     ) in msg
     with pytest.raises(ConnectorSettingsError, match=r"store_queue_bytes=0 .*greater than 0"):
@@ -193,6 +197,7 @@ def _step(w, *, loads=(), stores=(), req_blocks=None, seen=0):
         loads=list(loads), stores=list(stores), req_blocks=req_blocks or {}, seen_report=seen
     )
     w.start_load_kv(meta)
+    finish_loads(w)  # (asynchronous: vLLM schedules the request once get_finished says so)
     w.wait_for_save(meta)
     if w._background is not None:  # the CPU tier codes its stores in the background:
         assert w._background.drain(60)  # the step's stores go out with this step's report
@@ -340,12 +345,16 @@ def test_the_cuda_path_refuses_the_same_stores(device_scatter):
         loads = [Load("b", keys[i], 4 + i, i) for i in range(3)]
         stores = [Store("b", keys[3], 7, 3), Store("d", keys[5], 9, 0)]
         meta = _meta(loads=loads, stores=stores, req_blocks={"b": [4, 5, 6, 7], "d": [9]})
-        w.start_load_kv(meta)  # (the forward ordered after the restore here already)
-        assert (w._cuda._load is not None) is device_scatter  # still to be waited for
-        assert w._load_ready
-        w.wait_for_layer_load("model.layers.0.self_attn.attn")
-        w.wait_for_layer_load("model.layers.1.self_attn.attn")
-        assert (w._cuda._load is not None) is device_scatter
+        w.start_load_kv(meta)
+        if w.async_loads:  # on the tier's load thread: finished and reported by get_finished
+            assert finish_loads(w) == {"b"}
+            assert w.stats()["load_jobs_async"] == 1
+        else:  # (the forward ordered after the restore here already)
+            assert (w._cuda._load is not None) is device_scatter  # still to be waited for
+            assert w._load_ready
+            w.wait_for_layer_load("model.layers.0.self_attn.attn")
+            w.wait_for_layer_load("model.layers.1.self_attn.attn")
+            assert (w._cuda._load is not None) is device_scatter
         w.wait_for_save(meta)
         assert w._cuda._load is None
         assert w.get_block_ids_with_load_errors() == {6}
@@ -449,7 +458,7 @@ def test_scheduler_keys_chunks_by_their_last_blocks_hash_and_reports_whole_chunk
     # itself (a local hit that ends mid-chunk 1): the tier reports tokens up to chunk 3 only
     req2 = SimpleNamespace(request_id="q", block_hashes=hashes, num_tokens=7 * BS + 3)
     sched.on_new_request(req2)
-    assert sched.get_num_new_matched_tokens(req2, 3 * BS) == (3 * BS, False)
+    assert sched.get_num_new_matched_tokens(req2, 3 * BS) == (3 * BS, True)
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(20, 28)),))
     sched.update_state_after_alloc(req2, blocks, 3 * BS)
     meta = sched.build_connector_meta(_sched_out())
@@ -459,10 +468,10 @@ def test_scheduler_keys_chunks_by_their_last_blocks_hash_and_reports_whole_chunk
     ]
     # a prompt that ends inside chunk 1's held blocks (one token past block 2): 1 chunk
     req3 = SimpleNamespace(request_id="s", block_hashes=hashes[:3], num_tokens=3 * BS + 1)
-    assert sched.get_num_new_matched_tokens(req3, 0) == (2 * BS, False)
+    assert sched.get_num_new_matched_tokens(req3, 0) == (2 * BS, True)
     # the last prompt token is always computed: a prompt of exactly 2 chunks restores one
     req4 = SimpleNamespace(request_id="t", block_hashes=hashes[:4], num_tokens=4 * BS)
-    assert sched.get_num_new_matched_tokens(req4, 0) == (2 * BS, False)
+    assert sched.get_num_new_matched_tokens(req4, 0) == (2 * BS, True)
 
 
 def test_chunks_restore_into_the_blocks_after_a_local_hit_and_refuse_what_depends_on_a_failure():
@@ -568,6 +577,7 @@ def test_a_load_waits_for_its_store_still_coded_in_the_background():
     w.wait_for_save(KvzipConnectorMetadata(stores=[Store("a", key, 0, 0)]))
     assert w.stats()["stores_in_flight"] == 1 and key not in w.store
     w.start_load_kv(KvzipConnectorMetadata(loads=[Load("b", key, 5, 0)]))
+    assert finish_loads(w) == ({"b"} if w.async_loads else set())
     assert w.get_block_ids_with_load_errors() == set()
     s = w.stats()
     assert s["loads_waited_for_store"] == 1 and s["stores_in_flight"] == 0

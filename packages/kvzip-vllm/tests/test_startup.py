@@ -184,14 +184,24 @@ def test_connector_settings_that_cannot_work_are_refused(env, extra, environ, ma
         startup.check_config(_cfg(connector="KvzipConnector", extra=extra))
 
 
-def test_the_connector_under_asynchronous_scheduling_is_refused_at_start_up(env):
+def test_vllms_defaults_start_with_the_tier_and_only_sync_loads_refuse_them(env):
+    """Asynchronous scheduling and model runner V2 (vLLM 0.26's defaults on CUDA) start with
+    the tier's default asynchronous loads; ``load_mode="sync"`` refuses each, naming it."""
     pytest.importorskip("vllm")
     cfg = _cfg(connector="KvzipConnector", extra={"budget_bytes": 2000})
     cfg.scheduler_config = SimpleNamespace(async_scheduling=True)
+    cfg.use_v2_model_runner = True
+    startup.check_config(cfg)  # the defaults: accepted
+    sync = _cfg(connector="KvzipConnector", extra={"budget_bytes": 2000, "load_mode": "sync"})
+    sync.scheduler_config = SimpleNamespace(async_scheduling=True)
     with pytest.raises(support.UnsupportedConfigError, match="--no-async-scheduling"):
-        startup.check_config(cfg)
-    cfg.scheduler_config.async_scheduling = False
-    startup.check_config(cfg)  # the same settings, scheduled synchronously, start
+        startup.check_config(sync)
+    sync.scheduler_config.async_scheduling = False
+    sync.use_v2_model_runner = True
+    with pytest.raises(support.UnsupportedConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        startup.check_config(sync)
+    sync.use_v2_model_runner = False
+    startup.check_config(sync)  # synchronous scheduling, V1 runner: starts
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,10 @@ import pytest
 pytest.importorskip("vllm", reason="the tier's halves import vllm (extra 'cpu')")
 
 from test_connector_units import BS, _caches, _sched_out, _vllm_config, _worker  # noqa: E402
+from tier_steps import finish_loads  # noqa: E402
+
+# every test under both load designs (conftest.load_mode)
+pytestmark = pytest.mark.usefixtures("load_mode")
 
 CHUNKS = 4
 
@@ -34,6 +38,7 @@ def _step(sched, w, so):
     """One step: the scheduler's plan, the worker's loads and stores, its report taken in."""
     meta = sched.build_connector_meta(so)
     w.start_load_kv(meta)
+    finish_loads(w)  # (asynchronous: vLLM schedules the request once get_finished says so)
     w.wait_for_save(meta)
     assert w._background.drain(60)  # stores coded in the background: reported this step
     assert w.get_block_ids_with_load_errors() == set()
@@ -74,7 +79,7 @@ def test_stores_of_equal_keys_in_the_reset_step_stay_held():
     # one holding its last token
     later = _request("c", hashes)
     sched.on_new_request(later)
-    assert sched.get_num_new_matched_tokens(later, 0) == (CHUNKS * BS, False)
+    assert sched.get_num_new_matched_tokens(later, 0) == (CHUNKS * BS, True)
 
 
 def test_a_store_reported_after_the_reset_from_before_the_clear_is_not_counted():
@@ -171,10 +176,10 @@ def test_chunks_whose_stores_are_not_yet_reported_count_as_held():
     assert [sched.held(k) for k in keys] == [False] * CHUNKS
     back = _request("b", hashes)
     sched.on_new_request(back)
-    assert sched.get_num_new_matched_tokens(back, 0) == (CHUNKS * BS, False)
+    assert sched.get_num_new_matched_tokens(back, 0) == (CHUNKS * BS, True)
     # the worker then reports the last chunk dropped (its store failed): the match stops there
     report = KvzipWorkerMetadata(stored=keys[:-1], dropped=keys[-1:], seq=1)
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
     again = _request("c", hashes)
     sched.on_new_request(again)
-    assert sched.get_num_new_matched_tokens(again, 0) == ((CHUNKS - 1) * BS, False)
+    assert sched.get_num_new_matched_tokens(again, 0) == ((CHUNKS - 1) * BS, True)

@@ -9,8 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tier_steps import finish_loads  # noqa: E402
 
 from kvzip_vllm import support
+
+# every test under both load designs (conftest.load_mode)
+pytestmark = pytest.mark.usefixtures("load_mode")
 
 vllm = pytest.importorskip("vllm", reason="the connector needs vLLM")
 
@@ -85,6 +89,7 @@ def _run_step(workers, meta, ranks=None):
         if ranks is not None and rank not in ranks:
             continue
         w.start_load_kv(meta)
+        finish_loads(w)
         w.wait_for_save(meta)
         assert w._background.drain(60)  # stores coded in the background: reported this step
         errors = w.get_block_ids_with_load_errors()
@@ -114,7 +119,7 @@ def test_a_block_is_held_only_once_every_rank_stored_it(monkeypatch):
     assert not any(sched.held(k) for k in keys)
     # yet a new prompt counts them: rank 1's stores are still in flight (an idle server takes
     # no step that would report them), and its load waits for them (test_cuda_pipeline)
-    assert sched.get_num_new_matched_tokens(_request("b"), 0) == (4 * BS, False)
+    assert sched.get_num_new_matched_tokens(_request("b"), 0) == (4 * BS, True)
     sched.update_connector_output(_run_step(workers[1:], meta))  # rank 1's report (its rank)
     assert all(sched.held(k) for k in keys)
     # each rank holds its own shard under a key carrying its rank and the world size
@@ -151,7 +156,7 @@ def test_each_rank_restores_its_own_heads_bit_exact(monkeypatch):
         for _, c in w.layers:
             c[6:10].zero_()
     b = _request("b")
-    assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, False)
+    assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
     sched.update_state_after_alloc(
         b, SimpleNamespace(get_block_ids=lambda: ([6, 7, 8, 9, 10],)), 4 * BS
     )
@@ -176,7 +181,7 @@ def test_a_shard_is_never_restored_on_another_rank(monkeypatch):
     for skey, entry in w0.store._entries.items():
         w1.store._entries[skey] = entry
     b = _request("b")
-    assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, False)
+    assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
     sched.update_state_after_alloc(
         b, SimpleNamespace(get_block_ids=lambda: ([6, 7, 8, 9, 10],)), 4 * BS
     )
@@ -208,7 +213,7 @@ def test_a_rank1_load_failure_is_recomputed_and_every_ranks_copy_dropped(monkeyp
     data[len(data) // 2 : len(data) // 2 + 16] ^= 0xFF
     b = _request("b", 4)
     sched.on_new_request(b)
-    assert sched.get_num_new_matched_tokens(b, 0) == (2 * BS, False)
+    assert sched.get_num_new_matched_tokens(b, 0) == (2 * BS, True)
     ids = [4, 5, 6, 7, 8]
     sched.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: (ids,)), 2 * BS)
     meta = sched.build_connector_meta(_new_step("b", ids, 2 * BS, 2 * BS + 1))

@@ -118,7 +118,9 @@ def require_recompute_policy(kv_transfer_config) -> None:
 
 
 def require_rewinding_model_runner(vllm_config) -> None:
-    """Refuse vLLM's model runner V2 (the default of vLLM 0.26 on CUDA for Llama-class models).
+    """With ``load_mode="sync"`` only: refuse vLLM's model runner V2 (the default of vLLM 0.26
+    on CUDA for Llama-class models). Asynchronous loads (the default) need no rewind: a failed
+    chunk is known before the request computes anything.
 
     After a failed synchronous KV load vLLM rewinds the request to its first failed block and
     recomputes from there. Model runner V2 rewinds only its CPU copy of the request's computed
@@ -134,12 +136,15 @@ def require_rewinding_model_runner(vllm_config) -> None:
             "request after a failed KV load (vllm-project/vllm#49250): a block the tier cannot "
             "restore (evicted or damaged) would be recomputed from the wrong positions and the "
             "request would get a wrong prefix; supported: the V1 model runner "
-            "(VLLM_USE_V2_MODEL_RUNNER=0 in the environment of every vLLM process)"
+            "(VLLM_USE_V2_MODEL_RUNNER=0 in the environment of every vLLM process), or the "
+            "tier's default load_mode='async', which accepts model runner V2"
         )
 
 
 def require_synchronous_scheduling(vllm_config) -> None:
-    """Refuse vLLM's asynchronous scheduling (vLLM 0.26's default on CUDA).
+    """With ``load_mode="sync"`` only: refuse vLLM's asynchronous scheduling (vLLM 0.26's
+    default on CUDA). Asynchronous loads (the default) are not affected: the request waits in
+    ``WAITING_FOR_REMOTE_KVS`` and no step is scheduled on top of a load that may fail.
 
     With asynchronous scheduling vLLM schedules step N+1 before step N's output, its failed
     loads included, reaches the scheduler: a request whose load failed in step N is already
@@ -161,7 +166,8 @@ def require_synchronous_scheduling(vllm_config) -> None:
             "before the failure was seen is not undone: the token it sampled on the block "
             "that was not restored is kept): a damaged or evicted tier entry would give a "
             "wrong output; supported: synchronous scheduling (`vllm serve ... "
-            "--no-async-scheduling`, or `LLM(..., async_scheduling=False)`)"
+            "--no-async-scheduling`, or `LLM(..., async_scheduling=False)`), or the tier's "
+            "default load_mode='async', which accepts asynchronous scheduling"
         )
 
 
@@ -180,8 +186,6 @@ class KvzipConnector(KVConnectorBase_V1):
             vllm_config.model_config, dtypes=support.SUPPORTED_CONNECTOR_DTYPES, what="connector"
         )
         support.check_parallel(vllm_config.parallel_config, what="connector")
-        require_rewinding_model_runner(vllm_config)
-        require_synchronous_scheduling(vllm_config)
         if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16"):
             raise support.UnsupportedConfigError(
                 f"kvzip-vllm connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
@@ -194,6 +198,9 @@ class KvzipConnector(KVConnectorBase_V1):
             blocks_per_chunk(self.settings.chunk_tokens, vllm_config.cache_config.block_size)
         except ConnectorSettingsError as e:
             raise support.UnsupportedConfigError(str(e)) from None
+        if self.settings.load_mode == "sync":  # restores inside the step: rewound on failure
+            require_rewinding_model_runner(vllm_config)
+            require_synchronous_scheduling(vllm_config)
         from kvzip_vllm.core.store import namespace
 
         ns = namespace(
@@ -213,7 +220,12 @@ class KvzipConnector(KVConnectorBase_V1):
             shared = self._open_shared()
             chunk = self.settings.chunk_tokens
             self.scheduler = KvzipScheduler(
-                vllm_config, kv_cache_config, ns, shared=shared, chunk_tokens=chunk
+                vllm_config,
+                kv_cache_config,
+                ns,
+                shared=shared,
+                chunk_tokens=chunk,
+                async_loads=self.settings.load_mode == "async",
             )
         else:
             from kvzip_vllm.tier.worker import KvzipWorker
@@ -275,6 +287,12 @@ class KvzipConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         assert meta is None or isinstance(meta, KvzipConnectorMetadata)
         self.worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, the requests whose asynchronous loads finished since the last call, failed
+        ones included: their failed blocks come from the next get_block_ids_with_load_errors,
+        which vLLM calls right after this, in the same step)."""
+        return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -127,6 +128,14 @@ class ConnectorSettings(BaseModel):
     also kept until the table set is fitted from them. On the CPU: the host memory the copies
     of chunks waiting for the coder thread may take (None: 1 GiB; past it the step waits for
     room; ``kvzip_vllm.core.background``)."""
+    load_mode: Literal["async", "sync"] = "async"
+    """How a prefix hit is restored. ``"async"`` (the default): the request waits in vLLM's
+    ``WAITING_FOR_REMOTE_KVS`` while the tier's load thread copies, decodes and writes its
+    chunks on the tier's own streams; the forward of the running requests never waits for it,
+    a failed chunk is known before the request computes anything, and vLLM's asynchronous
+    scheduling and model runner V2 are accepted. ``"sync"``: the chunks are restored inside
+    the step that computes the request (before its forward), which needs synchronous
+    scheduling and vLLM's V1 model runner (refused at start-up otherwise)."""
     fit_tokens: int = Field(1024, ge=0)
     """Without ``tables_path``: fit the table set from the first this many tokens stored
     (0: never; every blob then embeds its own table)."""

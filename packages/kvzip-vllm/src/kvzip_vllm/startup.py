@@ -190,8 +190,6 @@ def check_connector(vllm_config) -> None:
     mc = vllm_config.model_config
     support.check_model(mc, dtypes=support.SUPPORTED_CONNECTOR_DTYPES, what="connector")
     support.check_parallel(vllm_config.parallel_config, what="connector")
-    require_rewinding_model_runner(vllm_config)
-    require_synchronous_scheduling(vllm_config)
     dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if dtype not in ("auto", "bfloat16"):
         _refuse(
@@ -206,6 +204,9 @@ def check_connector(vllm_config) -> None:
             blocks_per_chunk(s.chunk_tokens, block_size)
     except ConnectorSettingsError as e:
         _refuse(str(e))
+    if s.load_mode == "sync":  # restores inside the step: a failed one is rewound after it
+        require_rewinding_model_runner(vllm_config)
+        require_synchronous_scheduling(vllm_config)
     free = available_memory()
     if s.budget_bytes > free:
         given = (

@@ -248,6 +248,14 @@ class TierStats:
     load_submit_seconds: float = 0.0
     load_host_seconds: float = 0.0
     load_wait_seconds: float = 0.0
+    # asynchronous loads (the default): jobs run on the tier's load thread, off the engine's
+    # step, and their time there (submit to written, queueing behind earlier jobs included);
+    # the explicit exceptions where a step waits for them anyway (an emptying of the tier, a
+    # shutdown) and how long those steps waited
+    load_jobs_async: int = 0
+    load_async_seconds: float = 0.0
+    step_waits_for_loads: int = 0
+    step_wait_for_loads_seconds: float = 0.0
     store_seconds: float = 0.0
     load_errors: int = 0  # chunks missing or failing their checksum at load: recomputed
     # chunks not stored because a chunk before them in their request failed to load this

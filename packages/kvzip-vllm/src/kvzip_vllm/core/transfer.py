@@ -22,7 +22,9 @@ Promises the interface keeps (and the adapter builds on):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -86,6 +88,7 @@ class TransferResult:
     dropped: list[bytes] = field(default_factory=list)
     tokens: int = 0  # tokens restored (loads)
     hits: dict[str, int] = field(default_factory=dict)  # chunks restored per request
+    loads: list[ChunkLoad] = field(default_factory=list)  # a load job's chunks, as submitted
 
 
 class TierTransfers(ABC):
@@ -173,6 +176,8 @@ class KvTier(TierTransfers):
             self._background_errors = 0  # the coder's errors counted into the stats so far
         self._finished: list[TransferResult] = []
         self._load_job: tuple[int, dict, TransferResult] | None = None  # CUDA load in flight
+        self._runner: _LoadRunner | None = None  # asynchronous loads' thread, once used
+        self._own_stream = None  # asynchronous loads' stream without the CUDA pipeline
         # stores in flight (CUDA pipeline, CPU coder thread), in order
         self._store_jobs: dict[int, tuple[set[bytes], TransferResult]] = {}
 
@@ -291,32 +296,98 @@ class KvTier(TierTransfers):
         self.shared_counts["shared_blocks_fetched"] += len(fetched)
         return fetched
 
-    def submit_load(self, job_id: int, loads: list[ChunkLoad]) -> bool:
+    def submit_load(self, job_id: int, loads: list[ChunkLoad], *, asynchronous=False) -> bool:
+        """Begin restoring ``loads``. Synchronous (the default): the caller's step does the
+        host work now and the job finishes by the step's :meth:`wait` / :meth:`ready`.
+        ``asynchronous``: the job runs on the tier's load thread, on its own streams, off the
+        caller's step (its chunks must not be read until :meth:`get_finished` reports it)."""
+        loads = [ld._replace(block_ids=as_ids(ld.block_ids)) for ld in map(_as_load, loads)]
+        for ld in loads:
+            self._check(ld.block_ids, ld.skip)
+        if asynchronous:
+            if self._runner is None:
+                self._runner = _LoadRunner(self._run_load, self._fail_all)
+            self._runner.submit(job_id, loads)
+            return True
         t0 = time.perf_counter()
         try:
             return self._submit_load(job_id, loads, t0)
         finally:
             self.store.stats.load_submit_seconds += time.perf_counter() - t0
 
-    def _submit_load(self, job_id: int, loads: list[ChunkLoad], t0: float) -> bool:
-        res = TransferResult(job_id, True)
-        loads = [ld._replace(block_ids=as_ids(ld.block_ids)) for ld in map(_as_load, loads)]
-        for ld in loads:
-            self._check(ld.block_ids, ld.skip)
+    def _prepare_load(self, loads: list[ChunkLoad], res: TransferResult) -> set[bytes]:
+        """Before a load reads the store: stores of its chunks still in flight waited for
+        (CPU coder), the chunks the local store lacks fetched from the shared tier."""
         if self.background is not None:  # (before the shared tier is asked for them)
             self._wait_for_stores(loads)
-        fetched = self._fetch_shared(loads, res) if self.shared is not None else set()
+        return self._fetch_shared(loads, res) if self.shared is not None else set()
+
+    def _load_stream(self):
+        """The stream an asynchronous load runs on (CUDA): the pipeline's decode stream, or
+        one of the tier's own; never the engine's compute stream."""
+        if self.device.type != "cuda":
+            return None
+        if self.pipeline is not None:
+            return self.pipeline.decode_stream
+        if self._own_stream is None:
+            self._own_stream = torch.cuda.Stream(self.device)
+        return self._own_stream
+
+    def _run_load(self, job_id: int, loads: list[ChunkLoad]) -> TransferResult:
+        """One asynchronous load job, start to finish, on the load thread: its writes into
+        the cache are complete (the stream synchronised) when this returns."""
+        t0 = time.perf_counter()
+        stream = self._load_stream()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        # (vLLM's caches are inference tensors: written in place only in inference mode,
+        # which is thread-local)
+        with torch.inference_mode(), ctx:
+            res = TransferResult(job_id, True, loads=loads)
+            fetched = self._prepare_load(loads, res)
+            if self.pipeline is not None:
+                by_block = {b: ld for ld in loads for b in ld.block_ids[ld.skip :]}
+                job = (job_id, by_block, res, fetched, t0)
+                self.pipeline.start_loads(
+                    [(ld.req_id, ld.key, ld.block_ids, ld.skip) for ld in loads]
+                )
+                res = self._finish_cuda_load(job)
+            else:
+                self._load_each(loads, res, fetched)
+                self._finish_load(res, t0)
+            if stream is not None:
+                stream.synchronize()  # every write into the cache landed
+        res.transfer_time = time.perf_counter() - t0
+        self.store.stats.load_async_seconds += res.transfer_time
+        return res
+
+    def _fail_all(self, job_id: int, loads: list[ChunkLoad]) -> TransferResult:
+        """A job whose run raised: every chunk reported failed (the engine recomputes them)."""
+        res = TransferResult(job_id, False, loads=loads)
+        for ld in loads:
+            res.failed.append(ld)
+            res.failed_blocks.update(ld.block_ids[ld.skip :])
+            self.store.stats.load_errors += 1
+        return res
+
+    def _submit_load(self, job_id: int, loads: list[ChunkLoad], t0: float) -> bool:
+        res = TransferResult(job_id, True, loads=loads)
+        fetched = self._prepare_load(loads, res)
         if self.pipeline is not None:
             self.wait({self._load_job[0]} if self._load_job else set())
             by_block = {b: ld for ld in loads for b in ld.block_ids[ld.skip :]}
             self._load_job = (job_id, by_block, res, fetched, t0)
             self.pipeline.start_loads([(ld.req_id, ld.key, ld.block_ids, ld.skip) for ld in loads])
             return True
+        self._load_each(loads, res, fetched)
+        self._finish_load(res, t0)
+        self._finished.append(res)
+        return True
+
+    def _load_each(self, loads: list[ChunkLoad], res: TransferResult, fetched) -> None:
+        """The loads on the host's paths (CPU decode pool, compact pages, chunk by chunk)."""
         if self.decoder is not None:
             self._decode_loads(loads, res, fetched)
-            self._finish_load(res, t0)
-            self._finished.append(res)
-            return True
+            return
         for ld in loads:
             ok = False
             try:
@@ -335,9 +406,6 @@ class KvTier(TierTransfers):
                 res.tokens += (self.bpc - ld.skip) * self.layout.block_size
             else:
                 self._fail(res, ld, fetched)
-        self._finish_load(res, t0)
-        self._finished.append(res)
-        return True
 
     def _decode_loads(self, loads: list[ChunkLoad], res: TransferResult, fetched) -> None:
         """CPU, bf16: the loads' chunks decoded on the decode pool, each scattered as it
@@ -388,9 +456,10 @@ class KvTier(TierTransfers):
         s.blocks_restored += sum(res.hits.values())
         s.tokens_restored += res.tokens
 
-    def _finish_cuda_load(self) -> None:
-        job_id, by_block, res, fetched, t0 = self._load_job
-        self._load_job = None
+    def _finish_cuda_load(self, job) -> TransferResult:
+        """The pipeline's started loads of ``job`` finished (its flags read, damaged chunks
+        dropped): the job's result."""
+        job_id, by_block, res, fetched, t0 = job
         failed_ids = self.pipeline.wait_loads()  # (it counts its restores and errors)
         seen: dict[int, ChunkLoad] = {}
         for b in sorted(failed_ids):
@@ -405,7 +474,11 @@ class KvTier(TierTransfers):
                 self.shared_counts["shared_blocks_bad"] += 1
                 self.shared.delete(ld.key)
         res.transfer_time = time.perf_counter() - t0
-        self._finished.append(res)
+        return res
+
+    def _finish_sync_cuda_load(self) -> None:
+        job, self._load_job = self._load_job, None
+        self._finished.append(self._finish_cuda_load(job))
 
     # -- stores ---------------------------------------------------------------------------
     def submit_store(self, job_id: int, stores: list[ChunkStore]) -> bool:
@@ -532,10 +605,22 @@ class KvTier(TierTransfers):
     # -- polling --------------------------------------------------------------------------
     def get_finished(self) -> list[TransferResult]:
         if self.pipeline is not None and self._load_job is not None:
-            self._finish_cuda_load()
+            self._finish_sync_cuda_load()
+        if self._runner is not None:
+            self._finished.extend(self._runner.take())
         self._collect()
         done, self._finished = self._finished, []
         return done
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Asynchronous load jobs submitted and not yet finished."""
+        return 0 if self._runner is None else self._runner.pending
+
+    def wait_loads(self, timeout_s: float | None = None) -> bool:
+        """Block until every asynchronous load job has finished (their results stay for
+        :meth:`get_finished`); False if ``timeout_s`` passed first."""
+        return self._runner is None or self._runner.wait(None, timeout_s)
 
     def ready(self, job_ids: set[int]) -> None:
         job = self._load_job
@@ -545,13 +630,15 @@ class KvTier(TierTransfers):
         self.wait(job_ids)
 
     def wait(self, job_ids: set[int]) -> None:
+        if self._runner is not None:
+            self._runner.wait(set(job_ids))
         if self.pipeline is None:  # CPU: loads finish as submitted; stores on the coder
             if self.background is not None and any(j in self._store_jobs for j in job_ids):
                 self.background.drain()
                 self._collect()
             return
         if self._load_job is not None and self._load_job[0] in job_ids:
-            self._finish_cuda_load()
+            self._finish_sync_cuda_load()
         if any(j in self._store_jobs for j in job_ids):
             self.pipeline.drain()
             self._collect()
@@ -565,9 +652,77 @@ class KvTier(TierTransfers):
         self._collect()
 
     def shutdown(self) -> None:
+        if self._runner is not None:
+            self._runner.close()  # (finishes the loads queued)
         if self.pipeline is not None:
             self.pipeline.close()
         if self.background is not None:
             self.background.close()  # (finishes the stores queued)
             self.decoder.close()
             self._collect()
+
+
+class _LoadRunner:
+    """The tier's load thread: asynchronous load jobs run one after another, off the engine's
+    step (``run(job_id, loads) -> TransferResult``; a job whose run raises is reported by
+    ``fail(job_id, loads)``, every chunk failed, so no request waits for it forever)."""
+
+    def __init__(self, run, fail):
+        self._run, self._fail = run, fail
+        self._cv = threading.Condition()
+        self._queue: list[tuple[int, list[ChunkLoad]]] = []
+        self._pending: set[int] = set()
+        self._done: list[TransferResult] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kvzip-tier-load", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._pending)
+
+    def submit(self, job_id: int, loads: list[ChunkLoad]) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the tier's load thread is closed")
+            self._pending.add(job_id)
+            self._queue.append((job_id, loads))
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                job_id, loads = self._queue.pop(0)
+            try:
+                res = self._run(job_id, loads)
+            except Exception:  # noqa: BLE001  (reported failed: the engine recomputes)
+                logger.exception("kvzip tier: load job %d failed", job_id)
+                res = self._fail(job_id, loads)
+            with self._cv:
+                self._done.append(res)
+                self._pending.discard(job_id)
+                self._cv.notify_all()
+
+    def take(self) -> list[TransferResult]:
+        """The jobs finished since the last call (never waits)."""
+        with self._cv:
+            done, self._done = self._done, []
+            return done
+
+    def wait(self, job_ids: set[int] | None, timeout_s: float | None = None) -> bool:
+        """Block until the jobs ``job_ids`` (None: all) have finished."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: not (self._pending if job_ids is None else self._pending & job_ids),
+                timeout_s,
+            )
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()

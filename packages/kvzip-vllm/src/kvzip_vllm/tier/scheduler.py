@@ -10,6 +10,15 @@ blocks only) and stores (chunks whose every block is computed after it). A store
 refused (a load it depends on failed) or a failed load moves the request's store frontier
 back, so the chunks vLLM recomputes are stored then, from correct values.
 
+Loads are asynchronous by default (``async_loads``): a hit is reported to vLLM as
+``(tokens, True)``, vLLM allocates the request's blocks and parks it in
+``WAITING_FOR_REMOTE_KVS``, the step's plan carries its loads to the worker, whose load thread
+restores them off the step and reports the request through ``get_finished`` (a chunk that
+failed through ``get_block_ids_with_load_errors`` in the same step), and only then is the
+request scheduled, from its first failed block if any. Nothing is computed on a load that may
+still fail, so nothing has to be rewound: vLLM's asynchronous scheduling and model runner V2
+are safe. With ``async_loads=False`` the request computes in the step that restores it.
+
 With tensor parallelism each rank stores its own KV heads of a block and reports it; the
 scheduler's keys carry no rank, and a block counts as held only once every rank has reported
 it stored (and none has dropped it since). A store any rank refused is dropped on every rank
@@ -45,7 +54,13 @@ class KvzipScheduler:
     """Scheduler side of ``KvzipConnector`` (one per engine)."""
 
     def __init__(
-        self, vllm_config, kv_cache_config, namespace: bytes, shared=None, chunk_tokens=None
+        self,
+        vllm_config,
+        kv_cache_config,
+        namespace: bytes,
+        shared=None,
+        chunk_tokens=None,
+        async_loads: bool = True,
     ):
         from kvzip_vllm.settings import blocks_per_chunk
 
@@ -53,6 +68,9 @@ class KvzipScheduler:
         self.chunk_tokens = chunk_tokens or self.block_size
         self.bpc = blocks_per_chunk(self.chunk_tokens, self.block_size)  # blocks per chunk
         self.namespace = namespace
+        #: hits are loaded asynchronously (the request waits in WAITING_FOR_REMOTE_KVS until
+        #: the worker reports its load finished) or, False, in the step that computes it
+        self.async_loads = async_loads
         #: the shared tier's store (tier/shared.py), queried for the blocks not held locally
         self.shared = shared
         self._held: set[bytes] = set()  # keys every rank holds
@@ -114,7 +132,7 @@ class KvzipScheduler:
         hit_tokens = hit * self.chunk_tokens  # whole chunks only
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, False
+        return hit_tokens - num_computed_tokens, self.async_loads
 
     def _servable(self, key: bytes) -> bool:
         """The worker can restore ``key``: held, or stored by an earlier step and still in
@@ -122,8 +140,8 @@ class KvzipScheduler:
         later step, and an idle server takes no step, so a prompt returning to an idle server
         would find none of its chunks held; the worker's load of a chunk still in flight waits
         for its store (``CudaTierPipeline.start_loads``), and a store that fails after all
-        fails the load, which vLLM recomputes. (With synchronous scheduling, the only kind
-        the tier accepts, every store planned before this call ran in an earlier step.)"""
+        fails the load, which vLLM recomputes. (An asynchronous load waits on the tier's load
+        thread, not in the step.)"""
         return key in self._held or key in self._pending
 
     def _shared_hit(self, keys: list[bytes], hit: int, num_computed_tokens: int) -> int:

@@ -129,6 +129,13 @@ class KvzipWorker:
         self._bad_reqs: dict[str, tuple[int, int]] = {}  # req_id -> (first bad pos, report)
         self._bad_blocks: dict[int, int] = {}  # block id -> report
         self._job = 0  # transfer jobs submitted to the core
+        #: the restores are asynchronous (``load_mode``): a job per request on the core's load
+        #: thread, reported by get_finished; else the step's one load job, finished before
+        #: the forward reads the cache
+        self.async_loads = settings.load_mode == "async"
+        self._job_loads: dict[int, dict[tuple[str, bytes], Load]] = {}  # load jobs' loads
+        self._recving: dict[int, str] = {}  # asynchronous load job -> its request
+        self._loads_done: list[TransferResult] = []  # finished, not yet reported finished
         self._load_job: int | None = None  # the step's load job (waited for before the forward)
         self._load_ready = False  # the forward is ordered after the load job's writes
         self._stats_dirty = False
@@ -300,9 +307,12 @@ class KvzipWorker:
                 self._logical.pop(key, None)
         if not meta.loads:
             return
+        if self.async_loads:
+            self._submit_async(meta.loads)
+            return
         self._job += 1
         loads = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in meta.loads]
-        self._loads = {(ld.req_id, ld.key): ld for ld in meta.loads}
+        self._job_loads[self._job] = {(ld.req_id, ld.key): ld for ld in meta.loads}
         self._load_job, self._load_ready = self._job, False
         self.tier.submit_load(self._job, loads)
         if self._cuda is not None:
@@ -315,6 +325,43 @@ class KvzipWorker:
         self._take_finished()
         self._write_stats()
 
+    def _submit_async(self, loads: list[Load]) -> None:
+        """One load job per request on the core's load thread (a request is reported finished
+        as soon as its own chunks are written, not behind the step's other requests)."""
+        by_req: dict[str, list[Load]] = {}
+        for ld in loads:
+            by_req.setdefault(ld.req_id, []).append(ld)
+        for req_id, lds in by_req.items():
+            self._job += 1
+            self._job_loads[self._job] = {(ld.req_id, ld.key): ld for ld in lds}
+            self._recving[self._job] = req_id
+            chunks = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in lds]
+            self.tier.submit_load(self._job, chunks, asynchronous=True)
+            self.store.stats.load_jobs_async += 1
+        self._stats_dirty = True
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        """vLLM's poll, once a step: the requests whose asynchronous loads have finished
+        since the last call (their failed chunks recorded for the
+        ``get_block_ids_with_load_errors`` vLLM calls right after). Never waits. A request
+        aborted while its load ran is reported too: vLLM frees its blocks then."""
+        if not self.async_loads or self.tier is None:
+            return None, None
+        self._take_finished()
+        done, self._loads_done = self._loads_done, []
+        if not done:
+            return None, None
+        self._loads_finished(done)
+        finished = {self._recving.pop(res.job_id) for res in done}
+        return None, finished
+
+    def _loads_finished(self, results: list[TransferResult]) -> None:
+        """Asynchronous load jobs finished (each ``res.loads`` its chunks, ``res.failed`` those
+        not restored), on the step's thread, just before their requests are reported to vLLM
+        (a hook for checkers: the chunks' blocks are written and nothing reads them yet)."""
+        for res in results:
+            self._job_loads.pop(res.job_id, None)
+
     def _take_finished(self) -> None:
         """The core's finished jobs into the step's report: keys held and no longer held,
         failed loads recorded (their stores are refused until the scheduler has seen them)."""
@@ -324,8 +371,12 @@ class KvzipWorker:
     def _take(self, res: TransferResult) -> None:
         self._report.stored.extend(res.stored)
         self._report.dropped.extend(res.dropped)
+        if res.job_id in self._recving:
+            self._loads_done.append(res)
+            loads = self._job_loads.get(res.job_id, {})
+        else:
+            loads = self._job_loads.pop(res.job_id, {})
         if res.failed_blocks:
-            loads = getattr(self, "_loads", {})
             failed = [loads[(f.req_id, f.key)] for f in res.failed if (f.req_id, f.key) in loads]
             self._record_failures(failed)
             self._load_errors |= res.failed_blocks
@@ -344,12 +395,32 @@ class KvzipWorker:
         after that happened after the clear, so the scheduler applies the clear first and a
         store of an equal key in the same step stays held (issue 29)."""
         if self.tier is not None:
+            self._wait_for_async_loads("the tier is emptied")
             self.tier.drain()  # the store thread is done writing to the store
-            self.tier.get_finished()  # stores that landed before the clear: cleared with it
+            # stores that landed before the clear: cleared with it (loads: still reported)
+            for res in self.tier.get_finished():
+                if res.job_id in self._recving:
+                    self._take(res)
         self.store.clear()
         self._logical.clear()
         self._report.stored, self._report.dropped = [], []
         self._report.cleared = True
+
+    def _wait_for_async_loads(self, why: str) -> None:
+        """The step waits for the asynchronous loads in flight (counted in the stats:
+        ``step_waits_for_loads``): an emptying of the tier does not free the records they
+        read, and their results stay for get_finished."""
+        if self.tier is None or not self.tier.loads_in_flight:
+            return
+        import time
+
+        t0 = time.perf_counter()
+        self.tier.wait_loads()
+        s = self.store.stats
+        s.step_waits_for_loads += 1
+        s.step_wait_for_loads_seconds += time.perf_counter() - t0
+        logger.info("kvzip tier: the step waited %.3f s for loads in flight: %s",
+                    time.perf_counter() - t0, why)  # fmt: skip
 
     def flush_shared(self, timeout_s: float = 10.0) -> bool:
         """Wait up to ``timeout_s`` until the queued shared puts are done (tests, shutdown)."""
@@ -460,7 +531,8 @@ class KvzipWorker:
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self._finish_cuda_loads()  # loads no layer waited for
+        if not self.async_loads:
+            self._finish_cuda_loads()  # loads no layer waited for
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -491,6 +563,8 @@ class KvzipWorker:
         d = self.store.stats.as_dict()
         if self._background is not None:  # chunks copied out of a step, still being coded
             d["stores_in_flight"] = self.tier.stores_in_flight
+        if self.tier is not None:
+            d["loads_in_flight"] = self.tier.loads_in_flight
         if self.shared is not None:
             d.update(self.shared.stats)
             d.update(self.tier.shared_counts if self.tier is not None else {})
@@ -509,6 +583,7 @@ class KvzipWorker:
 
     def shutdown(self) -> None:
         if self.tier is not None:
+            self._wait_for_async_loads("shutdown")
             self.tier.shutdown()
         if self._shared_writer is not None:
             self._shared_writer.close(timeout_s=10.0)  # bounded: puts fail fast when down
