@@ -293,7 +293,8 @@ def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
 ):
     """While the store thread is busy and the queue (1.5 chunks) is full, each step's chunks
     are spilled raw to page-locked extents of the arena (counted against the budget), then
-    coded by the store thread: every chunk stored, restored bit for bit, none dropped."""
+    coded by the store thread, a spilled job's copy back to the device started while the job
+    before it is coded: every chunk stored, restored bit for bit, none dropped."""
     monkeypatch.setattr(cuda_pipeline, "SPILL_GROUP", 2)  # a 3-chunk step: two device groups
     one = one_block_bytes(device) * bpc  # a chunk's bf16 bytes
     budget = 64 * one
@@ -317,6 +318,9 @@ def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
     assert sorted(stored) == [key(i) for i in range(5)] and dropped == []
     assert st.spill_bytes_held == 0 and st.spill_peak_bytes == 4 * one
     assert st.blocks_stored == 5 and st.stores_waited_queue_full == 0
+    # the last spilled job's copy back to the device began while the job before it was coded
+    # (the first one's could not: the thread was already coding chunk 0 when it was queued)
+    assert st.stores_unspilled_ahead == 1
     assert st.bytes_held <= budget and st.peak_bytes_held <= budget
     assert st.store_busy_seconds > 0
     buf.view(torch.int16).fill_(-1)

@@ -86,11 +86,9 @@ def test_a_failed_load_is_counted_and_what_depends_on_it_is_not_stored(tmp_path_
         # every load but the failed one restored (A's first run loads only the shared 4)
         loads = 4 if c["prompt"].startswith("A") and c["state_blocks"] < 4 else 6
         assert d["blocks_restored"] == loads - 1, c
-        if c["prompt"].startswith("A") and c["state_blocks"] < 4:
-            # the failed step computed the prompt's own 2 blocks on the unrestored one
-            assert d["stores_refused_after_load_error"] == 2, c
-        else:  # nothing of the prompt was left to store in that step
-            assert d["stores_refused_after_load_error"] == 0, c
+        # the load is asynchronous: the request computed nothing until its failure was known,
+        # so no block was computed on the unrestored one and no store had to be refused
+        assert d["stores_refused_after_load_error"] == 0, c
     assert {c["prompt"][0] for c in _cases(r, name)} == {"A", "U"}
 
 

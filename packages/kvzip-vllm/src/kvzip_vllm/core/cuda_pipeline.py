@@ -137,6 +137,9 @@ class _Job:
     event: object
     nbytes: int
     spill: list[tuple[int, int]] | None = None
+    #: a spilled job's chunks being brought back to the device ahead of its turn (while the
+    #: job before it is coded): the device copy and the event after its copies
+    unspill: tuple[torch.Tensor, object] | None = None
 
 
 def default_queue_bytes(device: torch.device) -> int:
@@ -193,6 +196,8 @@ class CudaTierPipeline:
         self.store_stream = (
             torch.cuda.Stream(self.device, priority=STORE_STREAM_PRIORITY) if cuda else None
         )
+        # spilled chunks brought back to the device ahead of their turn (``_start_unspill``)
+        self.unspill_stream = torch.cuda.Stream(self.device) if cuda else None
         if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
             store.pin()
         # every entry holds its decode plan (also those the shared tier's fetches put)
@@ -526,22 +531,55 @@ class CudaTierPipeline:
             self._spilled -= sum(n for _, n in job.spill)
         job.spill = None
 
-    def _unspill(self, job: _Job) -> None:
-        """A spilled job's chunks back on the device (store thread, on the store stream), its
-        host extents given back: the job goes on as one staged by ``start_stores``."""
+    def _start_unspill(self, job: _Job) -> None:
+        """Begin bringing a spilled job's chunks back to the device: page-locked host to
+        device copies on the unspill stream (asynchronous), an event after them. Called for
+        the job queued next while the current one is coded, so the copy of one and the coding
+        of the other overlap (``stores_unspilled_ahead``)."""
+        if job.unspill is not None or job.spill is None:
+            return
         m, L = len(job.keys), len(self.caches)
         nbytes = sum(n for _, n in job.spill)
         with self._queued_lock:  # device memory the job takes while it is coded
             self._queued += nbytes
         job.nbytes = nbytes
-        dev = torch.empty((m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device)
-        for j, (off, n) in enumerate(job.spill):
-            src = self.store.extent(off, n).view(torch.bfloat16)
-            dev[j].view(-1).copy_(src, non_blocking=self.store_stream is not None)
-        if self.store_stream is not None:
-            self.store_stream.synchronize()  # the copies have landed: the extents are free
+        cuda = self.unspill_stream is not None
+        if cuda and job.event is not None:
+            self.unspill_stream.wait_event(job.event)  # the spill's own copies have landed
+        with self._on(self.unspill_stream):
+            dev = torch.empty(
+                (m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device
+            )
+            for j, (off, n) in enumerate(job.spill):
+                src = self.store.extent(off, n).view(torch.bfloat16)
+                dev[j].view(-1).copy_(src, non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record(self.unspill_stream)
+        job.unspill = (dev, event)
+
+    def _unspill(self, job: _Job) -> None:
+        """A spilled job's chunks back on the device (store thread), its host extents given
+        back once the copies have landed: the job goes on as one staged by ``start_stores``.
+        The copies were started ahead when the job queued behind another (``_start_unspill``)."""
+        if job.unspill is None:
+            self._start_unspill(job)
+        else:
+            self.store.stats.stores_unspilled_ahead += len(job.keys)
+        dev, event = job.unspill
+        job.unspill = None
+        if event is not None:
+            self.store_stream.wait_event(event)  # the coder reads the copies after they land
+            event.synchronize()  # the copies have landed: the extents are free
         self._release_spill(job)
+        L = len(self.caches)
         job.staged = [(dev[:, 2 * li], dev[:, 2 * li + 1]) for li in range(L)]
+
+    def _next_job(self) -> _Job | None:
+        """The job queued after the one being coded (None if none yet), without taking it."""
+        with self._jobs.mutex:
+            return self._jobs.queue[0] if self._jobs.queue else None
 
     def _store_loop(self) -> None:
         while True:
@@ -556,6 +594,9 @@ class CudaTierPipeline:
                 with self._on(self.store_stream):
                     if job.spill is not None:
                         self._unspill(job)
+                    nxt = self._next_job()
+                    if nxt is not None and nxt.spill is not None:
+                        self._start_unspill(nxt)  # its copies overlap this job's coding
                     for job_keys, job_staged in self._ready(job.keys, job.staged):
                         if self.store.tables is not None:
                             self._store_batched(job_keys, job_staged)
@@ -571,6 +612,9 @@ class CudaTierPipeline:
                     self._done.put((key, 0, []))
             finally:
                 if job.spill is not None:  # (failed before it was brought back)
+                    if job.unspill is not None and job.unspill[1] is not None:
+                        job.unspill[1].synchronize()  # (its copies read the extents)
+                    job.unspill = None
                     self._release_spill(job)
                 job.staged = None  # (jobs held for the table fit keep their copies)
                 with self._room:

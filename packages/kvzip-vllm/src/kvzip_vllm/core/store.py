@@ -273,6 +273,8 @@ class TierStats:
     spill_bytes_held: int = 0
     spill_peak_bytes: int = 0
     stores_waited_queue_full: int = 0
+    #: spilled chunks whose copy back to the device ran while the job before them was coded
+    stores_unspilled_ahead: int = 0
     store_wait_seconds: float = 0.0
     #: loads of chunks still being stored (the scheduler counts them held): waited for
     loads_waited_for_store: int = 0
