@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `kvzip eval --full --device cuda` on a GPU machine where kvzip is not installed: the
 # packages run from this checkout (PYTHONPATH), torch/transformers/matplotlib come from the
-# machine. How results/quality/{baselines,compact}.* were made on the H200.
+# machine. How results/quality/window_compact/ and window_baselines/ (and the earlier baselines/,
+# compact/) were made on the H200.
 #
 #   device_quality.sh OUT_DIR NAME FORMATS [kvzip eval options...]
 #
