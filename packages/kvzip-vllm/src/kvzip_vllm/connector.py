@@ -126,9 +126,9 @@ def require_rewinding_model_runner(vllm_config) -> None:
     recomputes from there. Model runner V2 rewinds only its CPU copy of the request's computed
     tokens, not the device copy, so the recompute reads its tokens and positions from the wrong
     offset (vllm-project/vllm#49250, open): measured on the H200 with vLLM 0.26
-    (results/vllm/h200_run5/gpu_faults.md), the failed block was never rewritten, the output
-    differed from vLLM's without the tier and the tier then stored the unrewritten block. The
-    V1 model runner rewinds both (the same faults pass there: results/vllm/h200_run6). A tier
+    (results/vllm/tier_faults/model_runner_v2/), the failed block was never rewritten, the
+    output differed from vLLM's without the tier and the tier then stored the unrewritten block.
+    The V1 model runner rewinds both (the same faults pass there: results/vllm/tier_faults/). A tier
     that cannot be recovered from correctly must not start."""
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise support.UnsupportedConfigError(

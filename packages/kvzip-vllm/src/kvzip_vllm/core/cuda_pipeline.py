@@ -64,8 +64,8 @@ logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
 #: Chunk groups per load step: the copies of group g+1 overlap the decode of group g, and only
 #: the last group's decode follows the last copy. Each group costs one prepare (numpy over its
-#: plans) and three launches. Measured on the H200 (results/vllm/h200_run8/, 8B shape, 256-token
-#: chunks): 16 chunks per group, at most 16 groups, restore 0.84-0.89x a raw copy.
+#: plans) and three launches. Measured on the H200 (results/vllm/tier_restore/, 8B shape,
+#: 256-token chunks): 16 chunks per group, at most 16 groups, restore 0.83-0.87x a raw copy.
 #: ``KVZIP_LOAD_GROUP_CHUNKS`` sets the chunks per group (for measuring the split).
 BLOCKS_PER_GROUP, MAX_GROUPS = table.LOAD_GROUP_CHUNKS.get(), 16
 

@@ -1,0 +1,407 @@
+"""``kvzip bench tier --workload decode``: what a tier's restores and stores cost the
+requests already decoding beside them.
+
+One engine per connector (``kvzip``, ``offload``: the same CPU bytes; ``none``: returning
+prompts recomputed), each in its own process, every vLLM default on. In each:
+
+1. *Stores.* ``--long-prompts`` long prompts (``--long-context`` tokens) prefilled back to
+   back, then ``--decoders`` prompts of ``--decode-context`` tokens prefilled at once: the
+   tier stores every chunk of them. Every call of the connector's ``wait_for_save`` (where a
+   step hands its stores to the tier) is timed: the longest is what a step waited for the
+   store path. The tier's store throughput (bf16 bytes coded over the store thread's busy
+   time) is set beside the prefill's KV rate (bf16 KV bytes of the prefilled tokens over the
+   prefill's wall time).
+2. *Decode, quiet.* The decoders decode (``ignore_eos``) for ``--window-s`` seconds: each
+   decoder's inter-token latency (ITL: the time between the steps that gave it a token).
+3. *Decode, with returns.* The same for another window while the long prompts return from the
+   tier, one every ``--return-every-s`` seconds (vLLM's prefix cache emptied of them before),
+   each asking for one token: the decoders' ITL again, and each return's time to first token.
+
+Reported per connector: ITL p50 / p99 quiet and with returns and their ratio (the target: p99
+with returns at most 1.25x quiet), the returns' TTFT, the longest ``wait_for_save``, stores
+dropped, store throughput over the prefill's KV rate.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from kvzip_eval.bench import engines, output
+from kvzip_eval.bench.stats import percentile
+
+CHUNK = 256
+
+
+def _itl(stamps: dict[str, list[float]]) -> list[float]:
+    """Every gap between consecutive token times of each request."""
+    gaps = []
+    for ts in stamps.values():
+        gaps += [b - a for a, b in zip(ts, ts[1:], strict=False)]
+    return gaps
+
+
+def itl_summary(stamps: dict[str, list[float]]) -> dict:
+    """p50, p99, max and count of the gaps of ``stamps`` (seconds)."""
+    gaps = _itl(stamps)
+    if not gaps:
+        return {"n": 0, "p50_s": None, "p99_s": None, "max_s": None}
+    return {
+        "n": len(gaps),
+        "p50_s": round(percentile(gaps, 50), 5),
+        "p99_s": round(percentile(gaps, 99), 5),
+        "max_s": round(max(gaps), 5),
+    }
+
+
+def child(spec: dict) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    conn = spec["connector"]
+    root = Path(tempfile.mkdtemp(prefix=f"kvzip-bench-decode-{conn}-"))
+    stats_path = root / "tier-stats.json"
+    kw: dict = dict(spec["engine_args"])
+    if conn == "kvzip":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KvzipConnector",
+            "kv_connector_module_path": "kvzip_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "budget_bytes": spec["cpu_bytes"],
+                "stats_path": str(stats_path),
+                "chunk_tokens": CHUNK,
+            },
+        }
+    elif conn == "offload":
+        kw["kv_offloading_size"] = spec["cpu_bytes"] / (1 << 30)
+        kw["kv_offloading_backend"] = "native"
+    cuda = torch.cuda.is_available()
+    if cuda:
+        kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+    else:
+        kw["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
+    long_n, dec_n = spec["long_context"] - CHUNK + 1, spec["decode_context"] - CHUNK + 1
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model_dir"],
+        load_format=spec["load_format"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max(long_n, dec_n + spec["decode_tokens"]) + 16,
+        max_num_seqs=max(spec["decoders"] + 4, 8),
+        enable_prefix_caching=True,
+        seed=0,
+        **kw,
+    )
+    res: dict = {"init_s": round(time.perf_counter() - t0, 1)}
+    res["settings"] = engines.engine_settings(llm)
+    res["device"] = engines.device_name()
+    engines.emit("engine", **res)
+    eng = llm.llm_engine
+
+    saves: list[float] = []  # every wait_for_save, seconds
+    if conn != "none":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        group = get_kv_transfer_group()
+        real_save = group.wait_for_save
+
+        def timed_save(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real_save(*a, **k)
+            finally:
+                saves.append(time.perf_counter() - t)
+
+        group.wait_for_save = timed_save
+
+    def tier_stats() -> dict:
+        try:
+            return json.loads(stats_path.read_text()) if conn == "kvzip" else {}
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    vocab = spec["vocab"]
+    longs = [
+        p["prompt_token_ids"] for p in engines.prompts(spec["long_prompts"], long_n, 11, vocab)
+    ]
+    decs = [p["prompt_token_ids"] for p in engines.prompts(spec["decoders"], dec_n, 12, vocab)]
+    if cuda:  # a GPU cache for the decoders and two long prompts at a time, no more
+        need = spec["decoders"] * (dec_n + spec["decode_tokens"]) + 2 * long_n + 4096
+        kw.setdefault("num_gpu_blocks_override", -(-need // 16))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # 1. stores: long prompts back to back, then the decoders' prompts at once
+    engines.emit("phase", name="stores")
+    sync()
+    t = time.perf_counter()
+    for p in longs:
+        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+    sync()
+    long_s = time.perf_counter() - t
+    saves_long = list(saves)
+    saves.clear()
+    # the long prompts now only in the tier (vLLM's own prefix cache emptied: no request runs)
+    res["local_cache_reset"] = bool(llm.reset_prefix_cache())
+    bpt = spec["bpt"]
+    res["stores"] = {
+        "long_prefill_s": round(long_s, 3),
+        "long_kv_rate_GBps": round(len(longs) * long_n * bpt / long_s / 1e9, 3),
+        "wait_for_save_max_ms_long": round(1e3 * max(saves_long, default=0.0), 2),
+    }
+    # the decoders: their prompts prefilled at once, then decoding until told to stop
+    dec_sp = SamplingParams(
+        max_tokens=spec["decode_tokens"],
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    stamps: dict[str, list[float]] = {}
+    for i, p in enumerate(decs):
+        eng.add_request(f"dec{i}", {"prompt_token_ids": p}, dec_sp)
+        stamps[f"dec{i}"] = []
+    ttft: dict[str, float] = {}
+    added: dict[str, float] = {}
+
+    def step() -> None:
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id in stamps and o.outputs and o.outputs[0].token_ids:
+                stamps[o.request_id] += [now] * len(o.outputs[0].token_ids)
+            elif o.request_id in added and o.request_id not in ttft and o.outputs:
+                if o.outputs[0].token_ids:
+                    ttft[o.request_id] = now - added[o.request_id]
+
+    t = time.perf_counter()
+    while not all(stamps.values()):
+        step()
+    dec_prefill_s = time.perf_counter() - t
+    res["stores"]["decoders_prefill_s"] = round(dec_prefill_s, 3)
+    res["stores"]["decoders_kv_rate_GBps"] = round(len(decs) * dec_n * bpt / dec_prefill_s / 1e9, 3)
+    res["stores"]["wait_for_save_max_ms_decoders"] = round(1e3 * max(saves, default=0.0), 2)
+    saves.clear()
+    s_stores = tier_stats()
+    if conn == "kvzip":
+        busy = s_stores.get("store_busy_seconds", 0.0)
+        raw = s_stores.get("raw_bytes_stored", 0)
+        res["stores"]["store_GBps"] = round(raw / busy / 1e9, 3) if busy else None
+
+    # 2. quiet window
+    engines.emit("phase", name="quiet")
+    for ts in stamps.values():
+        ts[:] = ts[-1:]
+    t = time.perf_counter()
+    while time.perf_counter() - t < spec["window_s"]:
+        step()
+    quiet = {r: list(ts) for r, ts in stamps.items()}
+
+    # 3. returns: the long prompts from the tier (each once), one every return_every_s
+    engines.emit("phase", name="returns")
+    for ts in stamps.values():
+        ts[:] = ts[-1:]
+    t = time.perf_counter()
+    nxt, k = t, 0
+    while time.perf_counter() - t < spec["window_s"]:
+        if time.perf_counter() >= nxt and k < len(longs):
+            rid = f"ret{k}"
+            added[rid] = time.perf_counter()
+            eng.add_request(rid, {"prompt_token_ids": longs[k]}, one)
+            k += 1
+            nxt += spec["return_every_s"]
+        step()
+    busy_t = time.perf_counter()
+    while any(r not in ttft for r in added) and time.perf_counter() - busy_t < 120:
+        step()
+    returns = {r: list(ts) for r, ts in stamps.items()}
+    s_end = tier_stats()
+    res["itl_quiet"] = itl_summary(quiet)
+    res["itl_returns"] = itl_summary(returns)
+    q99, r99 = res["itl_quiet"]["p99_s"], res["itl_returns"]["p99_s"]
+    res["itl_p99_ratio"] = round(r99 / q99, 3) if q99 and r99 else None
+    ttfts = sorted(ttft.values())
+    res["returns"] = {
+        "n": len(added),
+        "ttft_p50_s": round(percentile(ttfts, 50), 4) if ttfts else None,
+        "ttft_max_s": round(max(ttfts), 4) if ttfts else None,
+    }
+    res["wait_for_save_max_ms_windows"] = round(1e3 * max(saves, default=0.0), 2)
+    if conn == "kvzip":
+        keys = ("stores_dropped_queue_full", "store_errors", "blocks_skipped", "load_errors",
+                "stores_spilled_host", "stores_waited_queue_full", "store_wait_seconds",
+                "stores_unspilled_ahead", "step_waits_for_loads", "load_jobs_async",
+                "tokens_restored", "ratio")  # fmt: skip
+        res["tier"] = {k: s_end.get(k) for k in keys}
+    for r in list(stamps):
+        eng.abort_request([r])
+    engines.emit("result", **res)
+
+
+# ------------------------------------------------------------------ the call (parent)
+def run(o) -> dict:
+    """The whole call (options ``o`` as ``kvzip bench tier --workload decode`` takes them)."""
+    from tqdm import tqdm
+
+    out = Path(o.out)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="kvzip-bench-decode-"))
+    cfg, folder, load_format = engines.model_folder(o.model, root)
+    bpt = engines.kv_bytes_per_token(cfg)
+    long_n = o.long_context - CHUNK + 1
+    # both tiers hold every long prompt (the raw pages 0.9x the CPU bytes): restores compared
+    cpu = o.cpu_bytes or int(o.long_prompts * long_n * bpt / 0.9)
+    conns = list(o.connectors)
+    bar = tqdm(total=len(conns) * 4, desc="bench tier decode", unit="phase")
+    started, engs = time.monotonic(), []
+    for conn in conns:
+        left = o.deadline_s - (time.monotonic() - started)
+        base = {"connector": conn, "cpu_bytes": cpu if conn != "none" else 0}
+        if left < 30:
+            engs.append({**base, "error": f"not started: {left:.0f} s left of the deadline"})
+            continue
+        spec = {
+            **base, "model_dir": folder, "load_format": load_format, "vocab": cfg["vocab_size"],
+            "bpt": bpt, "long_context": o.long_context, "long_prompts": o.long_prompts,
+            "decode_context": o.decode_context, "decoders": o.decoders,
+            "decode_tokens": o.decode_tokens, "window_s": o.window_s,
+            "return_every_s": o.return_every_s,
+            "gpu_memory_utilization": o.gpu_memory_utilization,
+            "kv_cache_bytes": o.kv_cache_bytes, "engine_args": o.engine_args,
+        }  # fmt: skip
+        done = [0]
+
+        def progress(recs, done=done):
+            n = sum(r["kind"] in ("engine", "phase") for r in recs)
+            if n > done[0]:
+                bar.update(n - done[0])
+                done[0] = n
+
+        bar.set_postfix_str(conn)
+        log = out / f"decode_{conn}.log"
+        rc, recs = engines.run_child("kvzip_eval.bench.interference", spec, log,
+                                     engines.child_env(root), min(left, o.engine_timeout_s),
+                                     progress)  # fmt: skip
+        bar.update(4 - done[0])
+        r = next((x for x in recs if x["kind"] == "result"), None)
+        info = next((x for x in recs if x["kind"] == "engine"), {})
+        e = {**base, "name": conn, "rc": rc, "settings": info.get("settings"),
+             "device": info.get("device")}  # fmt: skip
+        if r is None:
+            e["error"] = f"rc {rc}: " + log.read_text(errors="replace")[-1500:]
+        else:
+            e.update({k: v for k, v in r.items() if k not in ("kind", "settings", "device")})
+        engs.append(e)
+    bar.close()
+    rows = [decode_row(e) for e in engs]
+    device = next((e["device"] for e in engs if e.get("device")), None)
+    doc = output.header("tier-decode", "What a tier's restores and stores cost the requests "
+                        "decoding beside them", device)  # fmt: skip
+    doc.update(
+        model=o.model or "Llama-3.1-8B's shape, dummy weights",
+        workload={
+            "long_prompts": o.long_prompts, "long_context": o.long_context,
+            "decoders": o.decoders, "decode_context": o.decode_context,
+            "window_s": o.window_s, "return_every_s": o.return_every_s, "cpu_bytes": cpu,
+            "kv_bytes_per_token": bpt,
+        },
+        rows=rows,
+        engines=engs,
+    )  # fmt: skip
+    output.write(out, "bench_tier_decode", doc, _markdown(doc), lambda ax: _plot(ax, rows))
+    return doc
+
+
+def decode_row(e: dict) -> dict:
+    """One connector's row: ITL quiet and with returns, returns' TTFT, the store path."""
+    st, q, r = e.get("stores") or {}, e.get("itl_quiet") or {}, e.get("itl_returns") or {}
+    kv = max(st.get("long_kv_rate_GBps") or 0, st.get("decoders_kv_rate_GBps") or 0)
+    waits = [st.get("wait_for_save_max_ms_long"), st.get("wait_for_save_max_ms_decoders"),
+             e.get("wait_for_save_max_ms_windows")]  # fmt: skip
+    tier = e.get("tier") or {}
+    dropped = None
+    if tier:
+        dropped = sum(tier.get(k) or 0 for k in ("stores_dropped_queue_full", "store_errors",
+                                                 "blocks_skipped"))  # fmt: skip
+    return {
+        "connector": e["connector"],
+        "itl_p50_quiet_s": q.get("p50_s"),
+        "itl_p99_quiet_s": q.get("p99_s"),
+        "itl_p50_returns_s": r.get("p50_s"),
+        "itl_p99_returns_s": r.get("p99_s"),
+        "itl_p99_ratio": e.get("itl_p99_ratio"),
+        "returns": (e.get("returns") or {}).get("n"),
+        "return_ttft_p50_s": (e.get("returns") or {}).get("ttft_p50_s"),
+        "return_ttft_max_s": (e.get("returns") or {}).get("ttft_max_s"),
+        "wait_for_save_max_ms": max((w for w in waits if w is not None), default=None),
+        "store_GBps": st.get("store_GBps"),
+        "store_over_prefill_kv_rate": round(st["store_GBps"] / kv, 3)
+        if st.get("store_GBps") and kv
+        else None,
+        "stores_dropped": dropped,
+        "error": (e.get("error") or "")[-200:] or None,
+    }
+
+
+def _markdown(doc: dict) -> list[str]:
+    w = doc["workload"]
+    lines = [
+        f"Model: {doc['model']}. {w['decoders']} requests decode at {w['decode_context']} "
+        f"tokens; {w['long_prompts']} prompts of {w['long_context']} tokens stored back to back "
+        f"first, then returning one every {w['return_every_s']} s during a {w['window_s']} s "
+        f"window (the quiet window before it is the baseline). CPU bytes "
+        f"{w['cpu_bytes'] / 1e9:.1f} GB for each tier (both hold every long prompt).",
+        "",
+    ]
+    lines += output.table(doc["rows"], [
+        ("connector", "connector"), ("itl_p50_quiet_s", "ITL p50 quiet s"),
+        ("itl_p99_quiet_s", "ITL p99 quiet s"), ("itl_p50_returns_s", "ITL p50 returns s"),
+        ("itl_p99_returns_s", "ITL p99 returns s"), ("itl_p99_ratio", "p99 ratio"),
+        ("returns", "returns"), ("return_ttft_p50_s", "return TTFT p50 s"),
+        ("return_ttft_max_s", "return TTFT max s"),
+        ("wait_for_save_max_ms", "longest wait_for_save ms"), ("store_GBps", "store GB/s"),
+        ("store_over_prefill_kv_rate", "store / prefill KV rate"),
+        ("stores_dropped", "stores dropped"), ("error", "error")])  # fmt: skip
+    lines += output.engines_md(doc["engines"])
+    lines += [
+        "",
+        "ITL: the time between consecutive steps that gave a decoding request a token, over "
+        "every decoder. The targets: ITL p99 with returns at most 1.25x quiet; no step waits "
+        "more than 50 ms in wait_for_save (where a step hands its stores to the tier); the "
+        "tier's store throughput (bf16 bytes coded over its store thread's busy time) at "
+        "least 2x the prefill's KV rate (bf16 KV bytes of the prefilled tokens over the "
+        "prefill's wall time, the faster of the long prompts' and the decoders' prefill).",
+    ]
+    return lines
+
+
+def _plot(ax, rows: list[dict]) -> None:
+    import numpy as np
+
+    x = np.arange(len(rows))
+    q = [r["itl_p99_quiet_s"] or 0 for r in rows]
+    r_ = [r["itl_p99_returns_s"] or 0 for r in rows]
+    ax.bar(x - 0.2, [1e3 * v for v in q], 0.4, label="ITL p99, quiet")
+    ax.bar(x + 0.2, [1e3 * v for v in r_], 0.4, label="ITL p99, with returns")
+    ax.set_xticks(x, [r["connector"] for r in rows])
+    ax.set_ylabel("inter-token latency p99, ms")
+    ax.set_title("Decoders' ITL while long prompts return from the tier")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+
+
+if __name__ == "__main__":
+    import os
+
+    spec = engines.child_spec()
+    if spec is not None:
+        child(spec)
+        os._exit(0)  # vLLM's shutdown can hang; the result is out
