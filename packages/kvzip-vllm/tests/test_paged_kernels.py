@@ -392,7 +392,7 @@ def _check_close(got, want, plain, lens, what: str, record=None) -> None:
     # int4 on CUDA: kvzip-kernels' int4 decode dequantizes (code * scale + zero) in bf16, so
     # its error does not shrink with the sequence as plain bf16's does: measured on the H200
     # 4.1e-3 to 6.2e-3 at every length (1-token sequences 5.1e-3 against plain's 1.7e-3;
-    # results/vllm/paged_kernels_cuda.md). Its floor is 1e-2, 1.6x the worst seen.
+    # results/vllm/backend_gpu/paged_kernels_cuda.md). Its floor is 1e-2, 1.6x the worst seen.
     floor = 1e-2 if record is not None and record[:2] == ("cuda", "int4") else 0.0
     for i, n in enumerate(lens):
         tol = max(2 * plains[i] + 1e-4, floor)

@@ -2,9 +2,9 @@
 instance A (one process) computes a long prompt and exits, instance B (another process, which
 never saw it) restores it from Redis; then the server is killed mid-run and B still answers
 correctly, by recomputing. ``vllm_shared_scenario.py run`` is the same as a script (it writes
-``results/vllm/shared_tier.json`` + ``.md``); here the results go to ``KVZIP_RESULTS_DIR``
-when set, else to the test's temporary directory. About 3-4 minutes on the shared 2-core
-machine (two vLLM start-ups)."""
+``results/vllm/shared_tier/shared_tier.json`` + ``.md``); here the results go to
+``KVZIP_RESULTS_DIR`` when set, else to the test's temporary directory. About 3-4 minutes on
+the shared 2-core machine (two vLLM start-ups)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ prompt is computed (and stored), vLLM's prefix cache is emptied, and the prompt 
 (restored from the tier). Writes the greedy tokens of both runs and each rank's tier stats.
 
 python tp_scenario.py --tp 2 --model DIR --out result.json
-python tp_scenario.py --compare --model DIR --out results/vllm/tp2_cpu.json  # TP 1 and 2 (+ .md)
+python tp_scenario.py --compare --model DIR --out results/vllm/tp2_cpu/tp2_cpu.json  # TP 1 and 2
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def compare(model: str, out: Path, timeout_s: int = 540) -> dict:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "versions": {"vllm": vllm.__version__, "python": platform.python_version()},
         "command": "python packages/kvzip-vllm/tests/tp_scenario.py --compare --model DIR "
-        "--out results/vllm/tp2_cpu.json",
+        "--out results/vllm/tp2_cpu/tp2_cpu.json",
         "model": {**CONFIG, "weights": "seeded random (torch.manual_seed(0)), bf16"},
         "prompt_tokens": PROMPT_TOKENS,
         "max_tokens": MAX_TOKENS,

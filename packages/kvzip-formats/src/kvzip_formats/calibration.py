@@ -284,8 +284,8 @@ def rotary_adjust(
     constant only where ``inv_freq[j] * max_context <= max_angle`` radians. For the other pairs
     the mean is dropped (folded into the second moment: subtracting a mean fitted on short
     windows added error further out, where the pair has turned: 4bit's KL rose from 0.025 at
-    positions < 1k to 0.14 at 7-8k, results/quality/compact.md) and the pair's two channels
-    get their average variance and weight (RoPE mixes them).
+    positions < 1k to 0.14 at 7-8k, results/quality/compact/report.md at commit e6cd4bd) and
+    the pair's two channels get their average variance and weight (RoPE mixes them).
     """
     d = cal.head_dim
     half = d // 2

@@ -15,10 +15,11 @@ sizes that are multiples of 16. ``paged_decode(..., backend=)`` or ``KVZIP_KERNE
 (``auto``, ``cuda``, ``triton``) choose; ``auto`` takes CUDA on sm_90 where it builds, else
 Triton. The kernel is design v6 (32-token tiles through a per-warp cp.async ring of 2
 shared-memory stages, per-lane copies of the codebook tables read by 3-instruction lookups),
-chosen over v5 by measurement (NOTES.md: ``results/kernels/bench_paged_decode_v6.md``, H200,
-full grid, same run: geometric-mean speedup over the best fp8 int4 1.61x (v5 1.49x), 4bit
-1.37x (1.15x), 3.5bit 1.30x (0.97x), 3bit 1.29x (0.90x)); v5's and v4a's sources are in git
-history (NOTES.md says where).
+chosen over v5 by measurement (NOTES.md:
+``results/kernels/paged_decode/bench_paged_decode_v6.md``, H200, full grid, same run:
+geometric-mean speedup over the best fp8 int4 1.61x (v5 1.49x), 4bit 1.37x (1.15x), 3.5bit
+1.30x (0.97x), 3bit 1.29x (0.90x)); v5's and v4a's sources are in git history (NOTES.md says
+where).
 ``KVZIP_KERNELS_CUDA_SO`` names a prebuilt library (skips the build); ``KVZIP_NVCC`` an nvcc.
 """
 

@@ -277,8 +277,8 @@ def _paired_levels(
     from its own bytes (a 2-bit field of plane byte e // 2; at 3 bits the high bit from the
     1-bit plane) with the select tree, on the GPU as under the interpreter: no interleave of
     narrower classes and no packed inline assembly on tiles 8 bytes wide (together they gave
-    wrong results on the H200, results/kernels/gpu_tests_v5.log, though not under the
-    interpreter)."""
+    wrong results on the H200, results/kernels/gpu_tests_v5.log at commit 7fa2a4a, though not
+    under the interpreter)."""
     e = tl.arange(0, N // 2)
     lo = _load_bytes(ptr, base, t, OFF + e // 2, CB, PS, CHANNEL_MAJOR, mask).to(tl.int32)
     f0 = (lo >> (2 * (e % 2))[None, :]) & 3  # fields 0, 1 of the byte

@@ -1,10 +1,11 @@
 """Per-format constants uploaded to the device once, and the compact formats' q/o transforms.
 
-H200 run of 2026-11-29 19:03 (``results/kernels/bench_paged_decode_compact.md``): the compact
-formats' decode cost ~1 ms at every size (70B-TP8, batch 8, 32k: 934 us against int4's 47)
-and their cache-write ~1 ms at 2k tokens (``bench_cache_write.md``). Cause, read from the
-wrapper: every call copied the calibrated transforms (``[H, d, d]`` float32, 512 KiB at 8 KV
-heads), the means and the codebook table from host memory with ``.to(device)``. A copy from
+H200 run of 2026-11-29 19:03 (``results/kernels/bench_paged_decode_compact.md`` at commit
+7fa2a4a, a run since superseded): the compact formats' decode cost ~1 ms at every size
+(70B-TP8, batch 8, 32k: 934 us against int4's 47) and their cache-write ~1 ms at 2k tokens
+(``results/kernels/bench_cache_write.md``, same commit). Cause, read from the wrapper: every
+call copied the calibrated transforms (``[H, d, d]`` float32, 512 KiB at 8 KV heads), the
+means and the codebook table from host memory with ``.to(device)``. A copy from
 pageable host memory waits for the stream, so each call waited for all queued GPU work and
 its host time (~20 small torch ops around one Triton kernel) became GPU idle time. Here the
 constants live on the device (uploaded once per transform and device), and q' = B_k^T q and

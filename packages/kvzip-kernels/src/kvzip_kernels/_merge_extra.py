@@ -11,7 +11,7 @@ scores the bf16 tokens, and merges both by log-sum-exp into the bf16 output.
 It replaces about 20 torch operations per call (the einsums, the masks, the merge), whose
 host time the H200 measured as GPU idle time in eager decode calls: at batch 8 and 32k a
 sinked ``4bit`` call took 1,279 us against 322 us without sinks
-(``results/kernels/bench_paged_decode_window.md``).
+(``results/kernels/paged_decode/bench_paged_decode_window.md``).
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ def compact_write(
     program). ``groups``: the layout's channel groups as ``_formats._kernel_groups`` gives
     them (``cache_write`` passes its ``KernelSpec``'s; None: derived here). The defaults
     (128 tokens, 8 warps, 2 stages, one wave) are the configuration timed as the shipped one
-    (``results/kernels/bench_cache_write_cwrite.md``)."""
+    (``results/kernels/cache_write/bench_cache_write_cwrite.md``)."""
     from kvzip_kernels._formats import _kernel_groups
 
     n, h, d = x.shape

@@ -4,7 +4,7 @@ loaded (no nvcc, an nvcc too old for the GPU, a GPU too old) the Triton coder ru
 (``gpu.default_backend``), and the reason is logged.
 
 Why not only Triton: the Triton decoder (gpu.py) measured 135 GB/s on the H200
-(results/lossless/lossless_gpu_h200_run1.json): each row costs a 32-lane scan plus a reduction
+(results/lossless/gpu/lossless_gpu_h200_run1.json): each row costs a 32-lane scan plus a reduction
 where CUDA needs one __ballot_sync and two __popc. Why not torch's load_inline: it compiles
 torch's headers (about a minute); this file is plain CUDA (10 s) with a C ABI. The build,
 its cache and the loading are ``kvzip_formats.nvcc``'s (shared with kvzip-kernels).
