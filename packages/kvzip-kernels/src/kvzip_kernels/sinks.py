@@ -1,6 +1,6 @@
 """The sink pool (spec/4bit.md section 8): the first ``sink_tokens`` positions of every sequence
-also kept in bf16, in slots made of every block's reserve (``paged.py``'s module docstring has
-the layout); which slot is a sequence's, and one step's sink plan.
+also kept in bf16, in slots made of every block's reserve (``_paged_cache.py``'s module
+docstring has the layout); which slot is a sequence's, and one step's sink plan.
 """
 
 from __future__ import annotations
