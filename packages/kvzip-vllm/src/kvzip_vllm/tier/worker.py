@@ -352,6 +352,7 @@ class KvzipWorker:
         if not done:
             return None, None
         self._loads_finished(done)
+        self._stats_dirty = True  # (written with this step's report)
         finished = {self._recving.pop(res.job_id) for res in done}
         return None, finished
 
