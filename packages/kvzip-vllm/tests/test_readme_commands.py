@@ -370,7 +370,7 @@ not marked
 
 <!-- cpu-test -->
 ```sh
-KVZIP_X=1 python3 -m uv run --frozen vllm serve "$(kvzip model path)" --port 8123 \\
+OMP_NUM_THREADS=1 python3 -m uv run --frozen vllm serve "$(kvzip model path)" --port 8123 \\
   --kv-transfer-config '{"kv_connector": "KvzipConnector",
                          "kv_role": "kv_both"}'
 curl -s localhost:8123/v1/models
