@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from kvzip_eval.cli import SUBCOMMANDS, main
 
 REPO = Path(__file__).resolve().parents[3]
-#: commands that print no result table (`kvzip model path` prints a folder): no --json/--report
-NO_RESULT = {"model"}
+#: commands that print no result table (`kvzip model path` prints a folder): no --json/--report;
+#: `kvzip bench`'s subcommands write their files into --out DIR (tests/test_bench_*.py)
+NO_RESULT = {"model", "bench"}
 
 
 @pytest.mark.parametrize("name", sorted(set(SUBCOMMANDS) - NO_RESULT))

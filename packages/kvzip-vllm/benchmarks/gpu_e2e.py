@@ -38,7 +38,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_serving import ENV, LLAMA31_8B, plugin_path, prompts  # noqa: E402
+from kvzip_eval.bench.engines import (  # noqa: E402
+    ENV,
+    LLAMA31_8B,
+    plugin_path,
+    prompts,
+    synthetic_calibration_dir,
+)
 
 # A 4-layer Llama with Llama-3.1-8B's attention geometry per KV head (head 128, GQA 4): the
 # compact scenario's engines start in seconds instead of a minute.
@@ -226,8 +232,6 @@ def compact(args) -> dict:
     from vllm import LLM
 
     root = Path(tempfile.mkdtemp(prefix="gpu-e2e-compact-"))
-    from bench_serving import synthetic_calibration_dir
-
     os.environ["KVZIP_KV_FORMAT"] = args.format
     cfg = LLAMA31_8B if args.shape == "8b" else SMALL
     os.environ["KVZIP_CALIBRATION"] = synthetic_calibration_dir(root, cfg)
@@ -318,7 +322,7 @@ def main() -> None:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     root = Path(tempfile.mkdtemp(prefix="gpu-e2e-"))
-    extra = plugin_path(root).split(os.pathsep)
+    extra = plugin_path(root, (str(HERE),)).split(os.pathsep)
     sys.path[:0] = extra
     os.environ["PYTHONPATH"] = os.pathsep.join([*extra, os.environ.get("PYTHONPATH", "")])
     res = tier(args) if args.scenario == "tier" else compact(args)

@@ -80,7 +80,7 @@ for _pkg in ("kvzip-formats", "kvzip-kernels", "kvzip-lossless", "kvzip-vllm", "
     if str(ROOT / "packages" / _pkg / "src") not in sys.path:
         sys.path.append(str(ROOT / "packages" / _pkg / "src"))
 
-from bench_serving import ENV, plugin_path  # noqa: E402
+from kvzip_eval.bench.engines import ENV, plugin_path  # noqa: E402
 
 KVZIP_FORMATS = ("int4", "4bit", "3.5bit", "3bit")
 #: The formats run by default (each may also be named with a residual window, ``NAME+rN``).
@@ -747,7 +747,7 @@ def run_stages(a, out: Path, names: list[str]) -> dict:
     pp = os.pathsep.join(
         x
         for x in [
-            plugin_path(Path(a.work)),
+            plugin_path(Path(a.work), (str(HERE),)),
             str(ROOT / "packages" / "kvzip-eval" / "src"),
             os.environ.get("PYTHONPATH", ""),
         ]

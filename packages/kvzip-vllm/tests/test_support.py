@@ -279,16 +279,14 @@ def test_backend_refuses_unsupported_setups_at_start(change, match, monkeypatch)
         _backend_impl(change, monkeypatch)
 
 
-def test_backend_refuses_every_connector_and_the_bench_plugin_lets_only_its_own_through(
+def test_backend_refuses_every_connector_and_the_bench_fill_is_let_through_only_in_its_run(
     monkeypatch,
 ):
     """The shipped backend has no switch for connectors (the old placeholder flag is refused
-    too); ``benchmarks/kvzip_bench_fill.py``'s plugin lets exactly its fill connector through
-    and still refuses any other."""
+    too); ``kvzip bench serving``'s fill connector is let through only where the benchmark's
+    engine process calls ``allow_fill_connector``, and any other is still refused."""
     pytest.importorskip("vllm")
-    import importlib.util
-    from pathlib import Path
-
+    from kvzip_eval.bench import fill
     from kvzip_vllm import backend
 
     for kt in (
@@ -297,17 +295,13 @@ def test_backend_refuses_every_connector_and_the_bench_plugin_lets_only_its_own_
     ):
         with pytest.raises(support.UnsupportedConfigError, match="a KV connector"):
             _backend_impl({"kv_transfer_config": kt}, monkeypatch)
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kvzip_bench_fill.py"
-    spec = importlib.util.spec_from_file_location("kvzip_bench_fill_under_test", path)
-    fill = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fill)
-    # undone after the test: monkeypatch records the attributes the plugin replaces
+    # undone after the test: monkeypatch records the attributes the benchmark replaces
     monkeypatch.setattr(backend, "_connector_refused", backend._connector_refused)
     monkeypatch.setattr(backend, "_shipped_connector_refused", None, raising=False)
     monkeypatch.delattr(backend, "_shipped_connector_refused")
     monkeypatch.setenv("KVZIP_KV_FORMAT", "int4")
-    fill.register()
-    fill.register()  # idempotent: vLLM loads plugins more than once per process
+    fill.allow_fill_connector(backend)
+    fill.allow_fill_connector(backend)  # idempotent
     ok = SimpleNamespace(kv_connector=fill.CONNECTOR, kv_connector_extra_config={})
     assert _backend_impl({"kv_transfer_config": ok}, monkeypatch).fmt.name == "int4"
     assert _backend_impl({}, monkeypatch).fmt.name == "int4"

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "calibrate": ("kvzip_eval.cmd_calibrate", "One-time calibration of the compact formats."),
     "lossless": ("kvzip_eval.cmd_lossless", "Bit-exact codec ratio on a model's real KV cache."),
     "report": ("kvzip_eval.cmd_report", "Rebuild the report of a saved --json result."),
+    "bench": ("kvzip_eval.cmd_bench", "Measure on this machine: serving, the tier, the kernels."),
     "model": ("kvzip_eval.cmd_model", "The embedded model's local folder (for `vllm serve`)."),
 }
 

@@ -400,15 +400,6 @@ VERIFY_PATH = Setting(
     scope="bench",
     default_doc="set by the script",
 )
-BENCH_TEMPLATE_LAYER = Setting(
-    "KVZIP_BENCH_TEMPLATE_LAYER",
-    int,
-    0,
-    ("kvzip-vllm/benchmarks/kvzip_bench_fill.py",),
-    "the layer whose written blocks the benchmark fill copies into the others",
-    package=_VLLM,
-    scope="bench",
-)
 TREE = Setting(
     "KVZIP_TREE",
     Path,

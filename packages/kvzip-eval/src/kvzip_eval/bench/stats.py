@@ -1,11 +1,11 @@
-"""The arithmetic of ``bench_serving.py`` and ``merge_serving.py``, apart from vLLM and the GPU
-(tested on the CPU: ``tests/test_serving_stats.py``).
+"""The benchmarks' arithmetic, apart from vLLM and the GPU (tested on the CPU).
 
-A serving figure is the median of its runs: ``aggregate`` groups the per-run records that
-``bench_serving.py`` prints (one per format, context and repeat) into rows with ``runs`` and
-``spread``; ``add_ratios`` puts each format beside fp8 (median over median, and the spread of
-the paired per-repeat ratios); ``summarize_steps`` and ``summarize_gpu`` reduce a run's step
-times and GPU samples to what can explain a run that differs from the others.
+A serving figure is the median of its runs: :func:`aggregate` groups the per-run records of
+``kvzip bench serving`` (one per format, context and run) into rows with ``runs`` and
+``spread``; :func:`add_ratios` puts each format beside fp8 (median over median, and the spread
+of the paired per-run ratios); :func:`merge_calls` joins calls made one after the other on one
+machine, each with its own fp8 runs; :func:`summarize_steps` and :func:`summarize_gpu` reduce a
+run's step times and GPU samples to what can explain a run unlike the others.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ def quantile(xs: Iterable[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """:func:`quantile` in percent; None for no values."""
+    return quantile(xs, q / 100) if len(xs) else None
 
 
 def spread(values: Sequence[float | None]) -> dict | None:
@@ -122,12 +127,17 @@ def padded_batch(batch: int, capture_sizes: Sequence[int] | None) -> int | None:
     return min(fits) if fits else None
 
 
+def _median(sp: dict | None):
+    return sp["median"] if sp else None
+
+
 def aggregate(runs: Sequence[dict]) -> list[dict]:
     """Per-run records -> one row per (format, context), in first-seen order: ``sessions`` (the
     same in every run, else ValueError: the runs measured different fills), the medians of
-    ``decode_tok_s``, ``prefill_tok_s`` and ``ms_per_step``, ``runs`` (the records) and
-    ``spread`` (per figure: see :func:`spread`). ``complete`` is False with fewer than
-    :data:`MIN_RUNS` decode runs."""
+    ``decode_tok_s``, ``per_user_tok_s`` (``decode_tok_s`` over ``sessions``: one user's
+    decode speed), ``prefill_tok_s``, ``ms_per_step`` and ``step_tok_s`` (sessions over the
+    median engine step), ``runs`` (the records) and ``spread`` (per figure: see
+    :func:`spread`). ``complete`` is False with fewer than :data:`MIN_RUNS` decode runs."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         for k in ("format", "context", "sessions", "decode_tok_s"):
@@ -142,21 +152,24 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
                 f"{fmt} at {ctx}: runs with different sessions {sorted(sessions)}; a figure "
                 "is a median of runs of the same fill"
             )
+        n = sessions.pop()
         sp = {k: spread([r.get(k) for r in rs]) for k in ("decode_tok_s", "prefill_tok_s")}
+        sp["per_user_tok_s"] = spread([r["decode_tok_s"] / n if n else None for r in rs])
         sp["ms_per_step"] = spread([r.get("ms_per_step") for r in rs])
         sp["step_tok_s"] = spread([r.get("decode_tok_s_at_p50_step") for r in rs])
         row = {
             "format": fmt,
             "context": ctx,
-            "sessions": sessions.pop(),
+            "sessions": n,
             "decode_tok_s": sp["decode_tok_s"]["median"],
-            "prefill_tok_s": sp["prefill_tok_s"]["median"] if sp["prefill_tok_s"] else None,
-            "ms_per_step": sp["ms_per_step"]["median"] if sp["ms_per_step"] else None,
-            "step_tok_s": sp["step_tok_s"]["median"] if sp["step_tok_s"] else None,
+            "per_user_tok_s": _median(sp["per_user_tok_s"]),
+            "prefill_tok_s": _median(sp["prefill_tok_s"]),
+            "ms_per_step": _median(sp["ms_per_step"]),
+            "step_tok_s": _median(sp["step_tok_s"]),
             "n_runs": len(rs),
             "complete": len(rs) >= MIN_RUNS,
         }
-        for k in ("kv_tokens", "gpu", "vllm", "torch", "block_size", "tensor_parallel_size"):
+        for k in ("kv_tokens", "block_size"):
             if k in rs[0]:
                 row[k] = rs[0][k]
         row["runs"] = rs
@@ -167,12 +180,12 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
 
 def add_ratios(rows: list[dict], baseline: str = "fp8") -> list[dict]:
     """Each row beside the baseline's row of its context (in place; rows without one are left
-    as they are): ``sessions_vs_fp8``, ``kv_tokens_vs_fp8``, ``decode_vs_fp8`` and
-    ``prefill_vs_fp8`` (median over median), ``step_vs_fp8`` (the same for ``step_tok_s``:
-    sessions over the median engine step, which leaves out the fill that ``decode_tok_s``
-    subtracts), ``per_user_vs_fp8`` (``step_vs_fp8`` over ``sessions_vs_fp8``: one user's
-    speed), and ``decode_vs_fp8_paired``: the spread of the per-repeat ratios (repeat i of the
-    format over repeat i of the baseline)."""
+    as they are): ``sessions_vs_fp8``, ``kv_tokens_vs_fp8``, ``decode_vs_fp8``,
+    ``per_user_decode_vs_fp8`` and ``prefill_vs_fp8`` (median over median), ``step_vs_fp8``
+    (the same for ``step_tok_s``: sessions over the median engine step, which leaves out the
+    fill that ``decode_tok_s`` subtracts), ``per_user_vs_fp8`` (``step_vs_fp8`` over
+    ``sessions_vs_fp8``: one user's speed at the median step), and ``decode_vs_fp8_paired``:
+    the spread of the per-run ratios (run i of the format over run i of the baseline)."""
     base = {r["context"]: r for r in rows if r["format"] == baseline}
     for r in rows:
         b = base.get(r["context"])
@@ -182,6 +195,7 @@ def add_ratios(rows: list[dict], baseline: str = "fp8") -> list[dict]:
             ("sessions", "sessions_vs_fp8"),
             ("kv_tokens", "kv_tokens_vs_fp8"),
             ("decode_tok_s", "decode_vs_fp8"),
+            ("per_user_tok_s", "per_user_decode_vs_fp8"),
             ("prefill_tok_s", "prefill_vs_fp8"),
             ("step_tok_s", "step_vs_fp8"),
         ):
@@ -195,6 +209,55 @@ def add_ratios(rows: list[dict], baseline: str = "fp8") -> list[dict]:
         if pairs and r is not b:
             r["decode_vs_fp8_paired"] = spread(pairs)
     return rows
+
+
+def continue_reps(earlier: list[dict], got: list[dict]) -> list[dict]:
+    """A later engine of a format already run in this call (``fp8,4bit,fp8``) continues its
+    run numbers, per context (in place)."""
+    for r in got:
+        r["rep"] += sum(
+            1 for e in earlier if e["format"] == r["format"] and e["context"] == r["context"]
+        )
+    return got
+
+
+def merge_calls(calls: list[dict]) -> list[dict]:
+    """Rows of calls made one after the other on one machine (each ``{"runs": [...]}``, in
+    order; a call is limited in time, so the formats of one figure are split over calls, each
+    with its own fp8 engine). A format's row comes from the first call that measured it
+    completely, else the first that measured it at all; its ratios use the fp8 runs of its own
+    call, or the first call's where its call had none (``fp8_call`` says which). fp8's row
+    pools the fp8 runs of every call (``fp8_by_call``: each call's median, the drift)."""
+    if not calls:
+        raise ValueError("no calls given")
+    per_call = [aggregate(c["runs"]) for c in calls]
+    fp8_calls = [i for i, rows in enumerate(per_call) if any(r["format"] == "fp8" for r in rows)]
+    if not fp8_calls:
+        raise ValueError("no fp8 runs: the ratios need the fp8 baseline")
+    chosen: dict[tuple, dict] = {}
+    for i, rows in enumerate(per_call):
+        fp8_of = i if i in fp8_calls else fp8_calls[0]
+        mine = [r for r in rows if r["format"] != "fp8"]
+        add_ratios(mine + [r for r in per_call[fp8_of] if r["format"] == "fp8"])
+        for r in mine:
+            held = chosen.get((r["format"], r["context"]))
+            if held is None or (not held["complete"] and r["complete"]):
+                chosen[(r["format"], r["context"])] = dict(r, call=i, fp8_call=fp8_of)
+    fp8 = [
+        dict(x, rep=f"{i}.{x['rep']}") for i in fp8_calls for x in calls[i]["runs"]
+        if x["format"] == "fp8"
+    ]  # fmt: skip
+    rows = add_ratios(aggregate(fp8))
+    for r in rows:
+        r["call"] = "all"
+        r["fp8_by_call"] = {
+            str(i): next(
+                (x["decode_tok_s"] for x in per_call[i]
+                 if x["format"] == "fp8" and x["context"] == r["context"]), None,
+            )
+            for i in fp8_calls
+        }  # fmt: skip
+    return rows + list(chosen.values())
 
 
 def fmt_spread(sp: dict | None) -> str:

