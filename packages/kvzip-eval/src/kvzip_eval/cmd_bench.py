@@ -148,3 +148,79 @@ def serving(**kw) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _done(doc, kw["out"], "bench_serving")
+
+
+@command.command("tier")
+@model_option
+@click.option(
+    "--prompts",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help='A JSONL file of prompts ({"prompt": TEXT} or {"prompt_token_ids": [...]} '
+    "per line; text needs --model's tokenizer). Default: a synthetic workload.",
+)
+@click.option(
+    "--contexts",
+    default="8192,32768,131072",
+    show_default=True,
+    help="The synthetic workload's prompt lengths (multiples of 256).",
+)
+@click.option(
+    "--connectors",
+    default="offload,kvzip,none",
+    show_default=True,
+    help="offload (vLLM's --kv-offloading-size), kvzip (the tier), none (recompute).",
+)
+@click.option("--workloads", default="restore,capacity", show_default=True,
+              help="restore: CPU bytes for which the prompts' raw pages are 0.75x (both tiers "
+              "hold them); capacity: 1.3x (more than a raw tier holds).")  # fmt: skip
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True,
+              help="Passes of returning prompts.")  # fmt: skip
+@click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
+              help="Requests at once.")  # fmt: skip
+@click.option("--block-size", type=int, default=None,
+              help="vLLM's block size (default 16; 32 on the CPU).")  # fmt: skip
+@click.option(
+    "--gpu-slack-tokens",
+    type=int,
+    default=4096,
+    show_default=True,
+    help="The GPU KV cache: the longest prompt plus this many tokens.",
+)
+@click.option(
+    "--drain-s",
+    type=float,
+    default=90,
+    show_default=True,
+    help="At most this long waiting for the tier's stores after the first pass.",
+)
+@click.option("--no-check", is_flag=True, help="kvzip without the bit-exactness checker.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@_engine_options
+@out_option
+def tier(**kw) -> None:
+    """kvzip's lossless tier beside vLLM's CPU offloading and recompute, same CPU bytes.
+
+    One vLLM engine per connector (its own process), a GPU KV cache too small to keep the
+    prompts: every prompt once (the tiers store it), then returning prompts. Reported per
+    workload (restore: both tiers hold every prompt; capacity: more than a raw tier holds),
+    context and connector: time to first token p50/p90/mean, hit rate, tokens held per CPU
+    byte, stores dropped, and bit-exactness (every block kvzip restored compared byte for byte
+    with the block it stored). Plot: TTFT per context per connector.
+    """
+    from kvzip_eval.bench import tier as bench
+
+    kw["engine_args"] = _engine_args(kw)
+    kw["model"] = _model(kw["model"])
+    kw["contexts"] = _ints(kw["contexts"])
+    kw["connectors"], kw["workloads"] = _names(kw["connectors"]), _names(kw["workloads"])
+    bad = [c for c in kw["connectors"] if c not in bench.CONNECTORS]
+    bad += [w for w in kw["workloads"] if w not in bench.WORKLOADS]
+    if bad or not kw["workloads"]:
+        raise click.BadParameter(f"{bad}: connectors {bench.CONNECTORS}, workloads "
+                                 f"{tuple(bench.WORKLOADS)}")  # fmt: skip
+    try:
+        doc = bench.run(SimpleNamespace(**kw))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    _done(doc, kw["out"], "bench_tier")

@@ -241,17 +241,6 @@ LOAD_GROUP_CHUNKS = Setting(
     check=_positive,
     rule="a positive integer",
 )
-TVO_PROFILE = Setting(
-    "KVZIP_TVO_PROFILE",
-    str,
-    "0",
-    ("kvzip-vllm/benchmarks/tier_vs_offload_verify.py",),
-    "1: `tier_vs_offload.py`'s checked kvzip engine profiles every `start_load_kv` with loads "
-    "(cProfile's top functions in the result JSON)",
-    package=_VLLM,
-    scope="bench",
-    choices=("0", "1"),
-)
 TIER_BYTES = Setting(
     "KVZIP_TIER_BYTES",
     int,

@@ -1,0 +1,178 @@
+"""The tier benchmark's bit-exactness checker: ``KvzipConnector`` whose worker keeps a device
+copy of every chunk it is asked to store, as the forward computed it, and compares every block
+it restored with that copy, byte for byte.
+
+The work is batched so that the times to first token it runs beside stay the tier's: a store
+job's new chunks are copied into a reference bank (segments of one device tensor ``[rows,
+layers, *block]``, never copied as it grows); a finished load job is checked with one gather per
+layer into one stacked tensor, one gather of the bank and one comparison per bank segment, and
+the count of differing blocks stays on the device until :func:`counts` is read at the end of
+the run. The copies take as much device memory as the distinct chunks stored.
+
+The worker is hooked where the tier reports finished loads: ``KvzipWorker._loads_finished``
+(asynchronous loads, on the step's thread before their requests are reported finished) and
+``_take`` (synchronous loads, ``load_mode='sync'``). The jobs' loads and stores are seen where
+the worker hands them to the tier core (``submit_load`` / ``submit_store``). The engine runs in the
+benchmark's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank): :data:`INSTANCES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzip_vllm.connector import KvzipConnector
+
+#: the checking workers made in this process
+INSTANCES: list = []
+
+
+class Checker:
+    """The checking half of a worker (a mixin before ``KvzipWorker``: :func:`worker_class`;
+    the worker's module is imported when an engine makes its connector, not with this one:
+    vLLM imports the connector class before its CPU worker scans the loaded modules, a scan
+    that fails once kvzip_lossless's numba is loaded)."""
+
+    #: rows (blocks) of one segment of the reference bank: the bank grows a segment at a time
+    #: and never copies what it holds (at the 8B shape a bank that doubled needed 64 GB more)
+    SEGMENT_ROWS = 4096
+
+    def _c_init(self) -> None:
+        self._c_caches: list[torch.Tensor] = []
+        self._c_bank: list[torch.Tensor] = []  # segments; a chunk's key gives its first row
+        self._c_rows = 0
+        self._c_refs: dict[bytes, int] = {}
+        self._c_jobs: dict[int, list] = {}  # load job -> its ChunkLoads
+        self._c_differ: torch.Tensor | None = None
+        self._c_checked = 0
+        self._c_unchecked = 0  # restored blocks of chunks never seen stored here
+
+    def register_kv_caches(self, kv_caches) -> None:
+        super().register_kv_caches(kv_caches)
+        self._c_caches = [c for _, c in self.layers]
+        self._c_differ = torch.zeros((), dtype=torch.int64, device=self._c_caches[0].device)
+        tier, load, store = self.tier, self.tier.submit_load, self.tier.submit_store
+
+        def submit_load(job_id, loads, *args, **kwargs):
+            self._c_jobs[job_id] = list(loads)
+            return load(job_id, loads, *args, **kwargs)
+
+        def submit_store(job_id, stores, *args, **kwargs):
+            self._c_copy(stores)  # the blocks as the forward wrote them, before the tier has them
+            return store(job_id, stores, *args, **kwargs)
+
+        tier.submit_load, tier.submit_store = submit_load, submit_store
+
+    def _take(self, res) -> None:
+        super()._take(res)
+        if res.job_id not in getattr(self, "_recving", {}):  # a synchronous load: written now
+            self._c_check([res])
+
+    def _loads_finished(self, results) -> None:
+        super()._loads_finished(results)  # asynchronous loads: written, not read yet
+        self._c_check(results)
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """``ids`` on the caches' device, through page-locked memory on CUDA (no sync)."""
+        t, device = torch.tensor(ids, dtype=torch.long), self._c_caches[0].device
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+    def _by_segment(self, ids: list[int], rows: list[int]) -> dict[int, tuple[list, list]]:
+        """``(ids, rows)`` grouped by the bank segment of the row: segment -> (ids, offsets)."""
+        out: dict[int, tuple[list, list]] = {}
+        for i, r in zip(ids, rows, strict=True):
+            seg, off = divmod(r, self.SEGMENT_ROWS)
+            a, b = out.setdefault(seg, ([], []))
+            a.append(i)
+            b.append(off)
+        return out
+
+    def _c_copy(self, stores) -> None:
+        """Copy the blocks of the chunks not copied yet into the bank."""
+        new = [st for st in stores if st.key not in self._c_refs]
+        if not new or not self._c_caches:
+            return
+        ids = [int(b) for st in new for b in st.block_ids]
+        first = self._c_rows
+        need, c0 = first + len(ids), self._c_caches[0]
+        while len(self._c_bank) * self.SEGMENT_ROWS < need:
+            shape = (self.SEGMENT_ROWS, len(self._c_caches), *c0.shape[1:])
+            self._c_bank.append(torch.empty(shape, dtype=c0.dtype, device=c0.device))
+        for seg, (blocks, offs) in self._by_segment(ids, list(range(first, need))).items():
+            idx, lo = self._index(blocks), offs[0]  # a segment's rows are consecutive
+            rows = self._c_bank[seg][lo : lo + len(offs)]
+            for layer, c in enumerate(self._c_caches):
+                rows[:, layer].copy_(c.index_select(0, idx))
+        self._c_rows = need
+        for st in new:
+            self._c_refs[st.key] = first
+            first += len(st.block_ids)
+
+    def _c_check(self, results) -> None:
+        """Compare the blocks the finished load jobs restored with the bank's copies."""
+        ids: list[int] = []
+        rows: list[int] = []
+        for res in results:
+            loads = self._c_jobs.pop(res.job_id, None)
+            if not loads:
+                continue  # a store job
+            failed = {(f.req_id, f.key) for f in res.failed}
+            for ld in loads:
+                if (ld.req_id, ld.key) in failed:
+                    continue
+                base = self._c_refs.get(ld.key)
+                for i, block_id in enumerate(ld.block_ids):
+                    if i < ld.skip or block_id in res.failed_blocks:
+                        continue
+                    if base is None:
+                        self._c_unchecked += 1
+                    else:
+                        ids.append(int(block_id))
+                        rows.append(base + i)
+        for seg, (got_ids, offs) in self._by_segment(ids, rows).items():
+            got_idx, want_idx = self._index(got_ids), self._index(offs)
+            got = torch.stack([c.index_select(0, got_idx) for c in self._c_caches], 1)
+            want = self._c_bank[seg].index_select(0, want_idx)
+            # bit for bit: the bytes, not the values (a NaN equals its copy here)
+            diff = got.view(torch.uint8) != want.view(torch.uint8)
+            self._c_differ += diff.flatten(1).any(1).sum()
+        self._c_checked += len(ids)
+
+    def counts(self) -> dict:
+        """Blocks checked and differing (one synchronisation), chunks copied."""
+        differ = int(self._c_differ.item()) if self._c_differ is not None else 0
+        return {
+            "blocks_checked": self._c_checked,
+            "blocks_differ": differ,
+            "blocks_equal": self._c_checked - differ,
+            "restored_blocks_without_copy": self._c_unchecked,
+            "chunks_copied": len(self._c_refs),
+        }
+
+
+def worker_class() -> type:
+    """``KvzipWorker`` with the :class:`Checker` in front."""
+    from kvzip_vllm.tier.worker import KvzipWorker
+
+    return type("CheckingWorker", (Checker, KvzipWorker), {})
+
+
+def checking(worker):
+    """Make a ``KvzipWorker`` check what it restores (before its caches are registered)."""
+    worker.__class__ = worker_class()
+    worker._c_init()
+    INSTANCES.append(worker)
+    return worker
+
+
+class CheckingKvzipConnector(KvzipConnector):
+    """``KvzipConnector`` whose worker checks what it restores (the scheduler unchanged)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.worker is not None:
+            checking(self.worker)
+
+
+def counts() -> dict | None:
+    """The checker's counts of this process's worker (None: no checking connector ran)."""
+    return INSTANCES[-1].counts() if INSTANCES else None
