@@ -224,3 +224,70 @@ def tier(**kw) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _done(doc, kw["out"], "bench_tier")
+
+
+@command.command("kernels")
+@click.option(
+    "--shapes",
+    default="8b,70b-tp8",
+    show_default=True,
+    help="8b (32 q / 8 KV heads), 70b-tp8 (8 / 1), tiny (4 / 2, head dim 64).",
+)
+@click.option("--batches", default="8,16,32,64", show_default=True)
+@click.option("--contexts", default="32768,131072", show_default=True)
+@click.option("--formats", default="fp8,int4,4bit,3.5bit,3bit", show_default=True,
+              help="kvzip formats timed with kvzip's kernels.")  # fmt: skip
+@click.option(
+    "--backends",
+    default=None,
+    help="kvzip's kernels: triton, cuda (default: both on a GPU, triton on the CPU).",
+)
+@click.option(
+    "--baselines",
+    default=",".join(("xqa", "flashinfer-fp8", "vllm-fa3-fp8")),
+    show_default=True,
+    help="fp8 decode kernels, each where it can be imported.",
+)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--iters", type=click.IntRange(1), default=25, show_default=True)
+@click.option("--warmup", type=click.IntRange(0), default=5, show_default=True)
+@click.option(
+    "--peak-tbps",
+    type=float,
+    default=None,
+    help="The HBM peak the share is of (default: 4.3 on an H200, 3.35 on an H100).",
+)
+@click.option("--time-budget-s", type=float, default=1e9,
+              help="No configuration starts after this many seconds.")  # fmt: skip
+@click.option(
+    "--flashinfer-bundle",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="FlashInfer carried as a bundle (its bench_xqa.py sets it up).",
+)
+@out_option
+def kernels(**kw) -> None:
+    """kvzip's paged decode attention beside the fp8 decode kernels, share of HBM bandwidth.
+
+    Per shape, batch and context: kvzip_kernels.paged_decode of each format (Triton and CUDA
+    kernels) and the fp8 baselines on the same values (FlashInfer's XQA and fp8 decode, vLLM's
+    FlashAttention 3, where each is installed; else kvzip's Triton fp8), microseconds per call,
+    GB/s of cache read, % of the HBM peak, speedup against the fastest fp8 kernel. Plot: the
+    share of HBM bandwidth per configuration.
+    """
+    from kvzip_eval.bench import kernels as bench
+
+    for k in ("batches", "contexts"):
+        kw[k] = _ints(kw[k])
+    for k in ("shapes", "formats", "baselines"):
+        kw[k] = _names(kw[k])
+    kw["backends"] = _names(kw["backends"]) if kw["backends"] else None
+    bad = [s for s in kw["shapes"] if s not in bench.SHAPES]
+    bad += [b for b in kw["baselines"] if b not in bench.BASELINES]
+    if bad or any(c % kw["block_size"] for c in kw["contexts"]):
+        raise click.BadParameter(
+            f"{bad or kw['contexts']}: shapes {tuple(bench.SHAPES)}, "
+            f"baselines {bench.BASELINES}, contexts multiples of the block"
+        )
+    bench.run(SimpleNamespace(**kw))
+    _done(None, kw["out"], "bench_kernels")
