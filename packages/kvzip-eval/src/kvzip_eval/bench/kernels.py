@@ -182,6 +182,10 @@ def run(o) -> dict:
     configs = [(s, c, b) for s in o.shapes for c in o.contexts for b in o.batches]
     bar = tqdm(total=len(configs), desc="bench kernels", unit="config")
     for shape, ctx in dict.fromkeys((s, c) for s, c, _ in configs):
+        if time.monotonic() - started > o.time_budget_s:
+            skipped.update({f"{shape}/{ctx}/{b}": "time budget reached" for b in o.batches})
+            bar.update(len(o.batches))
+            continue
         hq, hkv, d = SHAPES[shape]
         pps = ctx // ps
         P = max(o.batches) * pps
@@ -326,5 +330,6 @@ def _plot(ax, rows: list[dict]) -> None:
                       for s, b, c in cfgs], fontsize=7)  # fmt: skip
     ax.set_ylabel("% of HBM bandwidth" if share else "GB/s of cache read")
     ax.set_title("Paged decode: cache bytes read per second")
-    ax.legend(fontsize=7)
+    if kernels:
+        ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)

@@ -502,7 +502,8 @@ def _plot(ax, rows: list[dict]) -> None:
     ax.set_ylabel("decode tokens/s per user")
     ax.set_title("Per-user decode speed against sessions (labels: context)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if rows:
+        ax.legend()
 
 
 if __name__ == "__main__":

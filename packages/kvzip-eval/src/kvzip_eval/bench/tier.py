@@ -602,7 +602,8 @@ def _plot(ax, rows: list[dict]) -> None:
     ax.set_xticks(x, [f"{w}\n{c // 1024}k" if c >= 1024 else f"{w}\n{c}" for w, c in groups])
     ax.set_ylabel("time to first token, s (p50; whisker: p90)")
     ax.set_title("Returning prompts: TTFT per context and connector")
-    ax.legend()
+    if conns:
+        ax.legend()
     ax.grid(axis="y", alpha=0.3)
 
 
