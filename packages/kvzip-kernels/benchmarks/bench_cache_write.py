@@ -76,7 +76,12 @@ def main():
     import triton
 
     dev = torch.device("cuda")
-    hid, hq, hkv, d, inter, ps = 4096, 32, 8, 128, 14336, 16
+    # the 8B config of the benchmarks' one helper (kvzip-eval's source, in this checkout)
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "kvzip-eval" / "src"))
+    from kvzip_eval.bench.engines import LLAMA31_8B as c
+
+    hid, hq, hkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    inter, d, ps = c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"], 16
     g = torch.Generator(device=dev).manual_seed(0)
 
     def w(*shape):

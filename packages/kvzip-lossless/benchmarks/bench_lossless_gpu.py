@@ -818,15 +818,14 @@ def prefill():
         return
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # the 8B config of the benchmarks' one helper (kvzip-eval's source, in this checkout)
+    sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "kvzip-eval", "src"))
+    from kvzip_eval.bench.engines import LLAMA31_8B
+
+    keys = "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads"
+    keys += " num_key_value_heads max_position_embeddings rope_theta"
     cfg = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
+        **{k: LLAMA31_8B[k] for k in keys.split()},
         attn_implementation="sdpa",
         torch_dtype=torch.bfloat16,
     )
