@@ -73,7 +73,7 @@ tier)
   # the same CPU bytes, one engine per process, on the 8B shape (dummy weights; BENCH_MODEL=
   # smollm2 with TIER_CONTEXTS=8192: the embedded model); a workload a call (restore: both
   # tiers hold the prompts; capacity: 1.3x what a raw tier holds)
-  bench tier --out $RES $(model_args) --workloads ${TIER_WORKLOADS:-restore} --contexts ${TIER_CONTEXTS:-8192,32768,131072} \
+  bench tier --out $RES/${TIER_WORKLOADS:-restore} $(model_args) --workloads ${TIER_WORKLOADS:-restore} --contexts ${TIER_CONTEXTS:-8192,32768,131072} \
     --deadline-s ${DEADLINE:-500} ${TIER_ARGS:-} 2>&1 | tee $RES/tier.log | tail -30
   ;;
 kernels)
