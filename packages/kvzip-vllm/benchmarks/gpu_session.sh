@@ -7,6 +7,7 @@
 #   gpu_session.sh checks    # support matrix, the CUDA decode kernels' tests (picks the decode path), the backend in vLLM
 #   gpu_session.sh serving   # kvzip bench serving: SERVING_FORMATS beside fp8, 3 runs, 32k and 128k (SERVING_MERGE: earlier calls)
 #   gpu_session.sh tier      # kvzip bench tier: the tier beside vLLM's OffloadingConnector and recompute (TIER_WORKLOADS)
+#   gpu_session.sh tierdecode  # kvzip bench tier-decode: decoders' ITL while long prompts return, the store path's waits
 #   gpu_session.sh kernels   # kvzip bench kernels: the paged decode beside XQA / FlashInfer / vLLM's FA3 fp8 (.carry/flashinfer if carried)
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race, pending loads
@@ -75,6 +76,10 @@ tier)
   # tiers hold the prompts; capacity: 1.3x what a raw tier holds)
   bench tier --out $RES/${TIER_WORKLOADS:-restore} $(model_args) --workloads ${TIER_WORKLOADS:-restore} --contexts ${TIER_CONTEXTS:-8192,32768,131072} \
     --deadline-s ${DEADLINE:-500} ${TIER_ARGS:-} 2>&1 | tee $RES/tier.log | tail -30
+  ;;
+tierdecode)
+  env_line
+  bench tier-decode --out $RES $(model_args) --deadline-s ${DEADLINE:-540} ${DECODE_ARGS:-} 2>&1 | tee $RES/tier_decode.log | tail -30
   ;;
 kernels)
   env_line

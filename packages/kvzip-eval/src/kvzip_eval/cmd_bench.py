@@ -1,7 +1,8 @@
 """``kvzip bench``: the figures a team adopting kvzip asks for, measured on their own machine.
 
 ``serving`` (sessions per GPU and decode per user against fp8, in vLLM), ``tier`` (the lossless
-tier beside vLLM's CPU offloading and recompute) and ``kernels`` (the paged decode beside the
+tier beside vLLM's CPU offloading and recompute), ``tier-decode`` (what the tiers' restores and
+stores cost the requests decoding beside them) and ``kernels`` (the paged decode beside the
 fp8 decode kernels). Each writes ``--out DIR``: a JSON and a markdown result (device, date,
 versions, vLLM's settings as the engines used them, the command) and a plot.
 """
@@ -291,3 +292,12 @@ def kernels(**kw) -> None:
         )
     bench.run(SimpleNamespace(**kw))
     _done(None, kw["out"], "bench_kernels")
+
+
+def _register_tier_decode() -> None:
+    from kvzip_eval.bench import interference
+
+    command.add_command(interference.click_command())
+
+
+_register_tier_decode()

@@ -1,0 +1,74 @@
+"""``kvzip bench tier-decode`` without vLLM: the decoders' inter-token latency from token
+timestamps, a connector's row (the ITL ratio, the longest wait for the store path, the store
+throughput over the prefill's KV rate), the result files and the plot. The run in vLLM:
+kvzip-vllm's tests/test_bench_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvzip_eval.bench import interference as itf
+from kvzip_eval.bench import output
+from kvzip_eval.cli import main
+
+
+def test_itl_is_every_gap_between_a_requests_token_times():
+    stamps = {"a": [0.0, 0.1, 0.2, 0.7], "b": [1.0, 1.1], "c": [5.0]}
+    s = itf.itl_summary(stamps)
+    # gaps: a 0.1, 0.1, 0.5; b 0.1; c none
+    assert s["n"] == 4 and s["max_s"] == 0.5 and s["p50_s"] == pytest.approx(0.1)
+    assert 0.1 < s["p99_s"] <= 0.5
+    assert itf.itl_summary({"a": [1.0]}) == {"n": 0, "p50_s": None, "p99_s": None, "max_s": None}
+
+
+def _engine(conn, q99, r99, store_gbps=None, waits=(3.0, 7.0, 2.0), tier=None):
+    return {
+        "connector": conn,
+        "stores": {"long_kv_rate_GBps": 4.0, "decoders_kv_rate_GBps": 5.0,
+                   "wait_for_save_max_ms_long": waits[0],
+                   "wait_for_save_max_ms_decoders": waits[1], "store_GBps": store_gbps},
+        "wait_for_save_max_ms_windows": waits[2],
+        "itl_quiet": {"p50_s": 0.02, "p99_s": q99}, "itl_returns": {"p50_s": 0.021, "p99_s": r99},
+        "itl_p99_ratio": round(r99 / q99, 3), "returns": {"n": 3, "ttft_p50_s": 0.3},
+        "tier": tier,
+    }  # fmt: skip
+
+
+def test_a_row_takes_the_faster_prefill_rate_and_the_longest_wait():
+    tier = {"stores_dropped_queue_full": 1, "store_errors": 0, "blocks_skipped": 2}
+    r = itf.decode_row(_engine("kvzip", 0.03, 0.036, store_gbps=11.0, tier=tier))
+    assert r["itl_p99_ratio"] == 1.2 and r["wait_for_save_max_ms"] == 7.0
+    assert r["store_over_prefill_kv_rate"] == round(11.0 / 5.0, 3)  # the faster prefill
+    assert r["stores_dropped"] == 3 and r["returns"] == 3 and r["error"] is None
+    off = itf.decode_row(_engine("offload", 0.03, 0.09))
+    assert off["store_over_prefill_kv_rate"] is None and off["stores_dropped"] is None
+    failed = itf.decode_row({"connector": "offload", "error": "rc 1: boom"})
+    assert failed["itl_p99_ratio"] is None and failed["error"] == "rc 1: boom"
+
+
+def test_result_files_and_plot(tmp_path):
+    engs = [_engine("kvzip", 0.03, 0.033, 12.0, tier={}), _engine("offload", 0.03, 0.06)]
+    rows = [itf.decode_row(e) for e in engs]
+    doc = output.header("tier-decode", "what returns cost the decoders", "CPU (test)")
+    doc.update(model="m", rows=rows, engines=engs,
+               workload={"long_prompts": 2, "long_context": 1024, "decoders": 2,
+                         "decode_context": 512, "window_s": 4.0, "return_every_s": 1.5,
+                         "cpu_bytes": 10**9, "kv_bytes_per_token": 23040})  # fmt: skip
+    paths = output.write(tmp_path, "bench_tier_decode", doc, itf._markdown(doc),
+                         lambda ax: itf._plot(ax, rows))  # fmt: skip
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    md = paths["md"].read_text()
+    assert "| kvzip | 0.02 | 0.03 | 0.021 | 0.033 | 1.1 |" in md
+    assert json.loads(paths["json"].read_text())["rows"][1]["itl_p99_ratio"] == 2.0
+
+
+def test_help_says_what_it_measures_and_bad_input_is_refused():
+    r = CliRunner().invoke(main, ["bench", "tier-decode", "--help"])
+    assert r.exit_code == 0 and "inter-token latency" in r.output and "--decoders" in r.output
+    r = CliRunner().invoke(main, ["bench", "tier-decode", "--connectors", "lmcache"])
+    assert r.exit_code != 0 and "supported are kvzip, offload, none" in r.output
+    r = CliRunner().invoke(main, ["bench", "tier-decode", "--long-context", "1000"])
+    assert r.exit_code != 0 and "multiples of 256" in r.output
