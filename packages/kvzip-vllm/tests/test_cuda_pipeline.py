@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvzip_lossless  # noqa: E402
-from kvzip_vllm.core import cuda_pipeline  # noqa: E402
+from kvzip_vllm.core import cuda_pipeline, cuda_stores  # noqa: E402
 from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline  # noqa: E402
 from kvzip_vllm.core.store import RECORD_ALIGN, BlockStore  # noqa: E402
 
@@ -295,7 +295,7 @@ def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
     are spilled raw to page-locked extents of the arena (counted against the budget), then
     coded by the store thread, a spilled job's copy back to the device started while the job
     before it is coded: every chunk stored, restored bit for bit, none dropped."""
-    monkeypatch.setattr(cuda_pipeline, "SPILL_GROUP", 2)  # a 3-chunk step: two device groups
+    monkeypatch.setattr(cuda_stores, "SPILL_GROUP", 2)  # a 3-chunk step: two device groups
     one = one_block_bytes(device) * bpc  # a chunk's bf16 bytes
     budget = 64 * one
     buf, caches, store, pipe = make(device, budget=budget, queue_bytes=int(1.5 * one), bpc=bpc)
@@ -408,7 +408,7 @@ def test_a_store_is_dropped_only_when_the_store_thread_makes_no_room(
 ):
     """No spill allowed and a store thread that stays busy past the wait limit: the step's
     stores are dropped, counted and logged (never silently), and never served."""
-    monkeypatch.setattr(cuda_pipeline, "STORE_WAIT_LIMIT_S", 0.3)
+    monkeypatch.setattr(cuda_stores, "STORE_WAIT_LIMIT_S", 0.3)
     one = one_block_bytes(device)
     _, caches, store, pipe = make(device, queue_bytes=int(1.5 * one))
     pipe.spill_bytes = 0
