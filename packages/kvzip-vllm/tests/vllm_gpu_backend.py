@@ -27,19 +27,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # PATH_CALLS seen 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # 0.26's sampler, no FlashInfer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from kvzip_eval.bench.engines import LLAMA31_8B  # noqa: E402  (the one copy of the 8B config)
+
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta")  # fmt: skip
+
 SHAPES = {
     # Llama-3.1-8B's attention and size (32 layers, 32 query heads, 8 KV heads, head 128)
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-    ),
+    "8b": dict({k: LLAMA31_8B[k] for k in _SHAPE_KEYS}, head_dim=128),
     "tiny": dict(
         hidden_size=1024,
         intermediate_size=2048,
