@@ -29,8 +29,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvzip_eval.bench.engines import LLAMA31_8B  # noqa: E402  (the one copy of the 8B config)
 
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta")  # fmt: skip
+_SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+)
 
 SHAPES = {
     # Llama-3.1-8B's attention and size (32 layers, 32 query heads, 8 KV heads, head 128)
