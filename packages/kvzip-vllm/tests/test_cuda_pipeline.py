@@ -2,8 +2,8 @@
 as vLLM's, bit-exact, damage refused, budget kept, counters.
 
 Every test runs on CUDA (marked gpu) and as a CPU twin on small shapes, where the same
-pipeline runs without streams and kvzip-lossless's batched coder on the CPU. The timed restore
-is ``benchmarks/tier_restore.py`` (its CPU smoke run: test_tier_bench.py).
+pipeline runs without streams and kvzip-lossless's batched coder on the CPU. The tier's timed
+restores in vLLM: ``kvzip bench tier`` (its CPU smoke run: test_bench_vllm.py).
 """
 
 from __future__ import annotations
