@@ -196,7 +196,10 @@ def test_restore_into_other_blocks_bit_exact(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("device_scatter", SCATTERS, ids=["device-scatter", "torch-scatter"])
-def test_damaged_or_missing_blocks_refused(make, device, device_scatter):
+def test_damaged_or_missing_blocks_refused(make, monkeypatch, device, device_scatter):
+    # two chunks a group: the damaged chunks in the first and the last group (on the device
+    # each group is decoded into one reused buffer and written right behind its decode)
+    monkeypatch.setattr(cuda_pipeline, "BLOCKS_PER_GROUP", 2)
     buf, caches, store, pipe = make(device, device_scatter=device_scatter)
     fill(caches, seed=2)
     want = [c.clone() for c in caches]

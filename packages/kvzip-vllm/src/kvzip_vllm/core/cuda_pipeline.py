@@ -359,24 +359,34 @@ class CudaTierPipeline(StorePath):
         batch = self.store.record_batch(records, all_plans[:, 0].reshape(n, S))
         offsets = batch.offsets
         j_idx, s_idx = np.divmod(np.arange(n * S), S)
-        out_offsets = (s_idx * n + j_idx) * numel  # out is [S, n, *chunk shape]: slot-major
         load.host_plan_s = time.perf_counter() - t_host
         blob_dev = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device)
-        out = torch.empty((S, n, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
+        bounds = np.linspace(0, n, groups + 1).astype(int)
+        bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
+        # Written on the device, each group is decoded into one buffer of the largest group's
+        # size and written into the cache right behind its decode (the same stream), so the
+        # decoded bf16 takes a group's bytes on the device, not the whole step's (a 131,072-
+        # token 8B prefix: about 1 GB instead of 17 GB, outside vLLM's memory accounting).
+        # Otherwise (the host reads the flags first) every chunk keeps its decoded copy until
+        # wait_loads scatters the good ones.
+        bounded = self.device_scatter
+        cap = max(j1 - j0 for j0, j1 in bounds) if bounded else n
+        out = torch.empty((S, cap, *self.block_shape), dtype=torch.bfloat16, device=self.device)
         cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
         for stream in (self.copy_stream, self.decode_stream):
             if stream is not None:
                 stream.wait_stream(cur)
-        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
-        bounds = np.linspace(0, n, groups + 1).astype(int)
         events = []
         flat = out.view(-1)
-        bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
 
         def prepare(j0, j1):
+            # out is [S, cap, *chunk shape], slot-major; a group's chunks from its row 0
+            rel = j_idx[j0 * S : j1 * S] - (j0 if bounded else 0)
+            out_offsets = (s_idx[j0 * S : j1 * S] * cap + rel) * numel
             return kvzip_lossless.prepare_decode_batch(
                 blob_dev, offsets[j0 * S : j1 * S], all_plans[j0 * S : j1 * S],
-                tables=self.store.tables, out=flat, out_offsets=out_offsets[j0 * S : j1 * S],
+                tables=self.store.tables, out=flat, out_offsets=out_offsets,
             )  # fmt: skip
 
         # Where preparing copies nothing (the CUDA decoder reads its descriptors from
@@ -402,39 +412,48 @@ class CudaTierPipeline(StorePath):
                 if events:
                     self.decode_stream.wait_event(events[g])
                 bads.append(preps[g].run()[1])
+                if bounded:  # the group's chunks written before the next group's decode
+                    self._scatter_on_device(load, good[j0:j1], out, bads[-1].view(-1, S).amax(1))
             load.flags = torch.cat(bads).view(n, S).amax(1)  # per chunk, on the device
-            if self.device_scatter:
-                self._scatter_on_device(load, good, out)
-        load.out = out
+            if bounded:
+                self._flags_to_host(load)
+        load.out = None if bounded else out
         # (the prepared decodes' buffers, allocated on the copy or the decode stream and read
         # on the decode stream: held until the step's sync in wait_loads)
-        load.keep += [blob_dev, records, preps]
+        load.keep += [blob_dev, records, preps, out]
         load.host_s = time.perf_counter() - load.t0
 
-    def _scatter_on_device(self, load: _Load, good, out: torch.Tensor) -> None:
-        """On the decode stream (current): the step's decoded chunks written into the caches
-        by one masked launch (a chunk whose flag is set is not written), the flags copied to
-        the host behind it, and an event after both; nothing here waits."""
+    def _scatter_on_device(self, load: _Load, good, out: torch.Tensor, flags) -> None:
+        """On the decode stream (current): decoded chunks ``good`` (rows 0.. of ``out``)
+        written into the caches by one masked launch (a chunk whose flag is set is not
+        written); nothing here waits."""
         b = self.bpc
         plan = [
             (j * b + i, ids[i], j)
             for j, (_, _, ids, skip) in enumerate(good)
             for i in range(skip, b)
         ]  # fmt: skip
+        if not plan:
+            return
         cols = [x for col in zip(*plan, strict=True) for x in col]  # rows, blocks, chunks
         dev = self._device_ids(cols).view(3, len(plan))  # [3, R], uploaded without a sync
-        cuda = self.device.type == "cuda"
-        rows = out.view(out.shape[0], len(good) * b, self.block_size, *self.block_shape[1:])
-        flags = load.flags.to(torch.int32)
+        rows = out.view(out.shape[0], out.shape[1] * b, self.block_size, *self.block_shape[1:])
+        flags = flags.to(torch.int32)
         scatter.masked_scatter(rows, self.caches, self._bases, dev, flags)
-        if cuda:
+        load.keep += [dev, flags]
+
+    def _flags_to_host(self, load: _Load) -> None:
+        """The step's flags copied to the host behind its writes, and an event after both (the
+        chunks are written on the device: ``load.scattered``)."""
+        flags = load.flags.to(torch.int32)
+        if self.device.type == "cuda":
             load.flags_host = torch.empty(flags.shape, dtype=torch.int32, pin_memory=True)
             load.flags_host.copy_(flags, non_blocking=True)
             load.done = torch.cuda.Event()
             load.done.record()
         else:
             load.flags_host = flags
-        load.keep += [dev, flags]
+        load.keep.append(flags)
         load.scattered = True
 
     def order_loads(self) -> bool:
