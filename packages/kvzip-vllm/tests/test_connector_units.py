@@ -587,3 +587,41 @@ def test_a_load_waits_for_its_store_still_coded_in_the_background():
         assert torch.equal(cache[5].view(torch.int16), cache[0].view(torch.int16)), name
     rep = w.build_connector_worker_meta()
     assert rep.stored == [b"\x01" * 32, key]  # both reported with this step
+
+
+def test_an_asynchronous_load_job_that_raises_fails_its_chunks_not_its_request():
+    """A load job whose run raises (here: the decode itself) is reported like a damaged chunk:
+    its request is reported finished, every block it was to write is a load error (vLLM
+    recomputes them), the next job runs, and the forward never waited for either."""
+    from tier_steps import finish_loads
+
+    from kvzip_vllm.settings import connector_settings
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load, Store
+    from kvzip_vllm.tier.worker import KvzipWorker
+
+    extra = {"fit_tokens": 0, "chunk_tokens": BS, "load_mode": "async"}
+    w = KvzipWorker(_vllm_config(), connector_settings(extra, environ={}))
+    caches = _caches()
+    w.register_kv_caches(caches)
+    keys = [bytes([i]) * 32 for i in range(2)]
+    _step(w, stores=[Store("a", k, i, i) for i, k in enumerate(keys)])
+    run, calls = w.tier._run_load, []
+
+    def flaky(job_id, loads):
+        calls.append(job_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the decode raised")
+        return run(job_id, loads)
+
+    w.tier._run_load = flaky  # (before the first asynchronous job: the thread takes it then)
+    meta = KvzipConnectorMetadata(loads=[Load("b", keys[0], 4, 0), Load("c", keys[1], 5, 0)])
+    w.start_load_kv(meta)
+    assert finish_loads(w) == {"b", "c"}
+    assert w.get_block_ids_with_load_errors() == {4}  # b's block; c's job restored block 5
+    rep = w.build_connector_worker_meta()
+    assert rep.failed_loads == [("b", 0)]
+    for cache in caches.values():
+        assert torch.equal(cache[5], cache[1])
+    s = w.stats()
+    assert s["load_errors"] == 1 and s["load_jobs_async"] == 2 and s["step_waits_for_loads"] == 0
+    assert s["loads_in_flight"] == 0
