@@ -294,10 +294,47 @@ def kernels(**kw) -> None:
     _done(None, kw["out"], "bench_kernels")
 
 
-def _register_tier_decode() -> None:
-    from kvzip_eval.bench import interference
+@command.command("tier-decode")
+@model_option
+@click.option("--connectors", default="kvzip,offload", show_default=True,
+              help="kvzip (the tier), offload (vLLM's --kv-offloading-size), none.")  # fmt: skip
+@click.option("--long-context", type=int, default=131072, show_default=True,
+              help="Length of the prompts stored and returning (multiple of 256).")  # fmt: skip
+@click.option("--long-prompts", type=click.IntRange(1), default=4, show_default=True,
+              help="Long prompts: prefilled back to back, then each returns once.")  # fmt: skip
+@click.option("--decode-context", type=int, default=32768, show_default=True)
+@click.option("--decoders", type=click.IntRange(1), default=16, show_default=True,
+              help="Requests decoding throughout.")  # fmt: skip
+@click.option("--decode-tokens", type=click.IntRange(1), default=4096, show_default=True,
+              help="max_tokens of each decoder (enough for both windows).")  # fmt: skip
+@click.option("--window-s", type=float, default=20.0, show_default=True,
+              help="Length of the quiet window and of the window with returns.")  # fmt: skip
+@click.option("--return-every-s", type=float, default=4.0, show_default=True)
+@click.option("--cpu-bytes", type=int, default=None,
+              help="CPU bytes of each tier (default: the raw pages of every prompt stored, "
+              "the long ones and the decoders', / 0.9: both tiers hold them all).")  # fmt: skip
+@_engine_options
+@out_option
+def tier_decode(**kw) -> None:
+    """What a tier's restores and stores cost the requests decoding beside them.
 
-    command.add_command(interference.click_command())
+    Per connector one vLLM engine (its own process, vLLM's defaults): long prompts prefilled
+    back to back, then --decoders prompts at once (every wait_for_save timed: how long a step
+    waited for the store path; store throughput against the prefill's KV rate); the decoders'
+    inter-token latency over a quiet window, then over a window in which the long prompts
+    return from the tier one every --return-every-s seconds. Target: ITL p99 with returns at
+    most 1.25x quiet. Plot: ITL p99 per connector.
+    """
+    from kvzip_eval.bench import interference as bench
 
-
-_register_tier_decode()
+    kw["engine_args"] = _engine_args(kw)
+    kw["model"] = _model(kw["model"])
+    kw["connectors"] = _names(kw["connectors"])
+    bad = [c for c in kw["connectors"] if c not in ("kvzip", "offload", "none")]
+    if bad or kw["long_context"] % bench.CHUNK or kw["decode_context"] % bench.CHUNK:
+        raise click.UsageError(
+            f"connectors {bad} / contexts {kw['long_context']}, {kw['decode_context']}: "
+            f"supported are kvzip, offload, none and multiples of {bench.CHUNK} tokens"
+        )
+    doc = bench.run(SimpleNamespace(**kw))
+    _done(doc, kw["out"], "bench_tier_decode")

@@ -1,4 +1,4 @@
-"""``kvzip bench tier --workload decode``: what a tier's restores and stores cost the
+"""``kvzip bench tier-decode``: what a tier's restores and stores cost the
 requests already decoding beside them.
 
 One engine per connector (``kvzip``, ``offload``: the same CPU bytes; ``none``: returning
@@ -248,7 +248,7 @@ def child(spec: dict) -> None:
 
 # ------------------------------------------------------------------ the call (parent)
 def run(o) -> dict:
-    """The whole call (options ``o`` as ``kvzip bench tier --workload decode`` takes them)."""
+    """The whole call (options ``o`` as ``kvzip bench tier-decode`` takes them)."""
     from tqdm import tqdm
 
     out = Path(o.out)
@@ -401,92 +401,6 @@ def _plot(ax, rows: list[dict]) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
-def click_command():
-    """``kvzip bench tier-decode`` (also ``python -m kvzip_eval.bench.interference``)."""
-    import click
-
-    from kvzip_eval import cmd_bench as cb
-
-    @click.command("tier-decode")
-    @cb.model_option
-    @click.option(
-        "--connectors",
-        default="kvzip,offload",
-        show_default=True,
-        help="kvzip (the tier), offload (vLLM's --kv-offloading-size), none.",
-    )
-    @click.option(
-        "--long-context",
-        type=int,
-        default=131072,
-        show_default=True,
-        help="Length of the prompts that are stored and return (multiple of 256).",
-    )
-    @click.option(
-        "--long-prompts",
-        type=click.IntRange(1),
-        default=4,
-        show_default=True,
-        help="Long prompts: prefilled back to back, then each returns once.",
-    )
-    @click.option("--decode-context", type=int, default=32768, show_default=True)
-    @click.option(
-        "--decoders",
-        type=click.IntRange(1),
-        default=16,
-        show_default=True,
-        help="Requests decoding throughout.",
-    )
-    @click.option(
-        "--decode-tokens",
-        type=click.IntRange(1),
-        default=4096,
-        show_default=True,
-        help="max_tokens of each decoder (enough for both windows).",
-    )
-    @click.option(
-        "--window-s",
-        type=float,
-        default=20.0,
-        show_default=True,
-        help="Length of the quiet window and of the window with returns.",
-    )
-    @click.option("--return-every-s", type=float, default=4.0, show_default=True)
-    @click.option(
-        "--cpu-bytes",
-        type=int,
-        default=None,
-        help="CPU bytes of each tier (default: the long prompts' raw pages / 0.9).",
-    )
-    @cb._engine_options
-    @cb.out_option
-    def command(**kw) -> None:
-        """What a tier's restores and stores cost the requests decoding beside them.
-
-        Per connector one vLLM engine (its own process, vLLM's defaults): long prompts
-        prefilled back to back, then --decoders prompts at once (every wait_for_save timed:
-        how long a step waited for the store path; store throughput against the prefill's KV
-        rate); the decoders' inter-token latency over a quiet window, then over a window in
-        which the long prompts return from the tier one every --return-every-s seconds. Target:
-        ITL p99 with returns at most 1.25x quiet. Plot: ITL p99 per connector.
-        """
-        from types import SimpleNamespace
-
-        kw["engine_args"] = cb._engine_args(kw)
-        kw["model"] = cb._model(kw["model"])
-        kw["connectors"] = cb._names(kw["connectors"])
-        bad = [c for c in kw["connectors"] if c not in ("kvzip", "offload", "none")]
-        if bad or kw["long_context"] % CHUNK or kw["decode_context"] % CHUNK:
-            raise click.UsageError(
-                f"connectors {bad} / contexts {kw['long_context']}, {kw['decode_context']}: "
-                f"supported are kvzip, offload, none and multiples of {CHUNK} tokens"
-            )
-        doc = run(SimpleNamespace(**kw))
-        cb._done(doc, kw["out"], "bench_tier_decode")
-
-    return command
-
-
 if __name__ == "__main__":
     import os
 
@@ -494,4 +408,3 @@ if __name__ == "__main__":
     if spec is not None:
         child(spec)
         os._exit(0)  # vLLM's shutdown can hang; the result is out
-    click_command()()
