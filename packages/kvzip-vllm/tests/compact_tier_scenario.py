@@ -105,18 +105,30 @@ def main(argv=None) -> int:
 
     sink_slots: list[bool] = []  # per restored first chunk: its new first block owns a slot
 
-    def submit_load(job_id, loads):
-        restored.extend((ld.key, tuple(ld.block_ids), ld.skip) for ld in loads)
-        ok = real_load(job_id, loads)
+    def check_sink_slots(loads):
         sinks = tier.layout.sinks
         for ld in loads:
             if sinks is not None and ld.first and ld.skip == 0:
                 pool, b = sinks.pool_of(tier.caches[0]), ld.block_ids[0]
                 j = int(pool.slot_of_block[b])
                 sink_slots.append(j >= 0 and int(pool.owner[j]) == b)
+
+    def submit_load(job_id, loads, asynchronous=False):
+        restored.extend((ld.key, tuple(ld.block_ids), ld.skip) for ld in loads)
+        ok = real_load(job_id, loads, asynchronous=asynchronous)
+        if not asynchronous:  # restored now; asynchronous loads: once reported (below)
+            check_sink_slots(loads)
         return ok
 
+    real_finished = worker._loads_finished
+
+    def loads_finished(results):  # the chunks written, before vLLM hears of them
+        for res in results:
+            check_sink_slots(res.loads)
+        return real_finished(results)
+
     tier.submit_store, tier.submit_load = submit_store, submit_load
+    worker._loads_finished = loads_finished
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=5)
 
     def gen():
