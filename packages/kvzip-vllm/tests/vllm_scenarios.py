@@ -476,10 +476,8 @@ def load(args) -> dict:
     store.put = put
     real_start = worker.start_load_kv
 
-    def start_load_kv(meta):
-        real_start(meta)
-        failed = worker._load_errors
-        for ld in meta.loads:
+    def check_loads(loads, failed):
+        for ld in loads:
             if set(ld.written) & failed:
                 continue
             got = worker._gather(ld.ids)
@@ -494,13 +492,26 @@ def load(args) -> dict:
                     check["bits_mismatch"].append((ld.req_id, ld.pos))
                     break
             check["blocks_checked"] += len(ld.written)
+
+    def start_load_kv(meta):
+        real_start(meta)
+        if not worker.async_loads:  # restored in the step
+            check_loads(meta.loads, worker._load_errors)
         s = store.stats
         check["steps"] += 1
         held = s.bytes_held
         if held > store.budget_bytes or s.arena_bytes > store.budget_bytes:
             check["budget_violations"].append((held, s.arena_bytes))
 
+    real_finished = worker._loads_finished
+
+    def loads_finished(results):  # asynchronous loads: written, before vLLM hears of them
+        for res in results:
+            check_loads(list(worker._job_loads.get(res.job_id, {}).values()), res.failed_blocks)
+        return real_finished(results)
+
     worker.start_load_kv = start_load_kv
+    worker._loads_finished = loads_finished
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
 
     def round_(order):
