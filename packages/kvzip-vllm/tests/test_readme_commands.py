@@ -209,7 +209,9 @@ def fresh_env(venv: Path | None = None) -> dict:
 
     def foreign(entry: str) -> bool:
         p = Path(entry).resolve() if entry else None
-        return p is not None and not any(p == o or o in p.parents for o in ours)
+        if p is None or (p.parent / "pyvenv.cfg").exists():  # any virtual environment's bin
+            return False  # (e.g. the project's, when the tests run under `uv run nox`)
+        return not any(p == o or o in p.parents for o in ours)
 
     path = [e for e in env.get("PATH", "").split(os.pathsep) if foreign(e)]
     if venv is not None:
@@ -433,8 +435,13 @@ def test_a_marker_without_a_runnable_block_is_an_error(doc, error):
         parse_blocks(doc, "x.md")
 
 
-def test_the_shell_is_a_fresh_machines(tmp_path):
+def test_the_shell_is_a_fresh_machines(tmp_path, monkeypatch):
+    outer = tmp_path / "outer-venv"  # a virtual environment of the caller's (`uv run nox`)
+    (outer / "bin").mkdir(parents=True)
+    (outer / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    monkeypatch.setenv("PATH", f"{outer / 'bin'}{os.pathsep}{os.environ['PATH']}")
     env = fresh_env()
+    assert str(outer / "bin") not in env["PATH"].split(os.pathsep)
     assert "VIRTUAL_ENV" not in env and "TRITON_INTERPRET" not in env
     assert not [n for n in env if n.startswith("KVZIP_") and n != "KVZIP_CACHE_DIR"]
     assert str(Path(sys.executable).parent) not in env["PATH"].split(os.pathsep)
