@@ -211,6 +211,42 @@ def engine_settings(llm) -> dict:
     }
 
 
+def start_engine(spec: dict, **kw):
+    """In an engine's process: vLLM on the spec's model (``model_dir``, ``load_format``; no
+    tokenizer, bf16, seed 0) with ``kw``; the "engine" record (start-up seconds, vLLM's
+    settings as the engine used them, the device) emitted. Returns (the LLM, that record)."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model_dir"],
+        load_format=spec["load_format"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        **kw,
+    )
+    rec = {"init_s": round(time.perf_counter() - t0, 1), "settings": engine_settings(llm),
+           "device": device_name()}  # fmt: skip
+    emit("engine", **rec)
+    return llm, rec
+
+
+def engine_result(base: dict, name: str, rc, recs: list[dict], log: Path) -> dict:
+    """In the parent: one engine's entry, from its child's records: ``base``, its name, exit
+    code, vLLM's settings and device, and its "result" record's fields, or the log's tail as
+    the error when it gave none."""
+    r = next((x for x in recs if x["kind"] == "result"), None)
+    info = next((x for x in recs if x["kind"] == "engine"), {})
+    e = {**base, "name": name, "rc": rc, "settings": info.get("settings"),
+         "device": info.get("device")}  # fmt: skip
+    if r is None:
+        e["error"] = f"rc {rc}: " + log.read_text(errors="replace")[-1500:]
+    else:
+        e.update({k: v for k, v in r.items() if k not in ("kind", "settings", "device")})
+    return e
+
+
 def emit(kind: str, **record) -> None:
     """A record for the parent (a line of the child's log)."""
     print(MARK + json.dumps({"kind": kind, **record}, default=str), flush=True)

@@ -58,7 +58,7 @@ def itl_summary(stamps: dict[str, list[float]]) -> dict:
 
 def child(spec: dict) -> None:
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     conn = spec["connector"]
@@ -88,22 +88,13 @@ def child(spec: dict) -> None:
     if cuda:  # a GPU cache for the decoders and two long prompts at a time, no more
         need = spec["decoders"] * (dec_n + spec["decode_tokens"]) + 2 * long_n + 4096
         kw.setdefault("num_gpu_blocks_override", -(-need // 16))
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model_dir"],
-        load_format=spec["load_format"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
+    llm, res = engines.start_engine(
+        spec,
         max_model_len=max(long_n, dec_n + spec["decode_tokens"]) + 16,
         max_num_seqs=max(spec["decoders"] + 4, 8),
         enable_prefix_caching=True,
-        seed=0,
         **kw,
     )
-    res: dict = {"init_s": round(time.perf_counter() - t0, 1)}
-    res["settings"] = engines.engine_settings(llm)
-    res["device"] = engines.device_name()
-    engines.emit("engine", **res)
     eng = llm.llm_engine
 
     saves: list[float] = []  # every wait_for_save, seconds
@@ -294,14 +285,7 @@ def run(o) -> dict:
                                      engines.child_env(root), min(left, o.engine_timeout_s),
                                      progress)  # fmt: skip
         bar.update(4 - done[0])
-        r = next((x for x in recs if x["kind"] == "result"), None)
-        info = next((x for x in recs if x["kind"] == "engine"), {})
-        e = {**base, "name": conn, "rc": rc, "settings": info.get("settings"),
-             "device": info.get("device")}  # fmt: skip
-        if r is None:
-            e["error"] = f"rc {rc}: " + log.read_text(errors="replace")[-1500:]
-        else:
-            e.update({k: v for k, v in r.items() if k not in ("kind", "settings", "device")})
+        e = engines.engine_result(base, conn, rc, recs, log)
         engs.append(e)
     bar.close()
     rows = [decode_row(e) for e in engs]

@@ -190,7 +190,7 @@ def child(spec: dict) -> None:
     """One format in this process: start vLLM, warm each context, then ``runs`` rounds of a
     decode run at every context, then the prefill runs; each result a record (``emit``)."""
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from kvzip_eval.bench import fill
 
@@ -208,17 +208,12 @@ def child(spec: dict) -> None:
         kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
     else:
         kw["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model_dir"],
-        load_format=spec["load_format"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
+    llm, rec = engines.start_engine(
+        spec,
         kv_cache_dtype="fp8" if fmt == "fp8" else "auto",
         max_model_len=max(contexts),
         max_num_seqs=spec["max_num_seqs"],
         enable_prefix_caching=False,
-        seed=0,
         kv_transfer_config={
             "kv_connector": fill.CONNECTOR,
             "kv_connector_module_path": "kvzip_eval.bench.fill",
@@ -226,10 +221,8 @@ def child(spec: dict) -> None:
         },
         **kw,
     )
-    settings = engines.engine_settings(llm)
+    settings = rec["settings"]
     blocks, bs = settings["num_gpu_blocks"], settings["block_size"]
-    engines.emit("engine", init_s=round(time.perf_counter() - t0, 1), settings=settings,
-                 device=engines.device_name())  # fmt: skip
     ins, probe = Instruments(llm), GpuProbe() if cuda else None
 
     def timed(ps, n):

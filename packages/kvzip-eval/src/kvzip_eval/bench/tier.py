@@ -262,7 +262,7 @@ def _offload_held(llm, bpt: int, block: int) -> dict:
 def child(spec: dict) -> None:
     """One engine: warm-up, first pass, drain, returning passes; the result a record."""
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     conn = spec["connector"]
     root = Path(tempfile.mkdtemp(prefix=f"kvzip-bench-tier-{conn}-"))
@@ -291,25 +291,16 @@ def child(spec: dict) -> None:
         kw["kv_cache_memory_bytes"] = max(
             spec["kv_cache_bytes"], 2 * gpu_blocks * block * spec["bpt"]
         )
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model_dir"],
-        load_format=spec["load_format"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
+    llm, res = engines.start_engine(
+        spec,
         block_size=block,
         max_model_len=min(longest + 16, spec["max_positions"]),
         max_num_seqs=max(8, spec["concurrency"]),
         num_gpu_blocks_override=gpu_blocks,
         enable_prefix_caching=True,
         disable_log_stats=False,
-        seed=0,
         **kw,
     )
-    res: dict = {"init_s": round(time.perf_counter() - t0, 1)}
-    res["settings"] = engines.engine_settings(llm)
-    res["device"] = engines.device_name()
-    engines.emit("engine", **res)
 
     def gen(ps: list[Prompt]) -> list[dict]:
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False,
@@ -508,14 +499,8 @@ def run(o) -> dict:
                                      engines.child_env(root), min(left, o.engine_timeout_s),
                                      progress)  # fmt: skip
         bar.update(batches_per + 1 - done[0])
-        r = next((x for x in recs if x["kind"] == "result"), None)
-        info = next((x for x in recs if x["kind"] == "engine"), {})
-        e = {**base, "name": f"{w} {conn}", "rc": rc, "wall_s": round(time.perf_counter() - t, 1),
-             "settings": info.get("settings"), "device": info.get("device")}  # fmt: skip
-        if r is None:
-            e["error"] = f"rc {rc}: " + (out / f"{name}.log").read_text(errors="replace")[-1500:]
-        else:
-            e.update({k: v for k, v in r.items() if k not in ("kind", "settings", "device")})
+        e = engines.engine_result(base, f"{w} {conn}", rc, recs, out / f"{name}.log")
+        e["wall_s"] = round(time.perf_counter() - t, 1)
         engs.append(e)
     bar.close()
     rows = build_rows(engs)

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -413,15 +414,13 @@ class KvzipWorker:
         read, and their results stay for get_finished."""
         if self.tier is None or not self.tier.loads_in_flight:
             return
-        import time
-
         t0 = time.perf_counter()
         self.tier.wait_loads()
+        waited = time.perf_counter() - t0
         s = self.store.stats
         s.step_waits_for_loads += 1
-        s.step_wait_for_loads_seconds += time.perf_counter() - t0
-        logger.info("kvzip tier: the step waited %.3f s for loads in flight: %s",
-                    time.perf_counter() - t0, why)  # fmt: skip
+        s.step_wait_for_loads_seconds += waited
+        logger.info("kvzip tier: the step waited %.3f s for loads in flight: %s", waited, why)
 
     def flush_shared(self, timeout_s: float = 10.0) -> bool:
         """Wait up to ``timeout_s`` until the queued shared puts are done (tests, shutdown)."""
