@@ -330,3 +330,37 @@ def test_async_loads_request_aborted_while_load_pending():
     assert not any(r.kind == "store" and r.req_id == "B" for r in h.records)
     assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free0
     _check_clean(h, {"A": first, "D": other}, {"A": 4, "D": GEN})
+
+
+def test_async_loads_queued_together_run_as_one_pass():
+    """Loads queued while the load thread is busy run as one pass (``load_jobs_merged``); each
+    request still gets its own result: a chunk evicted from one of them fails only that
+    request's chunk, the other is restored whole, and every output equals the recompute."""
+    h = _async_harness()
+    gate = Gate(h)
+    first, prompt_b, rng = _stored_prompt(h)
+    other = [rng.randrange(H.VOCAB) for _ in range(4 * H.CHUNK + 20)]
+    h.add("E", other, 4)  # a second stored prompt
+    h.run()
+    h.scheduler.reset_prefix_cache()
+    gate.release()
+    gate.open.clear()
+    h.add("B", prompt_b, GEN)
+    _run_until_load_held(h, gate, "B")  # B's job holds the thread
+    prompt_c = first[: 4 * H.CHUNK] + [rng.randrange(H.VOCAB) for _ in range(30)]
+    prompt_d = other[: 4 * H.CHUNK] + [rng.randrange(H.VOCAB) for _ in range(30)]
+    h.add("C", prompt_c, GEN)
+    h.add("D", prompt_d, GEN)
+    h.run(until=lambda: {"C", "D"} <= set(h.pending_loads))
+    assert h.worker.tier.loads_in_flight == 3
+    assert h.worker.store.drop(h.held_key("E", 2))  # D's chunk 2, while D's load is queued
+    gate.release()
+    h.run()
+    s = h.worker.stats()
+    assert s["load_jobs_merged"] == 1 and s["load_jobs_async"] == 3
+    assert s["load_errors"] == 1 and ("D", 2 * H.CHUNK) in h.resumes
+    loads = lambda r: {x.pos for x in h.records if x.kind == "load" and x.req_id == r}  # noqa: E731
+    assert loads("C") == {0, 1, 2, 3} and loads("D") == {0, 1, 3}
+    assert not any(r == "C" for r, _ in h.resumes)
+    prompts = {"A": first, "E": other, "B": prompt_b, "C": prompt_c, "D": prompt_d}
+    _check_clean(h, prompts, {"A": 4, "E": 4, "B": GEN, "C": GEN, "D": GEN})

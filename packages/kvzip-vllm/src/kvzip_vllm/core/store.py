@@ -253,6 +253,7 @@ class TierStats:
     # the explicit exceptions where a step waits for them anyway (an emptying of the tier, a
     # shutdown) and how long those steps waited
     load_jobs_async: int = 0
+    load_jobs_merged: int = 0  # jobs run together with the one before them (one pass, one sync)
     load_async_seconds: float = 0.0
     step_waits_for_loads: int = 0
     step_wait_for_loads_seconds: float = 0.0

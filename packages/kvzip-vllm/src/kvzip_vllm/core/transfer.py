@@ -45,6 +45,11 @@ from kvzip_vllm.core.store import BlockStore
 
 logger = logging.getLogger("kvzip_vllm.core.transfer")
 
+#: asynchronous load jobs queued together are run as one pass while their chunks hold at most
+#: this many tokens (one 128k prompt's: the pass's compressed records and decode groups are
+#: sized by what it restores)
+MERGE_LOAD_TOKENS = 131072
+
 
 class ChunkLoad(NamedTuple):
     """Restore the chunk ``key`` into its blocks ``block_ids`` (all but the first ``skip``)."""
@@ -306,7 +311,10 @@ class KvTier(TierTransfers):
             self._check(ld.block_ids, ld.skip)
         if asynchronous:
             if self._runner is None:
-                self._runner = _LoadRunner(self._run_load, self._fail_all)
+                tokens = self.bpc * self.layout.block_size
+                self._runner = _LoadRunner(
+                    self._run_loads, self._fail_all, max(1, MERGE_LOAD_TOKENS // tokens)
+                )
             self._runner.submit(job_id, loads)
             return True
         t0 = time.perf_counter()
@@ -359,6 +367,50 @@ class KvTier(TierTransfers):
         res.transfer_time = time.perf_counter() - t0
         self.store.stats.load_async_seconds += res.transfer_time
         return res
+
+    def _run_loads(self, jobs: list[tuple[int, list[ChunkLoad]]]) -> list[TransferResult]:
+        """Asynchronous load jobs queued together, run as one: one pass through the shared
+        tier, the copies and the batched decode for all their chunks, one synchronisation;
+        then one result per job (its own chunks' failures; the keys the pass stored or
+        dropped go with the first). A pass that raises is run again job by job, so that only
+        the job that raises fails its chunks."""
+        if len(jobs) == 1:
+            return [self._run_load(*jobs[0])]
+        try:
+            merged = self._run_load(jobs[0][0], [ld for _, lds in jobs for ld in lds])
+        except Exception:  # noqa: BLE001  (each job alone: the runner fails only the one raising)
+            logger.exception(
+                "kvzip tier: load jobs %s run together failed; one by one", [j for j, _ in jobs]
+            )
+            return [self._run_one(job_id, loads) for job_id, loads in jobs]
+        self.store.stats.load_jobs_merged += len(jobs) - 1
+        failed = {(ld.req_id, ld.key) for ld in merged.failed}
+        out = []
+        for i, (job_id, loads) in enumerate(jobs):
+            res = TransferResult(job_id, True, transfer_time=merged.transfer_time, loads=loads)
+            if i == 0:
+                res.stored, res.dropped = merged.stored, merged.dropped
+            for ld in loads:
+                if (ld.req_id, ld.key) in failed:
+                    res.failed.append(ld)
+                    res.failed_blocks.update(ld.block_ids[ld.skip :])
+                elif ld.req_id in merged.hits:
+                    res.hits[ld.req_id] = res.hits.get(ld.req_id, 0) + 1
+                    res.tokens += (self.bpc - ld.skip) * self.layout.block_size
+            # (a block the pass failed outside every failed load: the job holding it fails)
+            res.failed_blocks |= merged.failed_blocks & {
+                b for ld in loads for b in ld.block_ids[ld.skip :]
+            }
+            res.success = not res.failed_blocks
+            out.append(res)
+        return out
+
+    def _run_one(self, job_id: int, loads: list[ChunkLoad]) -> TransferResult:
+        try:
+            return self._run_load(job_id, loads)
+        except Exception:  # noqa: BLE001  (reported failed: the engine recomputes)
+            logger.exception("kvzip tier: load job %d failed", job_id)
+            return self._fail_all(job_id, loads)
 
     def _fail_all(self, job_id: int, loads: list[ChunkLoad]) -> TransferResult:
         """A job whose run raised: every chunk reported failed (the engine recomputes them)."""
@@ -663,12 +715,14 @@ class KvTier(TierTransfers):
 
 
 class _LoadRunner:
-    """The tier's load thread: asynchronous load jobs run one after another, off the engine's
-    step (``run(job_id, loads) -> TransferResult``; a job whose run raises is reported by
-    ``fail(job_id, loads)``, every chunk failed, so no request waits for it forever)."""
+    """The tier's load thread: asynchronous load jobs run off the engine's step, the jobs
+    queued when the thread comes to them taken together, up to ``max_chunks`` chunks (one job
+    at least): ``run([(job_id, loads), ...]) -> [TransferResult, ...]``, one result per job.
+    Jobs whose run raises are reported by ``fail(job_id, loads)``, every chunk failed, so no
+    request waits for them forever."""
 
-    def __init__(self, run, fail):
-        self._run, self._fail = run, fail
+    def __init__(self, run, fail, max_chunks: int = 1):
+        self._run, self._fail, self._max_chunks = run, fail, max_chunks
         self._cv = threading.Condition()
         self._queue: list[tuple[int, list[ChunkLoad]]] = []
         self._pending: set[int] = set()
@@ -696,15 +750,19 @@ class _LoadRunner:
                 self._cv.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                job_id, loads = self._queue.pop(0)
+                jobs = [self._queue.pop(0)]
+                chunks = len(jobs[0][1])
+                while self._queue and chunks + len(self._queue[0][1]) <= self._max_chunks:
+                    chunks += len(self._queue[0][1])
+                    jobs.append(self._queue.pop(0))
             try:
-                res = self._run(job_id, loads)
+                results = self._run(jobs)
             except Exception:  # noqa: BLE001  (reported failed: the engine recomputes)
-                logger.exception("kvzip tier: load job %d failed", job_id)
-                res = self._fail(job_id, loads)
+                logger.exception("kvzip tier: load jobs %s failed", [j for j, _ in jobs])
+                results = [self._fail(job_id, loads) for job_id, loads in jobs]
             with self._cv:
-                self._done.append(res)
-                self._pending.discard(job_id)
+                self._done.extend(results)
+                self._pending.difference_update(j for j, _ in jobs)
                 self._cv.notify_all()
 
     def take(self) -> list[TransferResult]:
