@@ -8,6 +8,7 @@
 #   gpu_session.sh serving   # kvzip bench serving: SERVING_FORMATS beside fp8, 3 runs, 32k and 128k (SERVING_MERGE: earlier calls)
 #   gpu_session.sh tier      # kvzip bench tier: the tier beside vLLM's OffloadingConnector and recompute (TIER_WORKLOADS)
 #   gpu_session.sh tierdecode  # kvzip bench tier-decode: decoders' ITL while long prompts return, the store path's waits
+#   gpu_session.sh serve     # kvzip bench serve: `vllm serve` with vLLM's defaults per connector (kvzip, offload, none), the same `vllm bench serve` (SERVE_ARGS)
 #   gpu_session.sh kernels   # kvzip bench kernels: the paged decode beside XQA / FlashInfer / vLLM's FA3 fp8 (.carry/flashinfer if carried)
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race, pending loads
@@ -80,6 +81,14 @@ tier)
 tierdecode)
   env_line
   bench tier-decode --out $RES $(model_args) --deadline-s ${DEADLINE:-540} ${DECODE_ARGS:-} 2>&1 | tee $RES/tier_decode.log | tail -30
+  ;;
+serve)
+  env_line
+  # `vllm serve` per connector (kvzip checked, OffloadingConnector, none; about 60-90 s each to
+  # start), each with the same `vllm bench serve` twice; servers and benches run as `python3 -m
+  # vllm.entrypoints.cli.main` (no `vllm` script under /tmp/site) with this PYTHONPATH
+  timeout ${SERVE_LIMIT_S:-570} python3 -m kvzip_eval bench serve --out $RES --deadline-s ${DEADLINE:-480} \
+    ${SERVE_ARGS:-} 2>&1 | tee $RES/serve.log | tail -30
   ;;
 kernels)
   env_line

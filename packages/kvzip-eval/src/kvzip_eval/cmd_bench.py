@@ -338,3 +338,74 @@ def tier_decode(**kw) -> None:
         )
     doc = bench.run(SimpleNamespace(**kw))
     _done(doc, kw["out"], "bench_tier_decode")
+
+
+@command.command("serve")
+@model_option
+@click.option("--connectors", default="kvzip,offload,none", show_default=True,
+              help="kvzip (the tier, checked), offload (--kv-offloading-size), none.")  # fmt: skip
+@click.option("--cpu-bytes", type=click.IntRange(1), default=16 << 30, show_default=True,
+              help="CPU bytes of each tier (kvzip's budget_bytes, offload's size).")  # fmt: skip
+@click.option("--concurrency", type=click.IntRange(1), default=32, show_default=True,
+              help="vllm bench serve --max-concurrency.")  # fmt: skip
+@click.option("--num-prompts", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--prefix-len", type=click.IntRange(1), default=2048, show_default=True,
+              help="Tokens of each shared prefix (--prefix-repetition-prefix-len).")  # fmt: skip
+@click.option("--suffix-len", type=click.IntRange(0), default=128, show_default=True,
+              help="Tokens of each prompt's own suffix.")  # fmt: skip
+@click.option("--num-prefixes", type=click.IntRange(1), default=16, show_default=True,
+              help="Distinct prefixes; --num-prompts must be a multiple of it.")  # fmt: skip
+@click.option("--output-len", type=click.IntRange(1), default=128, show_default=True,
+              help="Tokens each request decodes (--ignore-eos).")  # fmt: skip
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True,
+              help="Bench passes per server: the first fills the tier, the last is "
+              "reported.")  # fmt: skip
+@click.option("--reset-prefix-cache", is_flag=True,
+              help="Empty vLLM's own prefix cache before each later pass (the tier kept): the "
+              "prompts return from the tier.")  # fmt: skip
+@click.option("--no-check", is_flag=True, help="kvzip without the bit-exactness checker.")
+@click.option("--gpu-memory-utilization", type=float, default=None,
+              help="Passed to vllm serve (default: vLLM's own).")  # fmt: skip
+@click.option("--extra-server-args", default="",
+              help="More vllm serve arguments, one string ('--max-model-len 8192').")  # fmt: skip
+@click.option("--port", type=click.IntRange(0, 65535), default=0,
+              help="The first server's port, the next ones after it (default: free "
+              "ports).")  # fmt: skip
+@click.option("--server-timeout-s", type=float, default=900, show_default=True,
+              help="At most this long for a server to answer /health.")  # fmt: skip
+@click.option("--bench-timeout-s", type=float, default=900, show_default=True,
+              help="At most this long for one vllm bench serve.")  # fmt: skip
+@click.option("--deadline-s", type=float, default=1e9,
+              help="No server starts after this many seconds; a running bench is "
+              "stopped.")  # fmt: skip
+@out_option
+def serve(**kw) -> None:
+    """kvzip's tier served as users serve it: vllm serve with vLLM's defaults, per connector.
+
+    For each of --connectors (kvzip and offload with the same --cpu-bytes; none) one `vllm
+    serve` (nothing turned off that vLLM turns on), then --repeats runs of the same `vllm bench
+    serve` (prefix_repetition, --concurrency requests at once). Measured on the last pass: time
+    to first token p50/p99, inter-token latency p99, output tokens/s, whether every request
+    completed, and for kvzip whether every block restored from the tier equals, byte for byte,
+    the block stored; plus async scheduling and the model runner as the server's log stated
+    them. Writes serve_tier_defaults.json, .md and .png (TTFT per connector).
+    """
+    from kvzip_eval.bench import serve as bench
+
+    kw["model"] = _model(kw["model"])
+    kw["connectors"] = _names(kw["connectors"])
+    kw["check"] = not kw.pop("no_check")
+    bad = [c for c in kw["connectors"] if c not in bench.CONNECTORS]
+    if bad or not kw["connectors"]:
+        raise click.BadParameter(f"{bad}: connectors {bench.CONNECTORS}")
+    if kw["num_prompts"] % kw["num_prefixes"]:
+        raise click.BadParameter(f"--num-prompts {kw['num_prompts']}: a multiple of "
+                                 f"--num-prefixes {kw['num_prefixes']}")  # fmt: skip
+    doc = bench.run(SimpleNamespace(**kw))
+    for r in doc["rows"]:
+        err = r.get("error") or ""
+        err = err if len(err) < 1800 else f"{err[:300]} [...] {err[-1400:]}"
+        click.echo(f"{r['connector']}: ok {r['ok']}, bit-exact {r['bit_exact']}, TTFT p50 "
+                   f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s"
+                   + (f"; error: {err}" if err else ""))  # fmt: skip
+    _done(doc, kw["out"], bench.NAME)

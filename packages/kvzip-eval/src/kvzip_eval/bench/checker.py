@@ -13,10 +13,15 @@ The worker is hooked where the tier reports finished loads: ``KvzipWorker._loads
 (asynchronous loads, on the step's thread before their requests are reported finished) and
 ``_take`` (synchronous loads, ``load_mode='sync'``). The jobs' loads and stores are seen where
 the worker hands them to the tier core (``submit_load`` / ``submit_store``). The engine runs in the
-benchmark's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank): :data:`INSTANCES`.
+benchmark's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank): :data:`INSTANCES`. Where
+it runs in a process of its own (``vllm serve``), :data:`COUNTS_ENV` names a file the worker
+writes its counts to (JSON) when it shuts down.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -24,6 +29,9 @@ from kvzip_vllm.connector import KvzipConnector
 
 #: the checking workers made in this process
 INSTANCES: list = []
+#: the environment variable naming the file of the counts, written at the worker's shutdown
+#: (rank r of a tensor-parallel world: ``counts.json`` -> ``counts.rank{r}.json``)
+COUNTS_ENV = "KVZIP_CHECKER_COUNTS"
 
 
 class Checker:
@@ -136,6 +144,19 @@ class Checker:
             diff = got.view(torch.uint8) != want.view(torch.uint8)
             self._c_differ += diff.flatten(1).any(1).sum()
         self._c_checked += len(ids)
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            path = os.environ.get(COUNTS_ENV)
+            if path and self._c_caches:
+                if getattr(self, "world", 1) > 1:
+                    root, ext = os.path.splitext(path)
+                    path = f"{root}.rank{self.rank}{ext}"
+                with open(f"{path}.tmp", "w") as f:
+                    json.dump(self.counts(), f)
+                os.replace(f"{path}.tmp", path)
 
     def counts(self) -> dict:
         """Blocks checked and differing (one synchronisation), chunks copied."""

@@ -1,0 +1,319 @@
+"""``kvzip bench serve``: vllm bench serve's result JSON into rows, the server's log into
+vLLM's settings, the commands, the error of a server that dies at start (its log quoted), the
+checker's counts file, and a run on vllm-cpu with the embedded model (kvzip beside no
+connector; the tests that start vLLM are skipped where it is not installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from kvzip_eval.bench import output
+from kvzip_eval.bench import serve as sv
+from kvzip_eval.cli import main
+
+#: the issue's columns, in its order
+COLUMNS = ["server", "device", "connector", "async_scheduling", "model_runner", "concurrency",
+           "ttft_p50_s", "ttft_p99_s", "itl_p99_s", "output_tok_s", "ok", "bit_exact"]  # fmt: skip
+
+
+def _opts(**kw):
+    base = dict(num_prompts=8, concurrency=4, prefix_len=256, suffix_len=64, num_prefixes=2,
+                output_len=8, repeats=2, check=True, cpu_bytes=1 << 30, reset_prefix_cache=False,
+                gpu_memory_utilization=None, extra_server_args="")  # fmt: skip
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _bench_json(completed=8, failed=0, ttft_p50=120.0):
+    """A result as ``vllm bench serve --save-result`` writes it (vLLM 0.32's field names;
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99; milliseconds)."""
+    return {
+        "date": "20260101-000000", "endpoint_type": "vllm", "backend": "vllm", "label": None,
+        "model_id": "m", "tokenizer_id": "m", "num_prompts": 8, "request_rate": "inf",
+        "burstiness": 1.0, "max_concurrency": 4, "duration": 1.04, "completed": completed,
+        "failed": failed, "total_input_tokens": 2561, "total_output_tokens": 64,
+        "request_throughput": 7.7, "request_goodput": None, "output_throughput": 61.7325,
+        "total_token_throughput": 2532.0, "max_output_tokens_per_s": 57.0,
+        "max_concurrent_requests": 8, "mean_ttft_ms": 150.0, "median_ttft_ms": ttft_p50,
+        "std_ttft_ms": 9.0, "p50_ttft_ms": ttft_p50, "p99_ttft_ms": 574.79,
+        "mean_tpot_ms": 27.5, "median_tpot_ms": 20.0, "std_tpot_ms": 16.0, "p50_tpot_ms": 20.0,
+        "p99_tpot_ms": 65.8, "mean_itl_ms": 27.5, "median_itl_ms": 19.4, "std_itl_ms": 47.0,
+        "p50_itl_ms": 19.4, "p99_itl_ms": 233.6, "mean_e2el_ms": 515.2,
+        "median_e2el_ms": 507.5, "std_e2el_ms": 194.5, "p50_e2el_ms": 507.5,
+        "p99_e2el_ms": 715.0,
+    }  # fmt: skip
+
+
+def _entry(conn, results, check=None, settings=None):
+    return {
+        "connector": conn, "cpu_bytes": 0 if conn == "none" else 1 << 30,
+        "server_cmd": f"python -m vllm.entrypoints.cli.main serve m  # {conn}", "ready_s": 50.0,
+        "passes": [{"pass": i, "result": sv.parse_bench(r),
+                    "metrics": {"vllm:external_prefix_cache_hits": 512.0,
+                                "vllm:external_prefix_cache_queries": 1024.0}}
+                   for i, r in enumerate(results)],
+        "settings": settings or {"async_scheduling": True, "model_runner": "v2",
+                                 "async_scheduling_source": "GET /server_info",
+                                 "model_runner_source": "log: Using V2 Model Runner"},
+        "check": check, "tier_stats": {"tokens_restored": 512, "load_errors": 0, "ratio": 1.48},
+    }  # fmt: skip
+
+
+def test_bench_result_json_into_a_row_with_the_issues_columns():
+    p = sv.parse_bench(_bench_json())
+    assert p["ttft_p50_s"] == 0.12 and p["ttft_p99_s"] == 0.57479 and p["itl_p99_s"] == 0.2336
+    assert p["output_tok_s"] == 61.73 and p["completed"] == 8 and p["failed"] == 0
+    o = _opts()
+    counts = {"blocks_checked": 8, "blocks_differ": 0}
+    e = _entry("kvzip", [_bench_json(ttft_p50=300.0), _bench_json()], check=counts)
+    row = sv.build_row(e, o, "NVIDIA H200")
+    assert list(row)[: len(COLUMNS)] == COLUMNS
+    assert row["server"] == "vllm serve" and row["device"] == "NVIDIA H200"
+    assert (row["async_scheduling"], row["model_runner"], row["concurrency"]) == (True, "v2", 4)
+    assert row["ttft_p50_s"] == 0.12 and row["ttft_p50_s_first_pass"] == 0.3  # the last pass
+    assert row["ok"] is True and row["bit_exact"] is True and row["tier_hit_rate"] == 0.5
+    assert row["num_prompts"] == 8 and row["prefix_len"] == 256 and row["blocks_checked"] == 8
+    # a failed request, a differing block, counts never written, a pass missing: not ok
+    assert sv.build_row(_entry("none", [_bench_json()] * 2), o, "x")["ok"] is True
+    assert sv.build_row(_entry("none", [_bench_json(7, 1)] * 2), o, "x")["ok"] is False
+    assert sv.build_row(_entry("none", [_bench_json()]), o, "x")["ok"] is False
+    differ = {"blocks_checked": 8, "blocks_differ": 2}
+    bad = sv.build_row(_entry("kvzip", [_bench_json()] * 2, differ), o, "x")
+    assert bad["ok"] is False and bad["bit_exact"] is False and "2 of 8" in bad["bit_exact_note"]
+    lost = sv.build_row(_entry("kvzip", [_bench_json()] * 2), o, "x")
+    assert lost["ok"] is False and lost["bit_exact"] is None
+    # nothing restored: nothing differed (ok), not called bit-exact
+    nothing = {"blocks_checked": 0, "blocks_differ": 0}
+    idle = sv.build_row(_entry("kvzip", [_bench_json()] * 2, nothing), o, "x")
+    assert idle["ok"] is True and idle["bit_exact"] is None
+    off = sv.build_row(_entry("offload", [_bench_json()] * 2), o, "x")
+    assert off["ok"] is True and off["bit_exact"] is None and "not checked" in off["bit_exact_note"]
+    failed = sv.build_row({"connector": "offload", "error": "not started: 3 s left"}, o, "x")
+    assert failed["ok"] is False and failed["ttft_p50_s"] is None
+    assert failed["async_scheduling"] == "unknown"
+
+
+def test_result_files_and_plot(tmp_path):
+    o = _opts()
+    counts = {"blocks_checked": 8, "blocks_differ": 0}
+    servers = [_entry("kvzip", [_bench_json()] * 2, counts), _entry("none", [_bench_json()] * 2)]
+    rows = [sv.build_row(e, o, "cpu") for e in servers]
+    doc = output.header("serve", "serve", "cpu")
+    doc.update(model="m", workload={"num_prompts": 8}, settings={"cpu_bytes": 1}, rows=rows,
+               servers=servers)  # fmt: skip
+    paths = output.write(tmp_path, sv.NAME, doc, sv._markdown(doc), lambda ax: sv._plot(ax, rows))
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    md = paths["md"].read_text()
+    assert "| kvzip | True | v2 | 4 | 0.12 | 0.5748 | 0.2336 | 61.73 | 8 | True | True |" in md
+    assert "not checked: the checker wraps kvzip's worker only" in md
+    assert json.loads(paths["json"].read_text())["rows"][1]["bit_exact"] is None
+
+
+# vllm-cpu 0.32's lines (a server started here) and a GPU's
+CPU_LOG = """\
+(APIServer pid=1) INFO 12-06 18:55:31 [api_utils.py:286] non-default args: {'model_tag': 'm', 'port': 8411}
+(APIServer pid=1) WARNING 12-06 18:55:31 [vllm.py:725] Model Runner V2 requires Triton; using the V1 model runner instead.
+(EngineCore pid=2) INFO 12-06 18:55:42 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='m', enforce_eager=False, enable_prefix_caching=True, compilation_config={'mode': <CompilationMode.DYNAMO_TRACE_ONCE: 2>, 'cudagraph_mode': <CUDAGraphMode.NONE: 0>}
+(EngineCore pid=2) INFO 12-06 18:56:42 [kv_cache_utils.py:2327] CPU KV cache size: 2,816 tokens, Maximum concurrency for 2,048 tokens per request: 1.38x
+"""  # noqa: E501
+
+
+def test_server_log_into_vllms_settings():
+    s = sv.parse_log(CPU_LOG)
+    assert s["model_runner"] == "v1" and "using the V1 model runner" in s["model_runner_source"]
+    assert s["async_scheduling"] == "unknown" and "async_scheduling_source" not in s
+    assert s["vllm"] == "0.32.0" and s["enforce_eager"] is False
+    assert s["enable_prefix_caching"] is True and s["kv_cache_tokens"] == 2816
+    assert (s["compilation_mode"], s["cudagraph_mode"]) == ("DYNAMO_TRACE_ONCE", "NONE")
+    assert "'port': 8411" in s["non_default_args"]
+    gpu = sv.parse_log("(Worker pid=3) INFO [gpu_worker.py:518] Using V2 Model Runner\n"
+                       "(APIServer pid=1) WARNING [vllm.py:1622] Async scheduling will be "
+                       "disabled because it is not supported with the `ray` distributed "
+                       "executor backend.\n")  # fmt: skip
+    assert (gpu["model_runner"], gpu["async_scheduling"]) == ("v2", False)
+    assert sv.parse_log("")["model_runner"] == "unknown"
+    # the API server's own config where the log said nothing
+    info = {"vllm_config": {"scheduler_config": {"async_scheduling": True}}}
+    assert sv.async_from_server_info(info) is True
+    assert sv.async_from_server_info({"vllm_config": "text form"}) is None
+    assert sv.async_from_server_info(None) is None
+
+
+def test_server_and_bench_commands_turn_nothing_off():
+    o = _opts(cpu_bytes=3 << 29, extra_server_args="--max-model-len 2048")
+    kv = sv.server_argv("/m", "dummy", "kvzip", 8000, o, "/s.json")
+    assert kv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    cfg = json.loads(kv[kv.index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector"] == "CheckingKvzipConnector"
+    assert cfg["kv_connector_module_path"] == "kvzip_eval.bench.checker"
+    assert cfg["kv_connector_extra_config"] == {"budget_bytes": 3 << 29, "stats_path": "/s.json"}
+    assert kv[-2:] == ["--max-model-len", "2048"] and "--load-format" in kv
+    off = sv.server_argv("/m", "auto", "offload", 8000, o)
+    assert off[off.index("--kv-offloading-size") + 1] == "1.5"
+    assert off[off.index("--kv-offloading-backend") + 1] == "native"
+    none = sv.server_argv("/m", "auto", "none", 8000, _opts(gpu_memory_utilization=0.8))
+    assert none[-2:] == ["--gpu-memory-utilization", "0.8"] and "--load-format" not in none
+    for argv in (kv, off, none):
+        assert not {"--enforce-eager", "--no-async-scheduling", "--no-enable-prefix-caching"} & set(
+            argv
+        )
+    plain = sv.server_argv("/m", "auto", "kvzip", 1, _opts(check=False))
+    assert json.loads(plain[plain.index("--kv-transfer-config") + 1])["kv_connector"] == (
+        "KvzipConnector")  # fmt: skip
+    with pytest.raises(ValueError, match="connector"):
+        sv.server_argv("/m", "auto", "lmcache", 1, o)
+
+
+def test_bench_flags_parse_in_the_installed_vllm(tmp_path):
+    """Every flag of the bench's command is one vLLM's `vllm bench serve` parser takes."""
+    pytest.importorskip("vllm", reason="the installed vLLM's parser")
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = sv.bench_argv(8000, "/m", _opts(concurrency=32), tmp_path / "r.json")
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    a = parser.parse_args(argv[5:])
+    assert (a.dataset_name, a.max_concurrency, a.num_prompts) == ("prefix_repetition", 32, 8)
+    assert (a.prefix_repetition_prefix_len, a.prefix_repetition_suffix_len) == (256, 64)
+    assert (a.prefix_repetition_num_prefixes, a.prefix_repetition_output_len) == (2, 8)
+    assert a.save_result and a.ignore_eos and a.result_filename == "r.json"
+
+
+def test_word_level_tokenizer_round_trips_random_ids(tmp_path):
+    from transformers import AutoTokenizer
+
+    sv.write_tokenizer(tmp_path, 5000, 4096)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    ids = [7, 4999, 0, 123, 123, 42]
+    assert tok.vocab_size == 5000 and tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+    assert tok(tok.decode(ids))["input_ids"] == ids  # no special token added
+
+
+def test_a_server_that_dies_at_start_is_an_error_quoting_its_log(tmp_path):
+    code = "import sys; print('loading the model'); print('ValueError: no such model'); sys.exit(3)"
+    srv = sv.Server([sys.executable, "-c", code], dict(os.environ), tmp_path / "s.log", 1)
+    with pytest.raises(sv.ServeError) as err:
+        srv.wait_ready(60)
+    assert "exited with status 3" in str(err.value)
+    assert "ValueError: no such model" in str(err.value) and str(tmp_path / "s.log") in str(
+        err.value
+    )
+    assert srv.stop() == "had exited with 3"
+    hang = sv.Server([sys.executable, "-c", "import time; print('hi'); time.sleep(60)"],
+                     dict(os.environ), tmp_path / "h.log", 1)  # fmt: skip
+    with pytest.raises(sv.ServeError, match=r"did not answer /health within 2 s(.|\n)*hi"):
+        hang.wait_ready(2)
+    hang.stop(timeout_s=10)
+    assert hang.proc.poll() is not None
+
+
+def test_checker_writes_its_counts_at_shutdown(tmp_path, monkeypatch):
+    pytest.importorskip("kvzip_vllm", reason="the checker wraps kvzip-vllm's worker")
+    import torch
+
+    from kvzip_eval.bench import checker
+
+    assert checker.COUNTS_ENV == sv.COUNTS_ENV
+
+    class Worker:  # the tier's worker, as the checker sees it
+        def shutdown(self):
+            self.down = True
+
+    w = type("W", (checker.Checker, Worker), {})()
+    w._c_init()
+    w._c_caches, w._c_differ, w._c_checked = [torch.zeros(1)], torch.tensor(1), 5
+    path = tmp_path / "counts.json"
+    monkeypatch.setenv(checker.COUNTS_ENV, str(path))
+    w.shutdown()
+    assert w.down and json.loads(path.read_text())["blocks_differ"] == 1
+    w.world, w.rank = 2, 1  # tensor parallel: a file per rank
+    w.shutdown()
+    assert json.loads((tmp_path / "counts.rank1.json").read_text())["blocks_checked"] == 5
+
+
+def test_bench_serve_help_says_what_it_measures():
+    res = CliRunner().invoke(main, ["bench", "serve", "--help"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    for words in ("served as users serve it", "vLLM's defaults", "prefix_repetition",
+                  "time to first token p50/p99", "inter-token latency p99", "output tokens/s",
+                  "byte for byte", "--cpu-bytes", "--extra-server-args",
+                  "--server-timeout-s"):  # fmt: skip
+        assert words in text, words
+    bad = CliRunner().invoke(main, ["bench", "serve", "--num-prompts", "9", "--num-prefixes", "2"])
+    assert bad.exit_code != 0 and "multiple" in bad.output
+
+
+def _serve(tmp_path, *args, timeout=900):
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [sys.executable, "-m", "kvzip_eval", "bench", "serve", "--out", str(out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, out
+
+
+def test_bench_serve_quotes_the_log_of_a_server_that_does_not_start(tmp_path):
+    """A Llama folder with neither weights nor tokenizer: vllm serve exits at start (~15 s)."""
+    pytest.importorskip("vllm", reason="vllm serve")
+    from kvzip_eval.bench.engines import TINY
+
+    bogus = tmp_path / "bogus-model"
+    bogus.mkdir()
+    (bogus / "config.json").write_text(json.dumps(TINY))
+    proc, out = _serve(tmp_path, "--model", str(bogus), "--connectors", "none",
+                       "--server-timeout-s", "300")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((out / f"{sv.NAME}.json").read_text())["rows"][0]
+    log = (out / "serve_none.log").read_text()
+    assert row["ok"] is False and "vllm serve exited with status" in row["error"], row
+    assert log.strip()[-200:] in row["error"]  # the log's tail, quoted
+    assert "tokenizer" in row["error"] and "error: vllm serve exited" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    pytest.importorskip("vllm", reason="vllm serve")
+    from kvzip_eval.model import hf_folder
+
+    return str(hf_folder())
+
+
+def test_bench_serve_on_vllm_cpu_kvzip_beside_no_connector(tmp_path, embedded):
+    """kvzip (checked) and no connector, two passes, vLLM's prefix cache emptied before the
+    second: kvzip's prompts return from the tier, every restored block equal to the stored.
+    ``--enforce-eager``: vllm-cpu's compile warm-up takes ~45 s more per server (the defaults
+    ran here too: 3 min 50 s in all)."""
+    proc, out = _serve(tmp_path, "--model", embedded, "--connectors", "kvzip,none",
+                       "--concurrency", "4", "--num-prompts", "8", "--num-prefixes", "2",
+                       "--prefix-len", "256", "--suffix-len", "64", "--output-len", "8",
+                       "--cpu-bytes", str(64 << 20), "--reset-prefix-cache",
+                       "--extra-server-args", "--max-model-len 2048 --kv-cache-memory-bytes "
+                       f"{64 << 20} --enforce-eager")  # fmt: skip
+    logs = {p.name: p.read_text()[-2000:] for p in out.glob("*.log")} if out.exists() else {}
+    assert proc.returncode == 0, (proc.stderr[-3000:], logs)
+    doc = json.loads((out / f"{sv.NAME}.json").read_text())
+    assert (out / f"{sv.NAME}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "not checked" in (out / f"{sv.NAME}.md").read_text()
+    kv, none = doc["rows"]
+    for r in (kv, none):
+        assert list(r)[: len(COLUMNS)] == COLUMNS, r
+        assert r["ok"] is True and r["completed"] == 8 and r["passes"] == 2, (r, logs)
+        assert r["server"] == "vllm serve" and r["device"].startswith("CPU")
+        assert r["model_runner"] == "v1" and "V1 model runner" in r["model_runner_source"]
+        assert isinstance(r["async_scheduling"], bool), r["async_scheduling_source"]
+        assert r["ttft_p50_s"] > 0 and r["output_tok_s"] > 0 and r["concurrency"] == 4
+    assert kv["bit_exact"] is True and kv["blocks_checked"] > 0, kv
+    assert kv["tier_hit_rate"] > 0 and kv["tier_tokens_restored"] > 0
+    assert none["bit_exact"] is None and none["tier_hit_rate"] is None
+    srv = {s["connector"]: s for s in doc["servers"]}
+    assert srv["kvzip"]["settings"]["enforce_eager"] is True  # as the engine logged it
+    assert all(p["prefix_cache_reset"] for p in srv["kvzip"]["passes"][1:])
+    assert doc["versions"].get("vllm") and doc["command"].startswith("kvzip bench serve")
