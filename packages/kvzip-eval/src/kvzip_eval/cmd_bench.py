@@ -270,8 +270,9 @@ def tier(**kw) -> None:
 def kernels(**kw) -> None:
     """kvzip's paged decode attention beside the fp8 decode kernels, share of HBM bandwidth.
 
-    Per shape, batch and context: kvzip_kernels.paged_decode of each format (Triton and CUDA
-    kernels) and the fp8 baselines on the same values (FlashInfer's XQA and fp8 decode, vLLM's
+    Per shape, batch and context: kvzip's decode of each format (Triton and CUDA kernels;
+    planned once, each call of the plan timed, as a server runs it per layer) and the fp8
+    baselines on the same values (FlashInfer's XQA and fp8 decode, vLLM's
     FlashAttention 3, where each is installed; else kvzip's Triton fp8), microseconds per call,
     GB/s of cache read, % of the HBM peak, speedup against the fastest fp8 kernel. Plot: the
     share of HBM bandwidth per configuration.

@@ -4,8 +4,10 @@ kernels, one process, the same data, and the share of HBM bandwidth each reaches
 Per shape (``8b``: Llama-3.1-8B's 32 query / 8 KV heads; ``70b-tp8``: 70B per GPU under TP 8,
 8 / 1; head dim 128; ``tiny``: 4 / 2, 64, for a check), batch and context, page size 16:
 
-- ``kvzip-<backend>-<fmt>``: ``kvzip_kernels.paged_decode`` for each format, on the Triton
-  kernels (``triton``) and the CUDA ones (``cuda``, built for this GPU first);
+- ``kvzip-<backend>-<fmt>``: ``kvzip_kernels``' decode for each format, on the Triton kernels
+  (``triton``) and the CUDA ones (``cuda``, built for this GPU first): planned once
+  (``decode_plan.plan``), the plan's ``run`` timed, as the baselines are timed after their
+  plans and workspaces are made (a server plans a step once and runs it per layer);
 - the fp8 baselines, on an fp8 e4m3 cache holding the same values as kvzip's fp8 cache (copied
   into their NHD layout), each where it can be imported: ``xqa`` (FlashInfer's XQA,
   TensorRT-LLM's fp8 decode), ``flashinfer-fp8`` (FlashInfer's tensor-core decode),
@@ -142,7 +144,7 @@ def run(o) -> dict:
     from kvzip_eval.bench.engines import device_name
     from kvzip_formats import FormatError, get_format
     from kvzip_formats.ops import PagedLayout
-    from kvzip_kernels import paged_decode
+    from kvzip_kernels.decode_plan import plan
     from kvzip_kernels.testing import synthetic_calibration
 
     if o.flashinfer_bundle:  # FlashInfer carried as a bundle (make_bundle.sh): its own set-up
@@ -230,9 +232,13 @@ def run(o) -> dict:
                 for backend in backends:
                     key = f"kvzip-{backend}-{fname}"
                     oo = torch.empty_like(q)
-                    fn = functools.partial(paged_decode, fmt, q, kp, vp, bt, sl, block_size=ps,
-                                           max_seq_len=ctx, out=oo, backend=backend)  # fmt: skip
                     try:
+                        # planned once, as a server plans a step and runs it per layer (and as
+                        # the baselines' plans and workspaces are made before their timing)
+                        p = plan(fmt, num_q_heads=hq, head_dim=d, block_table=bt, seq_lens=sl,
+                                 k_cache=kp, v_cache=vp, block_size=ps, max_seq_len=ctx,
+                                 backend=backend)  # fmt: skip
+                        fn = functools.partial(p.run, q, kp, vp, out=oo)
                         res[key] = bench(fn, o.iters, o.warmup)
                     except (FormatError, RuntimeError) as e:  # a format without this kernel
                         skipped[key] = f"{type(e).__name__}: {e}"[:300]
