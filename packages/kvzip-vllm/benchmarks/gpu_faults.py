@@ -258,9 +258,7 @@ class GpuTier:
             tier._run_load = run  # (one job held)
             return run(job_id, loads)
 
-        tier._run_load = gated
-        if tier._runner is not None:  # the thread calls the function it was made with
-            tier._runner._run = gated
+        tier._run_load = gated  # (the load thread's passes call it)
         return release
 
     def step_until(self, done, timeout_s: float = 300.0) -> dict:

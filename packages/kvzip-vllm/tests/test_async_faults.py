@@ -364,3 +364,25 @@ def test_async_loads_queued_together_run_as_one_pass():
     assert not any(r == "C" for r, _ in h.resumes)
     prompts = {"A": first, "E": other, "B": prompt_b, "C": prompt_c, "D": prompt_d}
     _check_clean(h, prompts, {"A": 4, "E": 4, "B": GEN, "C": GEN, "D": GEN})
+
+
+def test_async_load_job_that_raises_is_recomputed_not_retried():
+    """A load whose run raises every time (a decode that keeps failing): its chunks are
+    reported failed and dropped, so vLLM computes the request once instead of asking the tier
+    for the same chunks again and again; the output equals the recompute."""
+    h = _async_harness()
+    first, prompt_b, _ = _stored_prompt(h)
+    tier, calls = h.worker.tier, []
+
+    def raising(job_id, loads):
+        calls.append(job_id)
+        raise RuntimeError("injected: the decode raised")
+
+    tier._run_load = raising
+    h.add("B", prompt_b, GEN)
+    h.run()
+    s = h.worker.stats()
+    assert len(calls) == 1 and s["load_jobs_async"] == 1 and s["load_errors"] == 4
+    assert ("B", 0) in h.resumes  # computed from its first chunk
+    assert not any(r.kind == "load" and r.req_id == "B" for r in h.records)
+    _check_clean(h, {"A": first, "B": prompt_b}, {"A": 4, "B": GEN})

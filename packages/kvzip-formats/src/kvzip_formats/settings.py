@@ -389,6 +389,17 @@ VERIFY_PATH = Setting(
     scope="bench",
     default_doc="set by the script",
 )
+CHECKER_COUNTS = Setting(
+    "KVZIP_CHECKER_COUNTS",
+    Path,
+    None,
+    ("kvzip-eval/src/kvzip_eval/bench/checker.py", "kvzip-eval/src/kvzip_eval/bench/serve.py"),
+    "where the bit-exactness checker of `kvzip bench serve` writes its counts at shutdown "
+    "(the checker runs in the server's process)",
+    package="kvzip-eval",
+    scope="bench",
+    default_doc="not written",
+)
 TREE = Setting(
     "KVZIP_TREE",
     Path,

@@ -413,12 +413,16 @@ class KvTier(TierTransfers):
             return self._fail_all(job_id, loads)
 
     def _fail_all(self, job_id: int, loads: list[ChunkLoad]) -> TransferResult:
-        """A job whose run raised: every chunk reported failed (the engine recomputes them)."""
+        """A job whose run raised: every chunk reported failed (the engine recomputes them)
+        and dropped from the store, so that the request's next look-up misses them rather than
+        loading them again (a load that raises each time would otherwise be retried forever)."""
         res = TransferResult(job_id, False, loads=loads)
         for ld in loads:
             res.failed.append(ld)
             res.failed_blocks.update(ld.block_ids[ld.skip :])
             self.store.stats.load_errors += 1
+            if self.store.drop(ld.key):
+                res.dropped.append(ld.key)
         return res
 
     def _submit_load(self, job_id: int, loads: list[ChunkLoad], t0: float) -> bool:
