@@ -45,7 +45,8 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
     assert "'budget_byte'" in msg
     assert (
         "known keys: budget_bytes, chunk_tokens, fit_tokens, load_mode, shared_budget_bytes, "
-        "shared_timeout_s, shared_url, stats_path, store_queue_bytes, tables_path"
+        "shared_timeout_s, shared_url, stats_path, store_queue_bytes, switch_interval_s, "
+        "tables_path"
     ) in msg
     with pytest.raises(ConnectorSettingsError, match=r"store_queue_bytes=0 .*greater than 0"):
         connector_settings({"store_queue_bytes": 0}, environ={})
@@ -587,6 +588,58 @@ def test_a_load_waits_for_its_store_still_coded_in_the_background():
         assert torch.equal(cache[5].view(torch.int16), cache[0].view(torch.int16)), name
     rep = w.build_connector_worker_meta()
     assert rep.stored == [b"\x01" * 32, key]  # both reported with this step
+
+
+def test_a_load_pass_runs_with_the_tiers_switch_interval_and_gives_it_back():
+    """``switch_interval_s``: Python's switch interval while the load thread restores, the
+    process's own again once it is done (the engine's steps without loads are untouched)."""
+    import sys
+
+    from tier_steps import finish_loads
+
+    from kvzip_vllm.settings import connector_settings
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load, Store
+    from kvzip_vllm.tier.worker import KvzipWorker
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        extra = {
+            "fit_tokens": 0,
+            "chunk_tokens": BS,
+            "switch_interval_s": 0.0003,
+            "load_mode": "async",
+        }
+        w = KvzipWorker(_vllm_config(), connector_settings(extra, environ={}))
+        caches = _caches()
+        w.register_kv_caches(caches)
+        key = b"\x07" * 32
+        _step(w, stores=[Store("a", key, 0, 0)])
+        run, seen = w.tier._run_load, []
+
+        def recording(job_id, loads):
+            seen.append(sys.getswitchinterval())
+            return run(job_id, loads)
+
+        w.tier._run_load = recording
+        w.start_load_kv(KvzipConnectorMetadata(loads=[Load("b", key, 3, 0)]))
+        assert finish_loads(w) == {"b"} and not w.get_block_ids_with_load_errors()
+        assert seen == [pytest.approx(0.0003)]
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        for cache in caches.values():
+            assert torch.equal(cache[3], cache[0])
+    finally:
+        sys.setswitchinterval(saved)
+
+
+def test_the_switch_interval_setting_is_checked():
+    from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
+
+    assert connector_settings({}, environ={}).switch_interval_s == pytest.approx(0.0002)
+    assert connector_settings({"switch_interval_s": 0}, environ={}).switch_interval_s == 0
+    for bad in (-0.001, 1.0, "fast"):
+        with pytest.raises(ConnectorSettingsError, match="switch_interval_s"):
+            connector_settings({"switch_interval_s": bad}, environ={})
 
 
 def test_an_asynchronous_load_job_that_raises_fails_its_chunks_not_its_request():

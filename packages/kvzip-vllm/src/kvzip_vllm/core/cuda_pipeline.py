@@ -111,12 +111,14 @@ class CudaTierPipeline(StorePath):
         spill_bytes: int | None = None,
         layout: Bf16Pages | None = None,
         device_scatter: bool | None = None,
+        switch_interval_s: float | None = None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
         if bpc < 1:
             raise ValueError(f"blocks per chunk must be >= 1, got {bpc}")
         self.store = store
+        self.switch_interval_s = switch_interval_s  # while the store thread codes (core.gil)
         self.caches = caches
         self.block_size = block_size
         self.bpc = bpc  # paged-cache blocks per stored chunk

@@ -31,6 +31,7 @@ import torch
 
 import kvzip_lossless
 from kvzip_formats import settings as table
+from kvzip_vllm.core import gil
 from kvzip_vllm.core.blocks import as_ids
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
@@ -307,7 +308,7 @@ class StorePath:
                 if job.event is not None:
                     job.event.synchronize()  # the step's KV is computed (and copied)
                 t0 = time.perf_counter()
-                with self._on(self.store_stream):
+                with gil.busy(self.switch_interval_s), self._on(self.store_stream):
                     if job.spill is not None:
                         self._unspill(job)
                     nxt = self._next_job()

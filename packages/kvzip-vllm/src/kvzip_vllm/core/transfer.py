@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 import kvzip_lossless
+from kvzip_vllm.core import gil
 from kvzip_vllm.core.blocks import as_ids
 from kvzip_vllm.core.pages import (
     Bf16Pages,
@@ -151,10 +152,12 @@ class KvTier(TierTransfers):
         shared=None,
         shared_writer=None,
         on_store_idle=None,
+        switch_interval_s: float | None = None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
         self.store, self.caches, self.layout, self.bpc = store, caches, layout, bpc
+        self.switch_interval_s = switch_interval_s  # while loads or stores run (core.gil)
         self.device = caches[0].device
         self.shared, self.shared_writer = shared, shared_writer
         self.shared_counts = {"shared_blocks_fetched": 0, "shared_blocks_bad": 0}
@@ -163,8 +166,9 @@ class KvTier(TierTransfers):
             from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline
 
             self.pipeline = CudaTierPipeline(
-                store, caches, layout.block_size, bpc, queue_bytes=queue_bytes, layout=layout
-            )
+                store, caches, layout.block_size, bpc, queue_bytes=queue_bytes, layout=layout,
+                switch_interval_s=switch_interval_s,
+            )  # fmt: skip
         elif self.device.type == "cuda":
             store.pin()  # raw pages are copied from the arena where they lie
         self.background = self.decoder = None  # the CPU path's coder thread and decode pool
@@ -374,6 +378,10 @@ class KvTier(TierTransfers):
         then one result per job (its own chunks' failures; the keys the pass stored or
         dropped go with the first). A pass that raises is run again job by job, so that only
         the job that raises fails its chunks."""
+        with gil.busy(self.switch_interval_s):
+            return self._run_passes(jobs)
+
+    def _run_passes(self, jobs: list[tuple[int, list[ChunkLoad]]]) -> list[TransferResult]:
         if len(jobs) == 1:
             return [self._run_load(*jobs[0])]
         try:
