@@ -143,3 +143,31 @@ def test_bench_tier_help_says_what_it_measures():
                   "time to first token p50/p90", "hit rate", "bit-exactness", "--prompts",
                   "--workloads"):  # fmt: skip
         assert words in text, words
+
+
+def test_a_kvzip_variant_is_named_with_its_settings():
+    assert tb.parse_connector("kvzip") == ("kvzip", {})
+    assert tb.parse_connector("kvzip:load_mode=sync;switch_interval_s=0") == (
+        "kvzip",
+        {"load_mode": "sync", "switch_interval_s": 0},
+    )
+    assert tb.parse_connector("kvzip:stats_path=/tmp/a b") == ("kvzip", {"stats_path": "/tmp/a b"})
+    assert tb.file_label("kvzip:load_mode=sync;switch_interval_s=0.0002") == (
+        "kvzip-load_mode-sync-switch_interval_s-0.0002"
+    )
+    for bad, said in (("zip", "one of offload, kvzip, none"), ("offload:x=1", "only kvzip"),
+                      ("kvzip:sync", "not KEY=VALUE"), ("kvzip:=1", "not KEY=VALUE")):  # fmt: skip
+        with pytest.raises(tb.WorkloadError, match=said):
+            tb.parse_connector(bad)
+
+
+@pytest.mark.parametrize("sub", ["tier", "tier-decode"])
+def test_bench_connectors_are_checked_before_any_engine_starts(sub):
+    for arg, said in (("kvzip,zip", "one of offload, kvzip, none"),
+                      ("kvzip,kvzip", "names a connector twice"),
+                      ("kvzip:load_mode", "not KEY=VALUE")):  # fmt: skip
+        res = CliRunner().invoke(main, ["bench", sub, "--connectors", arg])
+        assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+    pytest.importorskip("kvzip_vllm.settings")  # its settings checked where kvzip-vllm is
+    res = CliRunner().invoke(main, ["bench", sub, "--connectors", "kvzip:load_mode=later"])
+    assert res.exit_code == 2 and "load_mode" in res.output, res.output

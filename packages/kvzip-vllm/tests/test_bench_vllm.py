@@ -67,7 +67,8 @@ def test_bench_serving_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_bench_tier_on_the_cpu(tmp_path):
-    """kvzip beside recompute (vLLM's OffloadingConnector runs on CUDA and XPU only): every
+    """kvzip beside recompute (vLLM's OffloadingConnector runs on CUDA and XPU only) and a
+    variant of the tier (``kvzip:load_mode=sync``: its setting reaches its engine): every
     returning prompt restored, every restored block equal to the one stored."""
     doc = _bench(
         tmp_path,
@@ -77,14 +78,22 @@ def test_bench_tier_on_the_cpu(tmp_path):
         "--workloads",
         "restore",
         "--connectors",
-        "kvzip,none",
+        "kvzip,kvzip:load_mode=sync,none",
         "--repeats",
         "1",
         "--concurrency",
         "2",
     )
     rows = {(r["context"], r["connector"]): r for r in doc["rows"]}
-    assert set(rows) == {(c, k) for c in (1024, "all") for k in ("kvzip", "none")}
+    kinds = ("kvzip", "kvzip:load_mode=sync", "none")
+    assert set(rows) == {(c, k) for c in (1024, "all") for k in kinds}
+    sync = rows["all", "kvzip:load_mode=sync"]
+    assert sync["bit_exact"] is True and sync["hit_rate"] == 1.0 and sync["load_errors"] == 0
+    tiers = {e["connector"]: e["tier"].get("stats_end") for e in doc["engines"] if "tier" in e}
+    assert (
+        tiers["kvzip"]["load_jobs_async"] >= 3
+        and tiers["kvzip:load_mode=sync"]["load_jobs_async"] == 0
+    )
     kv, none = rows["all", "kvzip"], rows["all", "none"]
     assert kv["workload"] == none["workload"] == "restore" and kv["n"] == none["n"] == 3
     assert kv["bit_exact"] is True and kv["load_errors"] == 0 and kv["stores_dropped"] == 0
@@ -93,6 +102,7 @@ def test_bench_tier_on_the_cpu(tmp_path):
     assert kv["tokens_per_cpu_byte"] > 1 / 23040  # denser than bf16 pages (23,040 B/token)
     assert 0.0 <= kv["first_token_equal_none"] <= 1.0
     check = next(e for e in doc["engines"] if e["connector"] == "kvzip")["tier"]["check"]
+    assert (tmp_path / "out" / "tier_restore_kvzip-load_mode-sync.log").exists()
     assert check["blocks_checked"] >= 3 * 3 * 8 and check["blocks_differ"] == 0
     ws = doc["workload"]
     assert ws["cpu_bytes"]["restore"] == int(ws["working_set_bytes"] / 0.75)

@@ -25,6 +25,31 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _connectors(text: str) -> list[str]:
+    """``--connectors``: names, a kvzip variant as ``kvzip:KEY=VALUE;...`` (its settings
+    checked here where kvzip-vllm is installed)."""
+    from kvzip_eval.bench.tier import WorkloadError, parse_connector
+
+    names = _names(text)
+    for name in names:
+        try:
+            _, extra = parse_connector(name)
+        except WorkloadError as e:
+            raise click.BadParameter(str(e), param_hint="--connectors") from None
+        if extra:
+            try:
+                from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
+            except ImportError:
+                continue
+            try:
+                connector_settings(extra, environ={})
+            except ConnectorSettingsError as e:
+                raise click.BadParameter(f"{name}: {e}", param_hint="--connectors") from None
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"{text!r} names a connector twice", param_hint="--connectors")
+    return names
+
+
 def _model(path: str | None) -> str | None:
     """None (the 8B shape), the embedded model's folder (``embedded``), or a checkpoint
     (a GGUF is converted once, as ``kvzip eval`` does)."""
@@ -170,7 +195,9 @@ def serving(**kw) -> None:
     "--connectors",
     default="offload,kvzip,none",
     show_default=True,
-    help="offload (vLLM's --kv-offloading-size), kvzip (the tier), none (recompute).",
+    help="offload (vLLM's --kv-offloading-size), kvzip (the tier), none (recompute); "
+    "kvzip:KEY=VALUE;... a variant of the tier with those connector settings (e.g. "
+    "kvzip:load_mode=sync), side by side in one run.",
 )
 @click.option("--workloads", default="restore,capacity", show_default=True,
               help="restore: CPU bytes for which the prompts' raw pages are 0.75x (both tiers "
@@ -214,12 +241,10 @@ def tier(**kw) -> None:
     kw["engine_args"] = _engine_args(kw)
     kw["model"] = _model(kw["model"])
     kw["contexts"] = _ints(kw["contexts"])
-    kw["connectors"], kw["workloads"] = _names(kw["connectors"]), _names(kw["workloads"])
-    bad = [c for c in kw["connectors"] if c not in bench.CONNECTORS]
-    bad += [w for w in kw["workloads"] if w not in bench.WORKLOADS]
+    kw["connectors"], kw["workloads"] = _connectors(kw["connectors"]), _names(kw["workloads"])
+    bad = [w for w in kw["workloads"] if w not in bench.WORKLOADS]
     if bad or not kw["workloads"]:
-        raise click.BadParameter(f"{bad}: connectors {bench.CONNECTORS}, workloads "
-                                 f"{tuple(bench.WORKLOADS)}")  # fmt: skip
+        raise click.BadParameter(f"{bad}: workloads {tuple(bench.WORKLOADS)}")
     try:
         doc = bench.run(SimpleNamespace(**kw))
     except ValueError as e:
@@ -298,7 +323,8 @@ def kernels(**kw) -> None:
 @command.command("tier-decode")
 @model_option
 @click.option("--connectors", default="kvzip,offload", show_default=True,
-              help="kvzip (the tier), offload (vLLM's --kv-offloading-size), none.")  # fmt: skip
+              help="kvzip (the tier), offload (vLLM's --kv-offloading-size), none; "
+              "kvzip:KEY=VALUE;... a variant of the tier with those settings.")  # fmt: skip
 @click.option("--long-context", type=int, default=131072, show_default=True,
               help="Length of the prompts stored and returning (multiple of 256).")  # fmt: skip
 @click.option("--long-prompts", type=click.IntRange(1), default=4, show_default=True,
@@ -330,12 +356,11 @@ def tier_decode(**kw) -> None:
 
     kw["engine_args"] = _engine_args(kw)
     kw["model"] = _model(kw["model"])
-    kw["connectors"] = _names(kw["connectors"])
-    bad = [c for c in kw["connectors"] if c not in ("kvzip", "offload", "none")]
-    if bad or kw["long_context"] % bench.CHUNK or kw["decode_context"] % bench.CHUNK:
+    kw["connectors"] = _connectors(kw["connectors"])
+    if kw["long_context"] % bench.CHUNK or kw["decode_context"] % bench.CHUNK:
         raise click.UsageError(
-            f"connectors {bad} / contexts {kw['long_context']}, {kw['decode_context']}: "
-            f"supported are kvzip, offload, none and multiples of {bench.CHUNK} tokens"
+            f"contexts {kw['long_context']}, {kw['decode_context']}: supported are multiples "
+            f"of {bench.CHUNK} tokens"
         )
     doc = bench.run(SimpleNamespace(**kw))
     _done(doc, kw["out"], "bench_tier_decode")

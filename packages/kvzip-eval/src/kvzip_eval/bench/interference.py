@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvzip_eval.bench import engines, output
 from kvzip_eval.bench.stats import percentile
+from kvzip_eval.bench.tier import file_label, parse_connector
 
 CHUNK = 256
 
@@ -61,8 +62,8 @@ def child(spec: dict) -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    conn = spec["connector"]
-    root = Path(tempfile.mkdtemp(prefix=f"kvzip-bench-decode-{conn}-"))
+    conn, extra = parse_connector(spec["connector"])
+    root = Path(tempfile.mkdtemp(prefix=f"kvzip-bench-decode-{file_label(spec['connector'])}-"))
     stats_path = root / "tier-stats.json"
     kw: dict = dict(spec["engine_args"])
     if conn == "kvzip":
@@ -74,6 +75,7 @@ def child(spec: dict) -> None:
                 "budget_bytes": spec["cpu_bytes"],
                 "stats_path": str(stats_path),
                 "chunk_tokens": CHUNK,
+                **extra,
             },
         }
     elif conn == "offload":
@@ -280,7 +282,7 @@ def run(o) -> dict:
                 done[0] = n
 
         bar.set_postfix_str(conn)
-        log = out / f"decode_{conn}.log"
+        log = out / f"decode_{file_label(conn)}.log"
         rc, recs = engines.run_child("kvzip_eval.bench.interference", spec, log,
                                      engines.child_env(root), min(left, o.engine_timeout_s),
                                      progress)  # fmt: skip

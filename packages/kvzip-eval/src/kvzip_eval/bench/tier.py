@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,6 +60,38 @@ WORKLOADS = {"restore": 0.75, "capacity": 1.3}
 
 class WorkloadError(ValueError):
     pass
+
+
+def parse_connector(name: str) -> tuple[str, dict]:
+    """``kvzip:KEY=VALUE;KEY=VALUE`` (a variant of the tier with those connector settings,
+    ``kv_connector_extra_config``, e.g. ``kvzip:load_mode=sync`` or
+    ``kvzip:switch_interval_s=0``: two designs side by side in one run) -> ("kvzip", {KEY:
+    VALUE}); a plain name -> (name, {}). Values are JSON where they parse (numbers, true),
+    text otherwise."""
+    base, _, rest = name.partition(":")
+    if base not in CONNECTORS:
+        raise WorkloadError(
+            f"connector {name!r}: one of {', '.join(CONNECTORS)}, or kvzip:KEY=VALUE;..."
+        )
+    if not rest:
+        return base, {}
+    if base != "kvzip":
+        raise WorkloadError(f"connector {name!r}: only kvzip takes settings (kvzip:KEY=VALUE;...)")
+    extra = {}
+    for item in rest.split(";"):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise WorkloadError(f"connector {name!r}: {item!r} is not KEY=VALUE")
+        try:
+            extra[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key.strip()] = value
+    return base, extra
+
+
+def file_label(name: str) -> str:
+    """A connector's name in a file name (``kvzip:load_mode=sync``: ``kvzip-load_mode-sync``)."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-")
 
 
 # ------------------------------------------------------------------ workload (no vLLM)
@@ -264,8 +297,8 @@ def child(spec: dict) -> None:
     import torch
     from vllm import SamplingParams
 
-    conn = spec["connector"]
-    root = Path(tempfile.mkdtemp(prefix=f"kvzip-bench-tier-{conn}-"))
+    conn, extra = parse_connector(spec["connector"])
+    root = Path(tempfile.mkdtemp(prefix=f"kvzip-bench-tier-{file_label(spec['connector'])}-"))
     stats = root / "tier-stats.json"
     prompts = [Prompt(p[0], p[1], p[2], tuple(p[3])) for p in spec["prompts"]]
     longest = max(len(p.tokens) for p in prompts)
@@ -278,7 +311,8 @@ def child(spec: dict) -> None:
             else "kvzip_eval.bench.checker",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"budget_bytes": spec["cpu_bytes"],
-                                          "stats_path": str(stats), "chunk_tokens": CHUNK},
+                                          "stats_path": str(stats), "chunk_tokens": CHUNK,
+                                          **extra},
         }  # fmt: skip
     elif conn == "offload":  # what `--kv-offloading-size GiB` gives
         kw["kv_offloading_size"] = spec["cpu_bytes"] / (1 << 30)
@@ -493,7 +527,7 @@ def run(o) -> dict:
                 bar.update(n - done[0])
                 done[0] = n
 
-        name = f"tier_{conn}" if conn == "none" else f"tier_{w}_{conn}"
+        name = f"tier_{conn}" if conn == "none" else f"tier_{w}_{file_label(conn)}"
         t = time.perf_counter()
         rc, recs = engines.run_child("kvzip_eval.bench.tier", spec, out / f"{name}.log",
                                      engines.child_env(root), min(left, o.engine_timeout_s),
@@ -574,7 +608,7 @@ def _plot(ax, rows: list[dict]) -> None:
     groups = list(
         dict.fromkeys((r["workload"], r["context"]) for r in rows if r["context"] != "all")
     )
-    conns = [c for c in CONNECTORS if any(r["connector"] == c for r in rows)]
+    conns = list(dict.fromkeys(r["connector"] for r in rows))
     x = np.arange(len(groups))
     width = 0.8 / max(1, len(conns))
     for i, c in enumerate(conns):
