@@ -119,6 +119,8 @@ def test_tier_rows_per_workload_context_and_connector_beside_offload():
 
 def test_tier_result_files_and_plot(tmp_path):
     engs = _engines()
+    engs[2]["tier"]["stats_end"] = {"restore_seconds": 1.2866, "load_host_seconds": 1.2413,
+                                    "load_jobs_async": 14, "load_jobs_merged": 3}  # fmt: skip
     rows = tb.build_rows(engs)
     doc = output.header("tier", "tier", "cpu")
     doc.update(model="m", prompts="synthetic", rows=rows, engines=engs,
@@ -133,6 +135,7 @@ def test_tier_result_files_and_plot(tmp_path):
     assert "| restore | all | kvzip | 4 | 0.168 | 0.296 | 0.184 | 0.8 | 1 | 150 | 10,000 |" in md
     assert "| 0.015 | 1.5 | 0 | 0 | True | 0 |" in md  # 1.5x offload's tokens per byte
     assert "did not start; error: 'rc 1'" in md
+    assert "| kvzip | 1.287 | 1.241 | 14 | 3 | - | - | - | - |" in md  # where its time went
 
 
 def test_bench_tier_help_says_what_it_measures():

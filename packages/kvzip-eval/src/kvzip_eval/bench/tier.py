@@ -54,6 +54,12 @@ CHUNK = 256  # the kvzip tier's chunk (tokens)
 #: the synthetic workload per context: (pairs sharing half their prompt, prompts of their own)
 PLANS = {8192: (2, 4), 32768: (1, 2), 131072: (1, 0)}
 DEFAULT_GROUPS = (1, 1)
+#: the tier's counters that say where a run's time went (the markdown's table of them):
+#: restores (all, the host's part, asynchronous jobs and those run as one pass with the one
+#: before) and stores (the store thread's busy time, of it coding and copying; steps waiting)
+TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jobs_merged",
+             "store_busy_seconds", "store_encode_seconds", "store_copy_seconds",
+             "store_wait_seconds")  # fmt: skip
 #: workload -> the prompts' raw pages over the CPU bytes
 WORKLOADS = {"restore": 0.75, "capacity": 1.3}
 
@@ -584,6 +590,17 @@ def _markdown(doc: dict) -> list[str]:
         c = (e.get("tier") or {}).get("check")
         if c:
             lines += ["", f"Checker ({e['name']}): {c}"]
+    where = [(e.get("name", e.get("connector")), (e.get("tier") or {}).get("stats_end"))
+             for e in doc["engines"]]  # fmt: skip
+    if any(st for _, st in where):
+        lines += ["", "Where kvzip's time went (its counters at the end of the run; seconds):", "",
+                  "| engine | " + " | ".join(TIME_KEYS) + " |",
+                  "|---|" + "---|" * len(TIME_KEYS)]  # fmt: skip
+        for name, st in where:
+            if st:
+                lines.append(f"| {name} | " + " | ".join(
+                    str(_r(st[k], 3) if isinstance(st.get(k), float) else st.get(k, "-"))
+                    for k in TIME_KEYS) + " |")  # fmt: skip
     lines += output.engines_md(doc["engines"])
     lines += [
         "",
