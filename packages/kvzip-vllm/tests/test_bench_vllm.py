@@ -187,3 +187,16 @@ def test_bench_tier_decode_on_the_cpu(tmp_path):
     assert row["stores_dropped"] == 0 and row["wait_for_save_max_ms"] is not None
     assert eng["tier"]["load_jobs_async"] >= 2 and eng["tier"]["load_errors"] == 0
     assert eng["tier"]["tokens_restored"] >= 2 * 768  # both long prompts' whole chunks
+
+
+@pytest.mark.parametrize("sub", ["tier", "tier-decode"])
+def test_a_tier_variants_settings_are_checked_before_any_engine_starts(sub):
+    from click.testing import CliRunner
+
+    from kvzip_eval.cli import main
+
+    for arg, said in (("kvzip:load_mode=later", "load_mode"),
+                      ("kvzip:switch_interval_s=-1", "greater than or equal to 0"),
+                      ("kvzip:budget_byte=1", "unknown kv_connector_extra_config")):  # fmt: skip
+        res = CliRunner().invoke(main, ["bench", sub, "--connectors", f"kvzip,{arg}"])
+        assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
