@@ -138,10 +138,11 @@ class ConnectorSettings(BaseModel):
     scheduling and vLLM's V1 model runner (refused at start-up otherwise)."""
     switch_interval_s: float = Field(0.0002, ge=0, le=0.1)
     """Python's switch interval (``sys.setswitchinterval``) while the tier's load thread or
-    (on CUDA) its store thread has work; restored when neither has (0: never changed). vLLM's engine loop keeps
-    the GIL busy, and each time a tier thread releases it (a stream call, a copy) it waits up
-    to the interval to get it back: 5 ms by Python's default, which made the tier's host work
-    several times slower beside vLLM's loop (``kvzip_vllm.core.gil``)."""
+    (on CUDA) its store thread has work; restored when neither has (0: never changed).
+    vLLM's engine loop keeps the GIL busy, and each time a tier thread releases it (a stream
+    call, a copy) it waits up to the interval to get it back: 5 ms by Python's default, which
+    made the tier's host work several times slower beside vLLM's loop
+    (``kvzip_vllm.core.gil``)."""
     fit_tokens: int = Field(1024, ge=0)
     """Without ``tables_path``: fit the table set from the first this many tokens stored
     (0: never; every blob then embeds its own table)."""
