@@ -9,6 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from kvzip_eval.bench import connectors as cn
 from kvzip_eval.bench import output
 from kvzip_eval.bench import tier as tb
 from kvzip_eval.bench.engines import LLAMA31_8B, kv_bytes_per_token
@@ -149,19 +150,19 @@ def test_bench_tier_help_says_what_it_measures():
 
 
 def test_a_kvzip_variant_is_named_with_its_settings():
-    assert tb.parse_connector("kvzip") == ("kvzip", {})
-    assert tb.parse_connector("kvzip:load_mode=sync;switch_interval_s=0") == (
+    assert cn.parse_connector("kvzip") == ("kvzip", {})
+    assert cn.parse_connector("kvzip:load_mode=sync;switch_interval_s=0") == (
         "kvzip",
         {"load_mode": "sync", "switch_interval_s": 0},
     )
-    assert tb.parse_connector("kvzip:stats_path=/tmp/a b") == ("kvzip", {"stats_path": "/tmp/a b"})
-    assert tb.file_label("kvzip:load_mode=sync;switch_interval_s=0.0002") == (
+    assert cn.parse_connector("kvzip:stats_path=/tmp/a b") == ("kvzip", {"stats_path": "/tmp/a b"})
+    assert cn.file_label("kvzip:load_mode=sync;switch_interval_s=0.0002") == (
         "kvzip-load_mode-sync-switch_interval_s-0.0002"
     )
     for bad, said in (("zip", "one of offload, kvzip, none"), ("offload:x=1", "only kvzip"),
                       ("kvzip:sync", "not KEY=VALUE"), ("kvzip:=1", "not KEY=VALUE")):  # fmt: skip
-        with pytest.raises(tb.WorkloadError, match=said):
-            tb.parse_connector(bad)
+        with pytest.raises(cn.ConnectorError, match=said):
+            cn.parse_connector(bad)
 
 
 @pytest.mark.parametrize("sub", ["tier", "tier-decode"])

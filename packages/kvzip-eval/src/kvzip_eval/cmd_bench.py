@@ -28,13 +28,13 @@ def _names(text: str) -> list[str]:
 def _connectors(text: str) -> list[str]:
     """``--connectors``: names, a kvzip variant as ``kvzip:KEY=VALUE;...`` (its settings
     checked here where kvzip-vllm is installed)."""
-    from kvzip_eval.bench.tier import WorkloadError, parse_connector
+    from kvzip_eval.bench.connectors import ConnectorError, parse_connector
 
     names = _names(text)
     for name in names:
         try:
             _, extra = parse_connector(name)
-        except WorkloadError as e:
+        except ConnectorError as e:
             raise click.BadParameter(str(e), param_hint="--connectors") from None
         if extra:
             try:

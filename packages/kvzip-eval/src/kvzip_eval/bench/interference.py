@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 from kvzip_eval.bench import engines, output
+from kvzip_eval.bench.connectors import file_label, parse_connector
 from kvzip_eval.bench.stats import percentile
-from kvzip_eval.bench.tier import file_label, parse_connector
 
 CHUNK = 256
 

@@ -40,16 +40,15 @@ import json
 import math
 import os
 import random
-import re
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvzip_eval.bench import engines, output
+from kvzip_eval.bench.connectors import file_label, parse_connector
 from kvzip_eval.bench.stats import percentile
 
-CONNECTORS = ("offload", "kvzip", "none")
 CHUNK = 256  # the kvzip tier's chunk (tokens)
 #: the synthetic workload per context: (pairs sharing half their prompt, prompts of their own)
 PLANS = {8192: (2, 4), 32768: (1, 2), 131072: (1, 0)}
@@ -66,38 +65,6 @@ WORKLOADS = {"restore": 0.75, "capacity": 1.3}
 
 class WorkloadError(ValueError):
     pass
-
-
-def parse_connector(name: str) -> tuple[str, dict]:
-    """``kvzip:KEY=VALUE;KEY=VALUE`` (a variant of the tier with those connector settings,
-    ``kv_connector_extra_config``, e.g. ``kvzip:load_mode=sync`` or
-    ``kvzip:switch_interval_s=0``: two designs side by side in one run) -> ("kvzip", {KEY:
-    VALUE}); a plain name -> (name, {}). Values are JSON where they parse (numbers, true),
-    text otherwise."""
-    base, _, rest = name.partition(":")
-    if base not in CONNECTORS:
-        raise WorkloadError(
-            f"connector {name!r}: one of {', '.join(CONNECTORS)}, or kvzip:KEY=VALUE;..."
-        )
-    if not rest:
-        return base, {}
-    if base != "kvzip":
-        raise WorkloadError(f"connector {name!r}: only kvzip takes settings (kvzip:KEY=VALUE;...)")
-    extra = {}
-    for item in rest.split(";"):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise WorkloadError(f"connector {name!r}: {item!r} is not KEY=VALUE")
-        try:
-            extra[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key.strip()] = value
-    return base, extra
-
-
-def file_label(name: str) -> str:
-    """A connector's name in a file name (``kvzip:load_mode=sync``: ``kvzip-load_mode-sync``)."""
-    return re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-")
 
 
 # ------------------------------------------------------------------ workload (no vLLM)
