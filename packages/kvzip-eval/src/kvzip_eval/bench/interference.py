@@ -232,8 +232,13 @@ def child(spec: dict) -> None:
         keys = ("stores_dropped_queue_full", "store_errors", "blocks_skipped", "load_errors",
                 "stores_spilled_host", "stores_waited_queue_full", "store_wait_seconds",
                 "stores_unspilled_ahead", "step_waits_for_loads", "load_jobs_async",
-                "tokens_restored", "ratio")  # fmt: skip
+                "tokens_restored", "ratio", "raw_bytes_stored", "store_busy_seconds",
+                "store_encode_seconds", "store_copy_seconds", "spill_peak_bytes",
+                "load_host_seconds", "load_async_seconds")  # fmt: skip
         res["tier"] = {k: s_end.get(k) for k in keys}
+        if res["stores"].get("store_GBps") is None:  # (no job was done when the prefill ended)
+            busy, raw = s_end.get("store_busy_seconds", 0.0), s_end.get("raw_bytes_stored", 0)
+            res["stores"]["store_GBps"] = round(raw / busy / 1e9, 3) if busy else None
     for r in list(stamps):
         eng.abort_request([r])
     engines.emit("result", **res)
