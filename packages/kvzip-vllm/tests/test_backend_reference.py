@@ -293,3 +293,42 @@ def test_page_vllm_sizes_is_the_page_the_backend_uses(name, bs, monkeypatch):
             "per_block_store_overhead": 4 * p.sink_tokens * d / (bs * p.token_head_bytes),
         }
     )
+
+
+def _common(seq_lens, bound):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    n = len(bound) if bound is not None else seq_lens.shape[0]
+    return CommonAttentionMetadata(
+        query_start_loc=torch.arange(n + 1),
+        query_start_loc_cpu=torch.arange(n + 1),
+        seq_lens=seq_lens,
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=100,
+        block_table_tensor=torch.zeros(n, 8, dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=bound,
+    )
+
+
+def test_step_lengths_come_from_the_host_copy_without_reading_the_device():
+    """The builder plans from vLLM's host copy of the lengths: the device tensor is not read
+    (a read would wait for the previous step's forward under asynchronous scheduling). A
+    device tensor that cannot be read (``meta``) proves it; padded rows past ``num_reqs`` are
+    dropped."""
+    bound = torch.tensor([37, 5, 64, 0], dtype=torch.int32)  # (the last row: padding)
+    m = _common(torch.empty(4, dtype=torch.int32, device="meta"), bound).replace(num_reqs=3)
+    assert backend.host_seq_lens(m).tolist() == [37, 5, 64]
+    with pytest.raises(NotImplementedError):  # what a read of the device copy would do
+        m.seq_lens[: m.num_reqs].cpu()
+
+
+def test_step_lengths_are_read_back_where_the_host_copy_is_not_exact():
+    """With speculative decoding the host copy is an upper bound (drafts not yet verified),
+    and without one there is none: the lengths are then read from the device."""
+    dev = torch.tensor([36, 5, 60], dtype=torch.int32)
+    m = _common(dev, torch.tensor([37, 5, 64], dtype=torch.int32))
+    assert backend.host_seq_lens(m, exact_bound=False).tolist() == [36, 5, 60]
+    assert backend.host_seq_lens(_common(dev, None)).tolist() == [36, 5, 60]

@@ -231,6 +231,19 @@ class KvzipAttentionMetadata:
     plans: dict[tuple, StepPlan] = field(default_factory=dict)
 
 
+def host_seq_lens(m: CommonAttentionMetadata, *, exact_bound: bool = True) -> torch.Tensor:
+    """The step's sequence lengths on the host ``[num_reqs]``, which the step's plans are made
+    from. vLLM's model runners keep them on the host (``seq_lens_cpu_upper_bound``: exact but
+    for rows of speculative drafts not yet verified, so used only where ``exact_bound``);
+    without it they are read back from the device, a copy that waits for every kernel queued
+    before it: with asynchronous scheduling that is the previous step's forward, so the host
+    could no longer prepare a step while the GPU runs the one before."""
+    bound = getattr(m, "seq_lens_cpu_upper_bound", None)
+    if exact_bound and bound is not None and bound.device.type == "cpu":
+        return bound[: m.num_reqs]
+    return m.seq_lens[: m.num_reqs].cpu()
+
+
 class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
     # Attention runs eagerly between vLLM's CUDA graphs (PIECEWISE): attend() reads the
     # step's lengths on the host and picks its paths by them, which a replayed graph cannot.
@@ -240,6 +253,8 @@ class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kv_cache_spec = kv_cache_spec
         self.sink_tokens = int(_active_format().sink_tokens)
+        # vLLM's host copy of the lengths is exact unless drafts are still being verified
+        self.exact_bound = getattr(vllm_config, "speculative_config", None) is None
 
     def build(
         self,
@@ -249,7 +264,7 @@ class KvzipMetadataBuilder(AttentionMetadataBuilder[KvzipAttentionMetadata]):
     ) -> KvzipAttentionMetadata:
         m = common_attn_metadata
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
-        lens = m.seq_lens[: m.num_reqs].cpu()
+        lens = host_seq_lens(m, exact_bound=self.exact_bound)
         fresh, rows = sink_plan(qsl.tolist(), lens.tolist(), self.sink_tokens)
         return KvzipAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
