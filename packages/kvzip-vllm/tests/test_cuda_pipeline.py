@@ -567,3 +567,22 @@ def test_a_load_step_waits_for_stores_in_flight_once_in_all(make, device, monkey
     assert store.stats.loads_waited_for_store == 3
     held.release()
     pipe.drain()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_jobs_pending_count_until_coded(make, device):
+    """``stores_pending`` counts a step's store job from its submission until its chunks are
+    held (what a benchmark waits on before a quiet window): held at the coder it is 2 with a
+    second job queued behind it, then 0 once both are coded."""
+    buf, caches, store, pipe = make(device)
+    fill(caches, seed=11)
+    assert pipe.stores_pending == 0
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(3), 3)])
+    assert held.started.wait(60)
+    pipe.start_stores([(key(4), 4)])
+    assert pipe.stores_pending == 2
+    held.release()
+    pipe.drain()
+    assert pipe.stores_pending == 0
+    assert sorted(pipe.collect()[0]) == sorted([key(3), key(4)])

@@ -430,6 +430,12 @@ class StorePath:
         self.store.stats.store_encode_seconds += t_enc - t0
         self.store.stats.store_copy_seconds += t1 - t_enc
 
+    @property
+    def stores_pending(self) -> int:
+        """Store jobs queued or being coded (a step's chunks are one job), and those held
+        for the table set's fit."""
+        return self._jobs.unfinished_tasks + len(self._fit_jobs)
+
     def drain(self) -> None:
         """Wait until every queued store is in the store (tests, shutdown)."""
         self._jobs.join()

@@ -249,7 +249,10 @@ class KvTier(TierTransfers):
 
     @property
     def stores_in_flight(self) -> int:
-        """Stores submitted and still being coded (CPU path's coder thread)."""
+        """Stores submitted and still being coded: the CPU path's coder thread's chunks, or
+        the CUDA pipeline's store jobs (a step's chunks each)."""
+        if self.pipeline is not None:
+            return self.pipeline.stores_pending
         return 0 if self.background is None else self.background.pending
 
     def _wait_for_stores(self, loads: list[ChunkLoad]) -> None:

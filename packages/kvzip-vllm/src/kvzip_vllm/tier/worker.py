@@ -562,7 +562,7 @@ class KvzipWorker:
         """The tier's counters (also written to ``stats_path`` when set); with the shared
         tier, its ``shared_*`` counters too (this worker's calls)."""
         d = self.store.stats.as_dict()
-        if self._background is not None:  # chunks copied out of a step, still being coded
+        if self._background is not None or self._cuda is not None:  # copied, being coded
             d["stores_in_flight"] = self.tier.stores_in_flight
         if self.tier is not None:
             d["loads_in_flight"] = self.tier.loads_in_flight
