@@ -190,6 +190,14 @@ def test_restore_into_other_blocks_bit_exact(
     assert 0 < st.bytes_stored and st.restore_seconds > 0 and st.load_errors == 0
     assert 0 < st.load_host_seconds and 0 < st.load_wait_seconds
     assert st.load_host_seconds + st.load_wait_seconds <= st.restore_seconds
+    # the host part's split: each piece timed, none overlapping another
+    parts = [st.load_lookup_seconds, st.load_plan_seconds, st.load_alloc_seconds,
+             st.load_prepare_seconds, st.load_launch_seconds]  # fmt: skip
+    assert all(x >= 0 for x in parts) and sum(parts) <= st.load_host_seconds * (1 + 1e-9)
+    assert st.load_lookup_seconds > 0
+    batched = tables != "embedded"  # (embedded-table entries are decoded in the lookup)
+    assert (st.load_prepare_seconds > 0 and st.load_launch_seconds > 0) is batched
+    assert 0 <= st.store_unspill_seconds + st.store_sync_seconds <= st.store_busy_seconds
     assert st.bytes_held >= st.bytes_stored  # extents (and the batch plans) counted
     assert pipe.wait_loads() == set()  # idempotent
 

@@ -245,7 +245,9 @@ def child(spec: dict) -> None:
                 "stores_unspilled_ahead", "step_waits_for_loads", "load_jobs_async",
                 "tokens_restored", "ratio", "raw_bytes_stored", "store_busy_seconds",
                 "store_encode_seconds", "store_copy_seconds", "spill_peak_bytes",
-                "load_host_seconds", "load_async_seconds")  # fmt: skip
+                "load_host_seconds", "load_async_seconds", "store_unspill_seconds",
+                "store_sync_seconds", "load_lookup_seconds", "load_alloc_seconds",
+                "load_prepare_seconds", "load_launch_seconds")  # fmt: skip
         res["tier"] = {k: s_end.get(k) for k in keys}
         if res["stores"].get("store_GBps") is None:  # (no job was done when the prefill ended)
             busy, raw = s_end.get("store_busy_seconds", 0.0), s_end.get("raw_bytes_stored", 0)

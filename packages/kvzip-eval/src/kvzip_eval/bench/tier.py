@@ -59,6 +59,12 @@ DEFAULT_GROUPS = (1, 1)
 TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jobs_merged",
              "store_busy_seconds", "store_encode_seconds", "store_copy_seconds",
              "store_wait_seconds")  # fmt: skip
+#: ... and where the host's part of those went: the restores' lookups, offsets, device
+#: buffers, decode preparation and launches; the stores' bringing back of spilled chunks and
+#: their last synchronisation
+HOST_KEYS = ("load_lookup_seconds", "load_plan_seconds", "load_alloc_seconds",
+             "load_prepare_seconds", "load_launch_seconds", "store_unspill_seconds",
+             "store_sync_seconds")  # fmt: skip
 #: workload -> the prompts' raw pages over the CPU bytes
 WORKLOADS = {"restore": 0.75, "capacity": 1.3}
 
@@ -559,15 +565,21 @@ def _markdown(doc: dict) -> list[str]:
             lines += ["", f"Checker ({e['name']}): {c}"]
     where = [(e.get("name", e.get("connector")), (e.get("tier") or {}).get("stats_end"))
              for e in doc["engines"]]  # fmt: skip
-    if any(st for _, st in where):
-        lines += ["", "Where kvzip's time went (its counters at the end of the run; seconds):", "",
-                  "| engine | " + " | ".join(TIME_KEYS) + " |",
-                  "|---|" + "---|" * len(TIME_KEYS)]  # fmt: skip
+    for head, keys in (("Where kvzip's time went", TIME_KEYS), ("Its host part", HOST_KEYS)):
+        if not any(st for _, st in where):
+            break
+        lines += [
+            "",
+            f"{head} (its counters at the end of the run; seconds):",
+            "",
+            "| engine | " + " | ".join(keys) + " |",
+            "|---|" + "---|" * len(keys),
+        ]
         for name, st in where:
             if st:
                 lines.append(f"| {name} | " + " | ".join(
                     str(_r(st[k], 3) if isinstance(st.get(k), float) else st.get(k, "-"))
-                    for k in TIME_KEYS) + " |")  # fmt: skip
+                    for k in keys) + " |")  # fmt: skip
     lines += output.engines_md(doc["engines"])
     lines += [
         "",

@@ -225,6 +225,7 @@ class CudaTierPipeline(StorePath):
                 logger.warning("kvzip tier: chunk %s failed to decode: dropped", key[:4].hex())
                 load.failed.update(ids[skip:])
                 load.dropped.append(key)
+        self.store.stats.load_lookup_seconds += time.perf_counter() - load.t0
         if good:
             self._start_batched(load, good, plans, records)
         load.host_s = time.perf_counter() - load.t0
@@ -362,6 +363,9 @@ class CudaTierPipeline(StorePath):
         offsets = batch.offsets
         j_idx, s_idx = np.divmod(np.arange(n * S), S)
         load.host_plan_s = time.perf_counter() - t_host
+        st = self.store.stats
+        st.load_plan_seconds += load.host_plan_s
+        t_alloc = time.perf_counter()
         blob_dev = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device)
         groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
         bounds = np.linspace(0, n, groups + 1).astype(int)
@@ -375,6 +379,7 @@ class CudaTierPipeline(StorePath):
         bounded = self.device_scatter
         cap = max(j1 - j0 for j0, j1 in bounds) if bounded else n
         out = torch.empty((S, cap, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        st.load_alloc_seconds += time.perf_counter() - t_alloc
         cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
         for stream in (self.copy_stream, self.decode_stream):
             if stream is not None:
@@ -384,12 +389,17 @@ class CudaTierPipeline(StorePath):
 
         def prepare(j0, j1):
             # out is [S, cap, *chunk shape], slot-major; a group's chunks from its row 0
+            t = time.perf_counter()
             rel = j_idx[j0 * S : j1 * S] - (j0 if bounded else 0)
             out_offsets = (s_idx[j0 * S : j1 * S] * cap + rel) * numel
-            return kvzip_lossless.prepare_decode_batch(
+            prep = kvzip_lossless.prepare_decode_batch(
                 blob_dev, offsets[j0 * S : j1 * S], all_plans[j0 * S : j1 * S],
                 tables=self.store.tables, out=flat, out_offsets=out_offsets,
             )  # fmt: skip
+            st.load_prepare_seconds += time.perf_counter() - t
+            return prep
+
+        t_launch, prep0 = time.perf_counter(), st.load_prepare_seconds
 
         # Where preparing copies nothing (the CUDA decoder reads its descriptors from
         # page-locked host memory), the bulk copies go first and the host prepares while they
@@ -423,6 +433,9 @@ class CudaTierPipeline(StorePath):
         # (the prepared decodes' buffers, allocated on the copy or the decode stream and read
         # on the decode stream: held until the step's sync in wait_loads)
         load.keep += [blob_dev, records, preps, out]
+        # (the launches' time, less the preparing done between them)
+        prep = st.load_prepare_seconds - prep0
+        st.load_launch_seconds += time.perf_counter() - t_launch - prep
         load.host_s = time.perf_counter() - load.t0
 
     def _scatter_on_device(self, load: _Load, good, out: torch.Tensor, flags) -> None:

@@ -308,20 +308,24 @@ class StorePath:
                 if job.event is not None:
                     job.event.synchronize()  # the step's KV is computed (and copied)
                 t0 = time.perf_counter()
+                st = self.store.stats
                 with gil.busy(self.switch_interval_s), self._on(self.store_stream):
                     if job.spill is not None:
                         self._unspill(job)
                     nxt = self._next_job()
                     if nxt is not None and nxt.spill is not None:
                         self._start_unspill(nxt)  # its copies overlap this job's coding
+                    st.store_unspill_seconds += time.perf_counter() - t0
                     for job_keys, job_staged in self._ready(job.keys, job.staged):
                         if self.store.tables is not None:
                             self._store_batched(job_keys, job_staged)
                         else:  # fit_tokens=0 and no tables_path: each blob embeds its table
                             self._store_single(job_keys, job_staged)
+                    t1 = time.perf_counter()
                     if self.store_stream is not None:
                         self.store_stream.synchronize()  # staged is read there until now
-                self.store.stats.store_busy_seconds += time.perf_counter() - t0
+                    st.store_sync_seconds += time.perf_counter() - t1
+                st.store_busy_seconds += time.perf_counter() - t0
             except Exception:  # noqa: BLE001 (the job's chunks reported not stored)
                 logger.exception("kvzip tier: storing %d chunks failed", len(job.keys))
                 self.store.stats.store_errors += len(job.keys)

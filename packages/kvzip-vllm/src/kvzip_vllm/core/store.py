@@ -248,6 +248,14 @@ class TierStats:
     load_submit_seconds: float = 0.0
     load_host_seconds: float = 0.0
     load_wait_seconds: float = 0.0
+    # ... of the host part: looking the chunks up (leases, plan checks, waits for stores in
+    # flight), the step's offsets, allocating its device buffers, preparing the decodes, and
+    # launching the copies, decodes and writes
+    load_lookup_seconds: float = 0.0
+    load_plan_seconds: float = 0.0
+    load_alloc_seconds: float = 0.0
+    load_prepare_seconds: float = 0.0
+    load_launch_seconds: float = 0.0
     # asynchronous loads (the default): jobs run on the tier's load thread, off the engine's
     # step, and their time there (submit to written, queueing behind earlier jobs included);
     # the explicit exceptions where a step waits for them anyway (an emptying of the tier, a
@@ -286,6 +294,10 @@ class TierStats:
     # its host layout), and placing the blobs (reserve, copies to the arena, commit)
     store_encode_seconds: float = 0.0
     store_copy_seconds: float = 0.0
+    # ... and bringing spilled chunks back to the device (the wait for their copies included)
+    # and the job's last synchronisation
+    store_unspill_seconds: float = 0.0
+    store_sync_seconds: float = 0.0
     misses: int = field(default=0)
     table_bytes: int = 0  # the per-model table set (stored once), 0 until fitted/loaded
     table_fit_tokens: int = 0  # tokens the set was fitted on by the store (0: loaded)
