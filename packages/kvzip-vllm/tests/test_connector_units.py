@@ -678,3 +678,24 @@ def test_an_asynchronous_load_job_that_raises_fails_its_chunks_not_its_request()
     s = w.stats()
     assert s["load_errors"] == 1 and s["load_jobs_async"] == 2 and s["step_waits_for_loads"] == 0
     assert s["loads_in_flight"] == 0
+
+
+def test_allocator_counts_name_torchs_counters_on_cuda_only(monkeypatch):
+    """The stats file's allocator counters are torch's caching-allocator counters of the tier's
+    device under the tier's names (an allocation retried after freeing the cache synchronises
+    the device); off CUDA there are none."""
+    from kvzip_vllm.tier import worker
+
+    assert worker.allocator_counts(torch.device("cpu")) == {}
+    seen = []
+
+    def memory_stats(device):
+        seen.append(device)
+        return {"num_alloc_retries": 3, "num_device_alloc": 41, "num_device_free": 7, "x": 1}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+    dev = torch.device("cuda", 1)
+    assert worker.allocator_counts(dev) == {
+        "cuda_alloc_retries": 3, "cuda_device_allocs": 41, "cuda_device_frees": 7,
+    }  # fmt: skip
+    assert seen == [dev]

@@ -61,10 +61,11 @@ TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jo
              "store_wait_seconds")  # fmt: skip
 #: ... and where the host's part of those went: the restores' lookups, offsets, device
 #: buffers, decode preparation and launches; the stores' bringing back of spilled chunks and
-#: their last synchronisation
+#: their last synchronisation; the device allocations retried after freeing torch's cache
+#: (each synchronises the device)
 HOST_KEYS = ("load_lookup_seconds", "load_plan_seconds", "load_alloc_seconds",
              "load_prepare_seconds", "load_launch_seconds", "store_unspill_seconds",
-             "store_sync_seconds")  # fmt: skip
+             "store_sync_seconds", "cuda_alloc_retries")  # fmt: skip
 #: workload -> the prompts' raw pages over the CPU bytes
 WORKLOADS = {"restore": 0.75, "capacity": 1.3}
 

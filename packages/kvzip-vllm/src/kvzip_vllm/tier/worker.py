@@ -86,6 +86,22 @@ def order_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Te
     return [(n, c) for _, n, c in indexed]
 
 
+#: torch's caching-allocator counters the stats file carries (CUDA; the whole process's):
+#: device allocations and frees, and the retries after freeing the cache, each of which
+#: synchronises the device (a tier thread allocating then waits for vLLM's forward)
+ALLOCATOR_COUNTS = {"num_alloc_retries": "cuda_alloc_retries",
+                    "num_device_alloc": "cuda_device_allocs",
+                    "num_device_free": "cuda_device_frees"}  # fmt: skip
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """``ALLOCATOR_COUNTS`` of ``device`` (nothing off CUDA)."""
+    if device.type != "cuda":
+        return {}
+    st = torch.cuda.memory_stats(device)
+    return {name: int(st.get(key, 0)) for key, name in ALLOCATOR_COUNTS.items()}
+
+
 def _tp_rank(vllm_config) -> tuple[int, int]:
     """(tensor-parallel world size, this worker's rank)."""
     world = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
@@ -564,6 +580,8 @@ class KvzipWorker:
         d = self.store.stats.as_dict()
         if self._background is not None or self._cuda is not None:  # copied, being coded
             d["stores_in_flight"] = self.tier.stores_in_flight
+        if self._cuda is not None:
+            d.update(allocator_counts(self._cuda.device))
         if self.tier is not None:
             d["loads_in_flight"] = self.tier.loads_in_flight
         if self.shared is not None:
