@@ -1,11 +1,13 @@
 """``kvzip bench tier-decode`` without vLLM: the decoders' inter-token latency from token
-timestamps, a connector's row (the ITL ratio, the longest wait for the store path, the store
-throughput over the prefill's KV rate), the result files and the plot. The run in vLLM:
-kvzip-vllm's tests/test_bench_vllm.py."""
+timestamps, each tier's CPU bytes against the host's memory, a connector's row (the ITL ratio,
+the decoders' ITL while storing, the longest wait for the store path, the store throughput over
+the prefill's KV rate), the result files and the plot. The run in vLLM: kvzip-vllm's
+tests/test_bench_vllm.py."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -24,7 +26,44 @@ def test_itl_is_every_gap_between_a_requests_token_times():
     assert itf.itl_summary({"a": [1.0]}) == {"n": 0, "p50_s": None, "p99_s": None, "max_s": None}
 
 
-def _engine(conn, q99, r99, store_gbps=None, waits=(3.0, 7.0, 2.0), tier=None):
+BPT_8B = 131072  # Llama-3.1-8B's bf16 KV bytes per token
+H200_HOST = 133 * 10**9  # the H200 host's MemAvailable (125 GiB of RAM)
+
+
+def _opts(long_prompts=2, long_context=131072, cpu_bytes=None):
+    return SimpleNamespace(long_prompts=long_prompts, long_context=long_context,
+                           cpu_bytes=cpu_bytes)  # fmt: skip
+
+
+def test_the_default_cpu_bytes_hold_the_long_and_flush_prompts_and_fit_the_host():
+    long_n = 131072 - itf.CHUNK + 1
+    cpu = itf.cpu_bytes_for(_opts(), BPT_8B, H200_HOST)
+    # the raw pages of the long prompts and the flush prompts are 0.9x the bytes: both tiers
+    # hold the returning prompts; the decoders' prompts (stored first) are not counted
+    assert 0.9 * cpu == pytest.approx((2 + itf.FLUSH) * long_n * BPT_8B, rel=1e-9)
+    assert cpu <= itf.HOST_FRACTION * H200_HOST
+    # an explicit value within the host's share is taken as it is
+    assert itf.cpu_bytes_for(_opts(cpu_bytes=10**9), BPT_8B, H200_HOST) == 10**9
+
+
+def test_cpu_bytes_beyond_the_hosts_share_are_refused_with_the_numbers():
+    # the old default (4 long prompts of 128k) asks for 114 GB: more than 0.6 of 133 GB
+    with pytest.raises(ValueError) as e:
+        itf.cpu_bytes_for(_opts(long_prompts=4), BPT_8B, H200_HOST)
+    msg = str(e.value)
+    assert "114.3 GB" in msg and "133.0 GB" in msg and "4 long prompts" in msg
+    assert "--long-prompts" in msg and "--long-context" in msg
+    assert f"at most {int(0.6 * H200_HOST)}" in msg
+    # the OffloadingConnector's engine killed at 105 GB: refused before any engine starts
+    with pytest.raises(ValueError, match=r"105\.0 GB \(--cpu-bytes 105000000000\)"):
+        itf.cpu_bytes_for(_opts(cpu_bytes=105 * 10**9), BPT_8B, H200_HOST)
+
+
+def test_the_host_memory_is_read():
+    assert 0 < itf.available_memory()
+
+
+def _engine(conn, q99, r99, store_gbps=None, waits=(3.0, 7.0, 2.0), tier=None, s99=0.05):
     return {
         "connector": conn,
         "stores": {"long_kv_rate_GBps": 4.0, "decoders_kv_rate_GBps": 5.0,
@@ -32,6 +71,7 @@ def _engine(conn, q99, r99, store_gbps=None, waits=(3.0, 7.0, 2.0), tier=None):
                    "wait_for_save_max_ms_decoders": waits[1], "store_GBps": store_gbps},
         "wait_for_save_max_ms_windows": waits[2],
         "itl_quiet": {"p50_s": 0.02, "p99_s": q99}, "itl_returns": {"p50_s": 0.021, "p99_s": r99},
+        "itl_stores": {"p50_s": 0.025, "p99_s": s99},
         "itl_p99_ratio": round(r99 / q99, 3), "returns": {"n": 3, "ttft_p50_s": 0.3},
         "tier": tier,
     }  # fmt: skip
@@ -47,6 +87,14 @@ def test_a_row_takes_the_faster_prefill_rate_and_the_longest_wait():
     assert off["store_over_prefill_kv_rate"] is None and off["stores_dropped"] is None
     failed = itf.decode_row({"connector": "offload", "error": "rc 1: boom"})
     assert failed["itl_p99_ratio"] is None and failed["error"] == "rc 1: boom"
+    assert failed["itl_p99_stores_s"] is None
+
+
+def test_a_row_has_the_decoders_itl_while_storing_and_the_flush_prompts_waits():
+    e = _engine("kvzip", 0.03, 0.036, s99=0.08)
+    e["stores"]["wait_for_save_max_ms_flush"] = 61.0
+    r = itf.decode_row(e)
+    assert r["itl_p99_stores_s"] == 0.08 and r["wait_for_save_max_ms"] == 61.0
 
 
 def test_result_files_and_plot(tmp_path):
@@ -61,7 +109,8 @@ def test_result_files_and_plot(tmp_path):
                          lambda ax: itf._plot(ax, rows))  # fmt: skip
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     md = paths["md"].read_text()
-    assert "| kvzip | 0.02 | 0.03 | 0.021 | 0.033 | 1.1 |" in md
+    assert "| kvzip | 0.02 | 0.03 | 0.021 | 0.033 | 1.1 | 0.05 |" in md
+    assert "ITL p99 storing s" in md and "stored one at a time" in md
     assert json.loads(paths["json"].read_text())["rows"][1]["itl_p99_ratio"] == 2.0
 
 
@@ -72,3 +121,12 @@ def test_help_says_what_it_measures_and_bad_input_is_refused():
     assert r.exit_code != 0 and "one of offload, kvzip, none" in r.output
     r = CliRunner().invoke(main, ["bench", "tier-decode", "--long-context", "1000"])
     assert r.exit_code != 0 and "multiples of 256" in r.output
+
+
+def test_cpu_bytes_the_host_cannot_give_are_refused_before_any_engine(tmp_path):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["bench", "tier-decode", "--cpu-bytes", str(10**16),
+                                  "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 2 and r.exception is not None and "Traceback" not in r.output
+    assert "--cpu-bytes 10000000000000000" in r.output and "available memory" in r.output
+    assert not list(out.glob("*.log"))  # no engine started

