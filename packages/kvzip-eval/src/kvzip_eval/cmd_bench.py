@@ -333,7 +333,7 @@ def kernels(**kw) -> None:
 @click.option("--decode-context", type=int, default=32768, show_default=True)
 @click.option("--decoders", type=click.IntRange(1), default=16, show_default=True,
               help="Requests decoding throughout.")  # fmt: skip
-@click.option("--decode-tokens", type=click.IntRange(1), default=4096, show_default=True,
+@click.option("--decode-tokens", type=click.IntRange(1), default=7680, show_default=True,
               help="max_tokens of each decoder: enough for the whole run (the stores, the "
               "tier's drain, both windows); a decoder done before the end is counted in "
               "'decoders finished early'. The GPU cache is sized for them (CUDA).")  # fmt: skip

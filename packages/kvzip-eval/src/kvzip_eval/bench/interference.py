@@ -146,7 +146,7 @@ def child(spec: dict) -> None:
         # and 4096 tokens of slack: vLLM evicts freed blocks least recently used first, so
         # the flush prompts, each a long prompt's length, take every free block (the first
         # all but at most the slack and the decoders' tokens not decoded yet, the second the
-        # rest) while decoders * decode_tokens + 4096 <= long_n (the defaults: 69632 <=
+        # rest) while decoders * decode_tokens + 4096 <= long_n (the defaults: 126976 <=
         # 130817): no block of a long prompt is left in it for a return to hit
         need = spec["decoders"] * (dec_n + spec["decode_tokens"]) + long_n + 4096
         kw.setdefault("num_gpu_blocks_override", -(-need // 16))
@@ -312,7 +312,7 @@ def child(spec: dict) -> None:
                 "store_encode_seconds", "store_copy_seconds", "spill_peak_bytes",
                 "load_host_seconds", "load_async_seconds", "store_unspill_seconds",
                 "store_sync_seconds", "load_lookup_seconds", "load_alloc_seconds",
-                "load_prepare_seconds", "load_launch_seconds")  # fmt: skip
+                "load_prepare_seconds", "load_launch_seconds", "cuda_alloc_retries")  # fmt: skip
         res["tier"] = {k: s_end.get(k) for k in keys}
         if res["stores"].get("store_GBps") is None:  # (no job was done when the prefill ended)
             busy, raw = s_end.get("store_busy_seconds", 0.0), s_end.get("raw_bytes_stored", 0)
