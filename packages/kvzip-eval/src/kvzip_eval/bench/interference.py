@@ -312,7 +312,8 @@ def child(spec: dict) -> None:
                 "store_encode_seconds", "store_copy_seconds", "spill_peak_bytes",
                 "load_host_seconds", "load_async_seconds", "store_unspill_seconds",
                 "store_sync_seconds", "load_lookup_seconds", "load_alloc_seconds",
-                "load_prepare_seconds", "load_launch_seconds", "cuda_alloc_retries")  # fmt: skip
+                "load_prepare_seconds", "load_launch_seconds", "cuda_alloc_retries",
+                "arena_pinned", "store_queue_peak_bytes")  # fmt: skip
         res["tier"] = {k: s_end.get(k) for k in keys}
         if res["stores"].get("store_GBps") is None:  # (no job was done when the prefill ended)
             busy, raw = s_end.get("store_busy_seconds", 0.0), s_end.get("raw_bytes_stored", 0)
