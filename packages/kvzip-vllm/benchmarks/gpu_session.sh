@@ -84,6 +84,11 @@ tierdecode)
   ;;
 serve)
   env_line
+  # the bundle has no API server: its missing wheels travel as .whl (carried with the tree)
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+  fi
   # `vllm serve` per connector (kvzip checked, OffloadingConnector, none; about 60-90 s each to
   # start), each with the same `vllm bench serve` twice; servers and benches run as `python3 -m
   # vllm.entrypoints.cli.main` (no `vllm` script under /tmp/site) with this PYTHONPATH
