@@ -180,6 +180,26 @@ needs_triton = pytest.mark.skipif(not gpu.available(), reason="needs Triton (int
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_flat_values_is_a_view_only_where_the_tensors_lie_back_to_back():
+    """A store job's chunks staged in one buffer (chunk-major, every layer's K then V) are
+    read in place; any other arrangement is concatenated; the values are the same."""
+    buf = torch.randn(3, 4, 5, 6).bfloat16()
+    cases = {
+        "in order": ([buf[j, k] for j in range(3) for k in range(4)], True),
+        "a suffix of the buffer": ([buf[1:][j, k] for j in range(2) for k in range(4)], True),
+        "out of order": ([buf[j, k] for k in range(4) for j in range(3)], False),
+        "a gap": ([buf[0, 0], buf[0, 2]], False),
+        "strided": ([buf[0].transpose(1, 2)], False),
+        "another buffer": ([buf[0, 0], buf[0, 1].clone()], False),
+    }
+    for name, (ts, view) in cases.items():
+        flat = gpu_batch.flat_values(ts)
+        want = torch.cat([t.reshape(-1) for t in ts]).view(torch.int16)
+        assert flat.dtype == torch.int16 and torch.equal(flat, want), name
+        shared = flat.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert shared is view, name
+
+
 @needs_triton
 def test_triton_batch_same_bytes_exact_and_damage_flags():
     ts, ts2 = table_set(), table_set(seed=30)
@@ -189,6 +209,12 @@ def test_triton_batch_same_bytes_exact_and_damage_flags():
     data, offs, lens, plans = gpu_batch.encode_batch(xs, ts, slots, 16, backend="triton")
     assert [blob_bytes(data, offs, lens, i) for i in range(4)] == ref
     assert (plans == kl.plan_blobs(ref)).all()
+    # the same tensors as views lying back to back in one buffer (read in place): same bytes
+    packed = torch.cat([x.reshape(-1) for x in xs])
+    ends = np.cumsum([0] + [x.numel() for x in xs])
+    views = [packed[a:b].view(x.shape) for a, b, x in zip(ends[:-1], ends[1:], xs, strict=True)]
+    d1, o1, l1, _ = gpu_batch.encode_batch(views, ts, slots, 16, backend="triton")
+    assert [blob_bytes(d1, o1, l1, i) for i in range(4)] == ref
     # a second batch with another table set, both copied into one buffer at other offsets
     y = kv_like(24, 2, 16, 12).to(DEV)
     d2, o2, l2, p2 = gpu_batch.encode_batch([y], ts2, [1], 16, backend="triton")

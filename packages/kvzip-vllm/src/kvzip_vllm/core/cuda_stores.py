@@ -2,11 +2,13 @@
 :class:`~kvzip_vllm.core.cuda_pipeline.CudaTierPipeline` extends with its loads).
 
 Stores (``start_stores`` after the forward): a step's chunks are gathered token-major on the
-compute stream (so vLLM may reuse the blocks at once) and queued; a worker thread codes every
-layer's K and V of every chunk of the job in one ``encode_batch`` call on its own stream,
-reserves each chunk's extent in the store's page-locked arena and copies the chunk's blobs
-there from the device (asynchronously), then synchronises once for the job and commits the
-entries, each with its blobs' plans (``kvzip_lossless.PLAN_FIELDS``, 72 bytes a blob) beside it.
+compute stream (so vLLM may reuse the blocks at once) into one buffer, chunk by chunk (each
+chunk's layers' K then V: the coder reads them there, in place) and queued; a worker thread
+codes every layer's K and V of every chunk of the job in one ``encode_batch`` call on its own
+stream, reserves each chunk's extent in the store's page-locked arena and copies the chunk's
+blobs there from the device (asynchronously), then synchronises once for the job and commits
+the entries, each with its blobs' plans (``kvzip_lossless.PLAN_FIELDS``, 72 bytes a blob)
+beside it.
 Without a table set yet (``fit_tokens``), the first chunks wait on the thread until there are
 ``fit_tokens`` tokens, the set is fitted from them on the device, and they are coded with it:
 nothing is coded with per-blob tables on the way. ``collect`` reports the keys stored and
@@ -151,11 +153,23 @@ class StorePath:
             s.stores_waited_queue_full += m
             s.store_wait_seconds += time.perf_counter() - t0
         ids = self._device_ids(flat)
-        staged = [
-            tuple(x.view(m, t, h, d) for x in self.layout.gather(cache, ids))
-            for cache in self.caches
-        ]
-        self._jobs.put(_Job(keys, staged, self._record(), nbytes))
+        self._jobs.put(_Job(keys, self._layers(self._stage(ids, m)), self._record(), nbytes))
+
+    def _stage(self, ids: torch.Tensor, m: int) -> torch.Tensor:
+        """The ``m`` chunks of the blocks ``ids`` copied into one device buffer, chunk-major:
+        each chunk's layers' K then V, ``[m, 2 * layers, chunk_tokens, kv_heads, head_size]``
+        (the order the coder reads them in, so that it reads them in place, and the order of a
+        spilled chunk's extent)."""
+        L = len(self.caches)
+        buf = torch.empty((m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        for li, cache in enumerate(self.caches):
+            self.layout.gather_into(cache, ids, buf[:, 2 * li], buf[:, 2 * li + 1])
+        return buf
+
+    @staticmethod
+    def _layers(buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A staged buffer as per layer (K, V) ``[m, chunk_tokens, kv_heads, head_size]``."""
+        return [(buf[:, 2 * li], buf[:, 2 * li + 1]) for li in range(buf.shape[1] // 2)]
 
     def _device_ids(self, flat: list[int]) -> torch.Tensor:
         """Block ids on the device without waiting for the compute stream: through
@@ -223,10 +237,7 @@ class StorePath:
             j1 = min(m, j0 + SPILL_GROUP)
             sub = ids[j0 * self.bpc : j1 * self.bpc]
             # [chunks, 2 * layers, chunk_tokens, kv_heads, head_size] on the device
-            group = torch.stack(
-                [x.view(j1 - j0, *self.block_shape) for c in self.caches
-                 for x in self.layout.gather(c, sub)], 1,
-            )  # fmt: skip
+            group = self._stage(sub, j1 - j0)
             for j in range(j0, j1):
                 off, n = extents[j]
                 dst = self.store.extent(off, n).view(torch.bfloat16)
@@ -290,8 +301,7 @@ class StorePath:
             self.store_stream.wait_event(event)  # the coder reads the copies after they land
             event.synchronize()  # the copies have landed: the extents are free
         self._release_spill(job)
-        L = len(self.caches)
-        job.staged = [(dev[:, 2 * li], dev[:, 2 * li + 1]) for li in range(L)]
+        job.staged = self._layers(dev)
 
     def _next_job(self) -> _Job | None:
         """The job queued after the one being coded (None if none yet), without taking it."""

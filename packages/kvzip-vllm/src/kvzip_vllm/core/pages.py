@@ -72,21 +72,32 @@ class Bf16Pages:
         """One stored tensor of a chunk of ``blocks`` blocks: ``[tokens, kv_heads, head_size]``."""
         return (blocks * self.block_size, self.kv_heads, self.head_size)
 
-    def gather(self, cache: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks ``index`` (in order), contiguous token-major ``[n,
-        block_size, kv_heads, head_size]`` each, on the cache's device."""
+    def _halves(self, cache: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks ``index`` (in order), ``[n, kv_heads, block_size,
+        head_size]`` each (views of one gathered copy)."""
         idx = _ids(index, cache.device)
         blk = cache.index_select(0, idx)  # [n, H, N, 2D], contiguous
         n, (h, t, d) = idx.numel(), (self.kv_heads, self.block_size, self.head_size)
         if self.k_index is None:
-            halves = (blk[..., :d], blk[..., d:])
-        else:
-            flat = blk.view(n, h, t * 2 * d)
-            halves = tuple(
-                flat[:, :, i.to(cache.device)].view(n, h, t, d)
-                for i in (self.k_index, self.v_index)
-            )
-        return tuple(x.permute(0, 2, 1, 3).contiguous() for x in halves)
+            return blk[..., :d], blk[..., d:]
+        flat = blk.view(n, h, t * 2 * d)
+        return tuple(
+            flat[:, :, i.to(cache.device)].view(n, h, t, d) for i in (self.k_index, self.v_index)
+        )
+
+    def gather(self, cache: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks ``index`` (in order), contiguous token-major ``[n,
+        block_size, kv_heads, head_size]`` each, on the cache's device."""
+        return tuple(x.permute(0, 2, 1, 3).contiguous() for x in self._halves(cache, index))
+
+    def gather_into(self, cache: torch.Tensor, index, k_out, v_out) -> None:
+        """``gather`` written into ``k_out``, ``v_out``: ``[chunks, tokens, kv_heads,
+        head_size]`` each, the blocks ``index`` in order (``tokens`` a whole number of blocks;
+        the chunks may lie apart, as a chunk's layers do in a store job's one buffer)."""
+        t, h, d = self.block_size, self.kv_heads, self.head_size
+        for x, out in zip(self._halves(cache, index), (k_out, v_out), strict=True):
+            m = out.shape[0]
+            out.view(m, -1, t, h, d).copy_(x.permute(0, 2, 1, 3).reshape(m, -1, t, h, d))
 
     def scatter(self, cache: torch.Tensor, index, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write token-major ``k``, ``v`` ``[n, block_size, kv_heads, head_size]`` (or ``[n *
