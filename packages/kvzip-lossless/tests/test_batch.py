@@ -245,6 +245,42 @@ def test_triton_batch_same_bytes_exact_and_damage_flags():
         assert [int(v != 0) for v in bad.tolist()] == [int(k == i) for k in range(5)], (i, pos)
 
 
+def test_work_items_of_like_blobs_are_built_once_and_equal_a_fresh_build(monkeypatch):
+    """A batch whose blobs share a tile count and width (a tier's chunks) reuses its work items
+    (the same arrays on a second call), equal to a fresh build; other batches are built each
+    time; the cache keeps the ``ITEMS_CACHED`` most recent."""
+    monkeypatch.setattr(gpu_batch, "_ITEMS", type(gpu_batch._ITEMS)())
+    nt, nch = np.full(5, 3, np.int64), np.full(5, 2, np.int64)
+    first = gpu_batch._work_items(nt, nch, pinned=False)
+    want = gpu_batch._decode_items(nt, nch)
+    assert all(np.array_equal(a, b) for a, b in zip(first, want, strict=True))
+    again = gpu_batch._work_items(nt, nch, pinned=False)
+    assert all(a is b for a, b in zip(again, first, strict=True))
+    mixed = np.array([3, 3, 2, 3, 3], np.int64)
+    one, two = (gpu_batch._work_items(mixed, nch, pinned=False) for _ in range(2))
+    assert one[0] is not two[0] and np.array_equal(one[0], gpu_batch._decode_items(mixed, nch)[0])
+    for k in range(gpu_batch.ITEMS_CACHED + 2):
+        gpu_batch._work_items(np.full(k + 1, 4, np.int64), np.full(k + 1, 2), pinned=False)
+    assert len(gpu_batch._ITEMS) == gpu_batch.ITEMS_CACHED
+
+
+@needs_triton
+def test_triton_decode_of_like_blobs_twice_is_exact():
+    """Two decodes of one batch of like blobs (the second with the cached work items): both
+    bit-exact, no blob flagged."""
+    ts = table_set()
+    xs = [kv_like(40, 2, 16, seed).to(DEV) for seed in (3, 10, 4, 11)]
+    slots = [0, 1, 2, 3]
+    data, offs, lens, plans = gpu_batch.encode_batch(xs, ts, slots, 16, backend="triton")
+    si = batch._set_index(plans, [ts])
+    oo = np.arange(4) * xs[0].numel()
+    for _ in range(2):
+        out = torch.full((4 * xs[0].numel(),), float("nan"), dtype=torch.bfloat16, device=DEV)
+        _, bad = gpu_batch.decode_batch(data, offs, plans, [ts], si, out, oo, backend="triton")
+        assert bad.tolist() == [0] * 4
+        assert torch.equal(out.view(torch.int16), torch.cat(xs).reshape(-1).view(torch.int16))
+
+
 @needs_triton
 def test_triton_prepared_decode_runs_on_data_copied_after_the_prepare():
     """The GPU path's two steps (descriptors up at the prepare, kernels at ``run``) on the

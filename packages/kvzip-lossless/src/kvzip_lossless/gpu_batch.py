@@ -20,6 +20,7 @@ launch).
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections import OrderedDict, deque
 
@@ -725,6 +726,39 @@ def _decode_items(nt: np.ndarray, nch: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return items, t_blob
 
 
+#: Work items of batches of like blobs (one tile count and width for all, as a tier's chunks
+#: are), by (blobs, tiles, column chunks, page-locked): built once and reused, read only
+#: (about 0.2 ms of host time per 8B-shaped chunk otherwise, and a page-locked copy of them)
+_ITEMS: OrderedDict = OrderedDict()
+ITEMS_CACHED = 8
+_ITEMS_LOCK = threading.Lock()
+
+
+def _work_items(nt: np.ndarray, nch: np.ndarray, pinned: bool):
+    """:func:`_decode_items` (page-locked tensors where ``pinned``), from ``_ITEMS`` when every
+    blob has one tile count and width."""
+    n = len(nt)
+
+    def build():
+        items, t_blob = _decode_items(nt, nch)
+        return (_pinned(items.ravel()), _pinned(t_blob)) if pinned else (items, t_blob)
+
+    if not n or (nt != nt[0]).any() or (nch != nch[0]).any():
+        return build()
+    key = (n, int(nt[0]), int(nch[0]), pinned)
+    with _ITEMS_LOCK:
+        hit = _ITEMS.get(key)
+        if hit is not None:
+            _ITEMS.move_to_end(key)
+            return hit
+    hit = build()
+    with _ITEMS_LOCK:
+        _ITEMS[key] = hit
+        while len(_ITEMS) > ITEMS_CACHED:
+            _ITEMS.popitem(last=False)
+    return hit
+
+
 def prepare_decode(
     data, offsets, plans, sets, set_idx, out, out_offsets, backend=None, decoder=None
 ):
@@ -748,17 +782,17 @@ def prepare_decode(
     bdesc = np.stack([offsets, length, C, rpt, nt, dir_off, ts, tab_off, bm_off, base_off,
                       nbk, out_offsets, numel, gt0, tid, slot], 1).astype(np.int64)  # fmt: skip
     T = int(nt.sum())
-    items, t_blob = _decode_items(nt, nch)
-    n_items = len(items)
     host_descriptors = be == "cuda" and dev.type == "cuda"
     if host_descriptors:
         # the CUDA kernels read the descriptors from page-locked host memory (same pointer on
         # the device: unified addressing): no host-to-device copy to queue on a copy engine,
         # so a restore's bulk copies can go first and the host prepares while they run
         bdesc_d = _pinned(bdesc.ravel())
-        items_d = _pinned(items.ravel())
-        tblob_d = _pinned(t_blob)
+        items_d, tblob_d = _work_items(nt, nch, pinned=True)
+        n_items = items_d.numel() // 3
     else:
+        items, t_blob = _work_items(nt, nch, pinned=False)
+        n_items = len(items)
         up = _upload(np.concatenate([bdesc.ravel(), items.ravel(), t_blob]), dev)
         bdesc_d, items_d, tblob_d = torch.split(up, [bdesc.size, items.size, T])
         items_d = items_d.to(torch.int32)
