@@ -70,6 +70,8 @@ def _engine(conn, workload, ttfts, *, held, used, exact=None, first=1, cached=No
                 "ttft_s": t, "first_token": first,
                 "cached_tokens": tb.prompt_tokens(c) - 1 if cached is None else cached}
                for i, (c, t) in enumerate(ttfts)]  # fmt: skip
+    # each context's prompts once more alone, at half their time in the pass
+    returns += [{**q, "pass": "alone", "ttft_s": q["ttft_s"] / 2} for q in list(returns)]
     tier = {"tokens_held": held, "bytes_used": used, "stores_dropped": 0, "bit_exact": exact,
             "load_errors": 0 if conn == "kvzip" else None}  # fmt: skip
     if held and used:
@@ -108,6 +110,11 @@ def test_tier_rows_per_workload_context_and_connector_beside_offload():
 
     off = row("restore", 1024, "offload")
     assert off["n"] == 2 and off["ttft_p50_s"] == pytest.approx(0.11)
+    # the lone returns: their own column, not in the pass's figures or the "all" row's
+    assert off["ttft_alone_s"] == pytest.approx(0.055) and off["ttft_alone_vs_offload"] == 1.0
+    assert row("restore", 2048, "kvzip")["ttft_alone_vs_offload"] == pytest.approx(0.8)
+    assert row("restore", "all", "offload")["n"] == 4
+    assert row("restore", "all", "offload")["ttft_alone_s"] is None
     assert off["ttft_p90_s"] == pytest.approx(0.118) and off["hit_rate"] == 1.0
     assert off["first_token_equal_none"] == 0.0 and off["ttft_p50_vs_offload"] == 1.0
     kv = row("restore", "all", "kvzip")
@@ -133,7 +140,8 @@ def test_tier_result_files_and_plot(tmp_path):
                          lambda ax: tb._plot(ax, rows))  # fmt: skip
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     md = paths["md"].read_text()
-    assert "| restore | all | kvzip | 4 | 0.168 | 0.296 | 0.184 | 0.8 | 1 | 150 | 10,000 |" in md
+    assert "| restore | all | kvzip | 4 | 0.168 | 0.296 | 0.184 | 0.8 | - | - | 1 | 150 |" in md
+    assert "| restore | 1024 | kvzip | 2 | 0.088 | 0.0944 | 0.088 | 0.8 | 0.044 | 0.8 | 1 |" in md
     assert "| 0.015 | 1.5 | 0 | 0 | True | 0 |" in md  # 1.5x offload's tokens per byte
     assert "did not start; error: 'rc 1'" in md
     assert "| kvzip | 1.287 | 1.241 | 14 | 3 | - | - | - | - |" in md  # where its time went

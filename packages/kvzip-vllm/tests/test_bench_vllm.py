@@ -107,6 +107,11 @@ def test_bench_tier_on_the_cpu(tmp_path):
     ws = doc["workload"]
     assert ws["cpu_bytes"]["restore"] == int(ws["working_set_bytes"] / 0.75)
     assert "| restore | all | kvzip | 3 |" in doc["md"]
+    # each context's first two prompts returned once more alone, restored whole from the tier
+    name = next(e["name"] for e in doc["engines"] if e["connector"] == "kvzip")
+    alone = [q for q in doc["requests"][name] if q["pass"] == "alone"]
+    assert len(alone) == 2 and all(q["cached_tokens"] == q["tokens"] - 1 for q in alone)
+    assert rows[1024, "kvzip"]["ttft_alone_s"] > 0 and rows[1024, "none"]["ttft_alone_s"] > 0
 
 
 @load_mode

@@ -20,13 +20,14 @@ The prompts: ``--prompts FILE.jsonl`` (one ``{"prompt": TEXT}`` or ``{"prompt_to
 workload per context C: pairs of prompts sharing their first C/2 tokens and prompts of their
 own, each ``C - 255`` random tokens (whole 256-token chunks and the token vLLM always
 computes). First pass: every prompt once (shuffled, in batches of ``--concurrency``), the tiers
-store it; then ``--repeats`` passes of returning prompts, ``max_tokens=1``. Two workloads, one
+store it; then ``--repeats`` passes of returning prompts, ``max_tokens=1``; then each context's
+first ``ALONE`` prompts once more, one at a time (the restore without queueing). Two workloads, one
 row each: ``restore``, CPU bytes for which the raw pages of the prompts are 0.75x the bytes
 (both tiers hold them all: restore against restore), and ``capacity``, 1.3x (more than a raw
 tier holds).
 
 Reported per workload, context and connector: time to first token of the returning prompts
-(vLLM's ``first_token_latency``, arrival to first token) p50, p90 and mean; the hit rate
+(vLLM's ``first_token_latency``, arrival to first token) p50, p90 and mean, and alone; the hit rate
 (tokens not recomputed, vLLM's ``num_cached_tokens``, over the prompt less its last token);
 tokens held by the tier after the first pass over the CPU bytes they take; stores dropped;
 bit-exactness of every block kvzip restored (and the tier's own checksum failures); the first
@@ -66,6 +67,8 @@ TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jo
 HOST_KEYS = ("load_lookup_seconds", "load_plan_seconds", "load_alloc_seconds",
              "load_prepare_seconds", "load_launch_seconds", "store_unspill_seconds",
              "store_sync_seconds", "cuda_alloc_retries")  # fmt: skip
+#: prompts of each context that return once more alone after the passes (``ttft_alone_s``)
+ALONE = 2
 #: workload -> the prompts' raw pages over the CPU bytes
 WORKLOADS = {"restore": 0.75, "capacity": 1.3}
 
@@ -201,11 +204,13 @@ def build_rows(engs: list[dict]) -> list[dict]:
         tier = e.get("tier", {})
         for w in [e["workload"]] if e["connector"] != "none" else workloads or ["-"]:
             groups: dict = {}
+            alone: dict = {}
             for q in e["returns"]:
-                groups.setdefault(q["context"], []).append(q)
-            groups["all"] = list(e["returns"])
+                (alone if q["pass"] == "alone" else groups).setdefault(q["context"], []).append(q)
+            groups["all"] = [q for q in e["returns"] if q["pass"] != "alone"]
             for ctx, qs in groups.items():
                 ttft = [q["ttft_s"] for q in qs]
+                lone = [q["ttft_s"] for q in alone.get(ctx, [])]
                 skippable = sum(q["tokens"] - 1 for q in qs)
                 cached = sum(q["cached_tokens"] or 0 for q in qs)
                 same = [q["first_token"] == ref[(q["prompt"], q["pass"])]["first_token"]
@@ -218,6 +223,7 @@ def build_rows(engs: list[dict]) -> list[dict]:
                     "ttft_p50_s": _r(percentile(ttft, 50)),
                     "ttft_p90_s": _r(percentile(ttft, 90)),
                     "ttft_mean_s": _r(sum(ttft) / len(ttft)) if ttft else None,
+                    "ttft_alone_s": _r(percentile(lone, 50)) if lone else None,
                     "hit_rate": _r(cached / skippable) if skippable else None,
                     "cpu_bytes": e["cpu_bytes"],
                     "tokens_held": tier.get("tokens_held", 0),
@@ -234,6 +240,7 @@ def build_rows(engs: list[dict]) -> list[dict]:
                     r["workload"] and o["context"] == r["context"]), None)  # fmt: skip
         for k, name in (("ttft_p50_s", "ttft_p50_vs_offload"),
                         ("ttft_mean_s", "ttft_mean_vs_offload"),
+                        ("ttft_alone_s", "ttft_alone_vs_offload"),
                         ("tokens_per_cpu_byte", "tokens_per_byte_vs_offload")):  # fmt: skip
             r[name] = _r(r[k] / off[k], 3) if off and r.get(k) and off.get(k) else None
     return rows
@@ -418,6 +425,13 @@ def child(spec: dict) -> None:
             resets_refused += llm.reset_prefix_cache() is False  # the returns from the tier
             returns += [{**q, "pass": i} for q in gen([prompts[j] for j in b])]
             engines.emit("batch")
+    # each context's first ALONE prompts once more, each returning with nothing beside it:
+    # the restore's own time, without the queueing of a batch (vLLM's cache holds few long
+    # prompts at once)
+    for ctx in dict.fromkeys(p.context for p in prompts):
+        for j in [j for j, p in enumerate(prompts) if p.context == ctx][:ALONE]:
+            resets_refused += llm.reset_prefix_cache() is False
+            returns += [{**q, "pass": "alone"} for q in gen([prompts[j]])]
     res["returns_s"] = round(time.perf_counter() - t, 2)
     res["local_cache_resets_refused"] = resets_refused
     s2, m2 = tier_stats(), _metric_sums(llm)
@@ -554,7 +568,8 @@ def _markdown(doc: dict) -> list[str]:
     lines += output.table(doc["rows"], [
         ("workload", "workload"), ("context", "context"), ("connector", "connector"), ("n", "n"),
         ("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "TTFT p90 s"), ("ttft_mean_s", "mean s"),
-        ("ttft_p50_vs_offload", "p50 vs offload"), ("hit_rate", "hit rate"),
+        ("ttft_p50_vs_offload", "p50 vs offload"), ("ttft_alone_s", "TTFT alone s"),
+        ("ttft_alone_vs_offload", "alone vs offload"), ("hit_rate", "hit rate"),
         ("tokens_held", "tokens held"), ("cpu_bytes", "CPU bytes"),
         ("tokens_per_cpu_byte", "tokens / byte used"),
         ("tokens_per_byte_vs_offload", "vs offload"), ("stores_dropped", "stores dropped"),
@@ -585,6 +600,8 @@ def _markdown(doc: dict) -> list[str]:
     lines += [
         "",
         "TTFT: vLLM's first_token_latency (arrival to first token: a batch's queueing counts). "
+        f"TTFT alone: the median of each context's first {ALONE} prompts returning once more, "
+        "each with nothing beside it (the restore without a batch's queueing). "
         "Hit rate: tokens of the returning prompts vLLM did not compute (num_cached_tokens) "
         "over the prompt less its last token. Tokens held: after the first pass. Tokens / byte "
         "used: tokens held over the CPU bytes they take (kvzip: entries plus tables; offload: "
