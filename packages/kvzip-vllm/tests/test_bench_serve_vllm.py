@@ -22,13 +22,6 @@ COLUMNS = ["server", "device", "connector", "async_scheduling", "model_runner", 
            "ttft_p50_s", "ttft_p99_s", "itl_p99_s", "output_tok_s", "ok", "bit_exact"]  # fmt: skip
 
 
-def _opts(**kw):
-    base = dict(num_prompts=8, concurrency=4, prefix_len=256, suffix_len=64, num_prefixes=2,
-                output_len=8, repeats=2, check=True, cpu_bytes=1 << 30, reset_prefix_cache=False,
-                gpu_memory_utilization=None, extra_server_args="")  # fmt: skip
-    return SimpleNamespace(**{**base, **kw})
-
-
 def test_bench_flags_parse_in_the_installed_vllm(tmp_path):
     """Every flag of the bench's command is one vLLM's `vllm bench serve` parser takes."""
     from vllm.benchmarks.serve import add_cli_args
@@ -36,7 +29,10 @@ def test_bench_flags_parse_in_the_installed_vllm(tmp_path):
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    argv = sv.bench_argv(8000, "/m", _opts(concurrency=32), tmp_path / "r.json")
+    o = SimpleNamespace(
+        num_prompts=8, concurrency=32, prefix_len=256, suffix_len=64, num_prefixes=2, output_len=8
+    )  # (what the bench's command reads)
+    argv = sv.bench_argv(8000, "/m", o, tmp_path / "r.json")
     assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"]
     a = parser.parse_args(argv[5:])
     assert (a.dataset_name, a.max_concurrency, a.num_prompts) == ("prefix_repetition", 32, 8)
