@@ -204,6 +204,53 @@ def test_restore_into_other_blocks_bit_exact(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("device_scatter", SCATTERS, ids=["device-scatter", "torch-scatter"])
+def test_groups_past_the_ring_reuse_its_buffers_bit_exact(
+    make, monkeypatch, device, device_scatter
+):
+    # one chunk a group: 7 groups through a ring of 3 record buffers, whose copies each wait
+    # for the decode that read the buffer before; the records not back to back in the arena
+    # (every other chunk stored), so each group's bytes start past the batch's first byte
+    monkeypatch.setattr(cuda_pipeline, "BLOCKS_PER_GROUP", 1)
+    buf, caches, store, pipe = make(device, device_scatter=device_scatter)
+    fill(caches, seed=5)
+    want = [c.clone() for c in caches]
+    store_blocks(pipe, [(key(i), i) for i in range(NUM_BLOCKS)])
+    for i in range(1, NUM_BLOCKS, 2):
+        store.drop(key(i))
+    store_blocks(pipe, [(key(20 + i), i) for i in (1, 3)])  # into the holes, or after
+    buf.view(torch.int16).fill_(-1)
+    src = [0, 2, 4, 6, 8, 10, 1]
+    keys = [key(i) for i in src[:-1]] + [key(21)]
+    dst = [11, 9, 7, 5, 3, 1, 0]
+    pipe.start_loads([("r", k, d) for k, d in zip(keys, dst, strict=True)])
+    assert pipe.wait_loads() == set()
+    for s, d in zip(src, dst, strict=True):
+        assert_block_equal(caches, d, want, s)
+    assert len(pipe._ring.buffers(0)) == cuda_pipeline.LOAD_RING
+    grown = pipe._ring.grown
+    # the next step's smaller groups reuse the buffers (nothing allocated)
+    buf.view(torch.int16).fill_(-1)
+    pipe.start_loads([("s", key(4), 2), ("s", key(23), 6)])
+    assert pipe.wait_loads() == set()
+    assert_block_equal(caches, 2, want, 4)
+    assert_block_equal(caches, 6, want, 3)
+    assert pipe._ring.grown == grown
+    assert store.stats.load_errors == 0
+
+
+def test_copy_records_refuses_a_shift_outside_the_buffer():
+    store = BlockStore(1 << 20)
+    batch = store.record_batch([], np.zeros((0, 2), np.int64))
+    batch.base, batch.size = np.array([0, 64]), np.array([48, 48])
+    dst = torch.empty(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not fit a 64-byte buffer"):
+        store.copy_records(batch, dst, 0, 2)  # 112 bytes
+    with pytest.raises(ValueError, match="shifted by 80"):
+        store.copy_records(batch, dst, 1, 2, shift=80)  # past the group's first byte
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device_scatter", SCATTERS, ids=["device-scatter", "torch-scatter"])
 def test_damaged_or_missing_blocks_refused(make, monkeypatch, device, device_scatter):
     # two chunks a group: the damaged chunks in the first and the last group (on the device
     # each group is decoded into one reused buffer and written right behind its decode)

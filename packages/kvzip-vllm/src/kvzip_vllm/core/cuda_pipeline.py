@@ -9,22 +9,22 @@ same steps with no streams (kvzip-lossless's CPU path, or its Triton kernels und
 Stores: :mod:`~kvzip_vllm.core.cuda_stores` (the pipeline takes its store path from there).
 
 Loads (``start_loads`` before the forward, ``wait_loads`` before the first layer reads the
-cache): the step's records are copied from the arena to one device buffer on a copy stream (a
-run of records lying back to back in the arena, as a prefix stored in order does, is one copy),
-in a few chunk groups; on a decode stream each group is decoded by one ``decode_batch`` call as
-soon as its copies have landed (header and tile checks on the device, one damage flag per
-blob), and on CUDA the decoded chunks are written into the paged cache right behind it by one
-masked launch (:mod:`~kvzip_vllm.core.scatter`: a chunk whose flag is set is not written, so a
-damaged blob's output never reaches the cache). ``order_loads`` makes the compute stream wait
-for those writes without a host wait (the connector calls it before the forward is launched);
-``wait_loads`` (before the step's stores) reads the step's flags once (its only
-synchronisation, on the decode stream's event), drops damaged entries and reports their
-blocks as failed (vLLM recomputes them). Without the device scatter (``device_scatter=False``,
-the CPU device, a CPU page order) ``wait_loads`` reads the flags first and then scatters the
-good chunks with torch on the compute stream, and the forward waits for it. Entries that
-cannot be batch-decoded (blobs that embed their own table: stored with ``fit_tokens=0``, or by
-another path) are decoded chunk by chunk with ``kvzip_lossless.decompress`` and written by
-``wait_loads`` (``order_loads`` then defers to it).
+cache): the step's records are copied from the arena on a copy stream, in a few chunk groups,
+each group into one of a ring of device buffers kept from step to step (a run of records lying
+back to back in the arena, as a prefix stored in order does, is one copy); on a decode stream
+each group is decoded by one ``decode_batch`` call as soon as its copies have landed (header and
+tile checks on the device, one damage flag per blob), and on CUDA the decoded chunks are written
+into the paged cache right behind it by one masked launch (:mod:`~kvzip_vllm.core.scatter`: a
+chunk whose flag is set is not written, so a damaged blob's output never reaches the cache).
+``order_loads`` makes the compute stream wait for those writes without a host wait (the
+connector calls it before the forward is launched); ``wait_loads`` (before the step's stores)
+reads the step's flags once (its only synchronisation, on the decode stream's event), drops
+damaged entries and reports their blocks as failed (vLLM recomputes them). Without the device
+scatter (``device_scatter=False``, the CPU device, a CPU page order) ``wait_loads`` reads the
+flags first and then scatters the good chunks with torch on the compute stream, and the forward
+waits for it. Entries that cannot be batch-decoded (blobs that embed their own table: stored
+with ``fit_tokens=0``, or by another path) are decoded chunk by chunk with
+``kvzip_lossless.decompress`` and written by ``wait_loads`` (``order_loads`` then defers to it).
 """
 
 from __future__ import annotations
@@ -63,6 +63,68 @@ logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 #: 256-token chunks): 16 chunks per group, at most 16 groups, restore 0.83-0.87x a raw copy.
 #: ``KVZIP_LOAD_GROUP_CHUNKS`` sets the chunks per group (for measuring the split).
 BLOCKS_PER_GROUP, MAX_GROUPS = table.LOAD_GROUP_CHUNKS.get(), 16
+
+
+#: Device buffers the step's records are copied into, one chunk group each, reused round
+#: robin (a group's copies wait on the device for the decode of the group before it in that
+#: buffer): a restore holds ``LOAD_RING`` groups' records on the device, not the whole step's
+#: (a 131,072-token 8B prefix: about 2 GB instead of 11 GB), and allocates nothing per step.
+LOAD_RING = 3
+
+
+class _LoadRing:
+    """The loads' device buffers, kept from step to step: ``LOAD_RING`` record buffers with
+    an event per buffer after the last decode that read it, and the decoded chunks' buffer
+    (a group's, written on the device). They grow when a step needs more; the streams are
+    synchronised first, so nothing still queued reads a buffer that is let go."""
+
+    def __init__(self, device: torch.device, streams, depth: int = LOAD_RING):
+        if depth < 2:
+            raise ValueError(f"a load ring needs at least 2 buffers, got {depth}")
+        self.device, self.streams, self.depth = device, streams, depth
+        self._records: list[torch.Tensor] = []
+        self._free: list = [None] * depth  # per buffer: the event after its last decode
+        self._decoded: torch.Tensor | None = None
+        self.grown = 0  # times a buffer was (re)allocated
+
+    def _sync(self) -> None:
+        for stream in self.streams:
+            if stream is not None:
+                stream.synchronize()
+
+    def buffers(self, nbytes: int) -> list[torch.Tensor]:
+        """The record buffers, each of at least ``nbytes`` (grown by a quarter more)."""
+        if not self._records or self._records[0].numel() < nbytes:
+            self._sync()
+            size = max(nbytes + nbytes // 4, 1 << 20)
+            self._records = []  # (the old ones let go before the new ones are taken)
+            self._records = [
+                torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.depth)
+            ]
+            self._free = [None] * self.depth
+            self.grown += 1
+        return self._records
+
+    def claim(self, i: int, stream) -> None:
+        """``stream`` (the copies into buffer ``i``) waits for the last decode that read it."""
+        if stream is not None and self._free[i] is not None:
+            stream.wait_event(self._free[i])
+
+    def release(self, i: int, stream) -> None:
+        """Buffer ``i`` is free once the work queued on ``stream`` so far is done."""
+        if stream is not None:
+            self._free[i] = torch.cuda.Event()
+            self._free[i].record(stream)
+
+    def decoded(self, shape) -> torch.Tensor:
+        """The decoded chunks' buffer viewed as ``shape`` (bf16)."""
+        numel = int(np.prod(shape))
+        if self._decoded is None or self._decoded.numel() < numel:
+            self._sync()
+            self._decoded = None
+            self._decoded = torch.empty(numel, dtype=torch.bfloat16, device=self.device)
+            self.grown += 1
+        return self._decoded[:numel].view(shape)
 
 
 @dataclass
@@ -147,6 +209,7 @@ class CudaTierPipeline(StorePath):
         )
         # spilled chunks brought back to the device ahead of their turn (``_start_unspill``)
         self.unspill_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._ring = _LoadRing(self.device, (self.copy_stream, self.decode_stream))
         if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
             store.pin()
         # every entry holds its decode plan (also those the shared tier's fetches put)
@@ -350,8 +413,10 @@ class CudaTierPipeline(StorePath):
 
     def _start_batched(self, load: _Load, good, plans, records) -> None:
         """A load step through ``kvzip_lossless.decode_batch``: the records (blobs back to
-        back) copied to one device buffer (one copy per run of records lying back to back in
-        the arena), one decode call per chunk group as its copies land."""
+        back) copied group by group into a ring of ``LOAD_RING`` device buffers (one copy per
+        run of records lying back to back in the arena), one decode call per chunk group as
+        its copies land; a group's copies wait on the device until the decode of the group
+        that last used their buffer is done."""
         n, S = len(good), 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
         order = self.store.record_order(records)
@@ -362,77 +427,97 @@ class CudaTierPipeline(StorePath):
         batch = self.store.record_batch(records, all_plans[:, 0].reshape(n, S))
         offsets = batch.offsets
         j_idx, s_idx = np.divmod(np.arange(n * S), S)
+        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
+        bounds = np.linspace(0, n, groups + 1).astype(int)
+        bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
+        # each group's records from its own buffer's start: [lo, hi) of the batch's bytes
+        ends = np.append(batch.base, batch.nbytes)
+        spans = [(int(ends[j0]), int(ends[j1])) for j0, j1 in bounds]
         load.host_plan_s = time.perf_counter() - t_host
         st = self.store.stats
         st.load_plan_seconds += load.host_plan_s
         t_alloc = time.perf_counter()
-        blob_dev = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device)
-        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
-        bounds = np.linspace(0, n, groups + 1).astype(int)
-        bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
+        ring = self._ring.buffers(max(hi - lo for lo, hi in spans))
         # Written on the device, each group is decoded into one buffer of the largest group's
         # size and written into the cache right behind its decode (the same stream), so the
         # decoded bf16 takes a group's bytes on the device, not the whole step's (a 131,072-
-        # token 8B prefix: about 1 GB instead of 17 GB, outside vLLM's memory accounting).
-        # Otherwise (the host reads the flags first) every chunk keeps its decoded copy until
-        # wait_loads scatters the good ones.
+        # token 8B prefix: about 1 GB instead of 17 GB, outside vLLM's memory accounting),
+        # and that buffer is kept for the next steps. Otherwise (the host reads the flags
+        # first) every chunk keeps its decoded copy until wait_loads scatters the good ones.
         bounded = self.device_scatter
         cap = max(j1 - j0 for j0, j1 in bounds) if bounded else n
-        out = torch.empty((S, cap, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        if bounded:
+            out = self._ring.decoded((S, cap, *self.block_shape))
+        else:
+            out = torch.empty((S, cap, *self.block_shape), dtype=torch.bfloat16,
+                              device=self.device)  # fmt: skip
         st.load_alloc_seconds += time.perf_counter() - t_alloc
         cur = torch.cuda.current_stream(self.device) if self.decode_stream is not None else None
         for stream in (self.copy_stream, self.decode_stream):
             if stream is not None:
                 stream.wait_stream(cur)
-        events = []
         flat = out.view(-1)
 
-        def prepare(j0, j1):
+        def prepare(g):
             # out is [S, cap, *chunk shape], slot-major; a group's chunks from its row 0
             t = time.perf_counter()
+            (j0, j1), (lo, _) = bounds[g], spans[g]
             rel = j_idx[j0 * S : j1 * S] - (j0 if bounded else 0)
             out_offsets = (s_idx[j0 * S : j1 * S] * cap + rel) * numel
             prep = kvzip_lossless.prepare_decode_batch(
-                blob_dev, offsets[j0 * S : j1 * S], all_plans[j0 * S : j1 * S],
+                ring[g % len(ring)], offsets[j0 * S : j1 * S] - lo, all_plans[j0 * S : j1 * S],
                 tables=self.store.tables, out=flat, out_offsets=out_offsets,
             )  # fmt: skip
             st.load_prepare_seconds += time.perf_counter() - t
             return prep
 
         t_launch, prep0 = time.perf_counter(), st.load_prepare_seconds
+        copied = []  # per group: the event after its copies (CUDA)
+
+        def copy(g):  # (issued on the copy stream once the group's buffer is free)
+            (j0, j1), (lo, _) = bounds[g], spans[g]
+            with self._on(self.copy_stream):
+                self._ring.claim(g % len(ring), self.copy_stream)
+                load.copies += self.store.copy_records(batch, ring[g % len(ring)], j0, j1, lo)
+                if self.copy_stream is not None:
+                    copied.append(torch.cuda.Event())
+                    copied[-1].record(self.copy_stream)
 
         # Where preparing copies nothing (the CUDA decoder reads its descriptors from
-        # page-locked host memory), the bulk copies go first and the host prepares while they
-        # run. Otherwise every group's descriptors go up first, ahead of the bulk copies on the
-        # copy engine: queued behind them, they held the whole decode until the whole copy had
-        # landed (restore = copy + decode: 1.11-1.15x a raw copy on the H200).
+        # page-locked host memory), the copies run ahead of the decodes (a ring's worth) and
+        # the host prepares while they run. Otherwise every group's descriptors go up first,
+        # ahead of the bulk copies on the copy engine: queued behind them, they held the whole
+        # decode until the whole copy had landed (restore = copy + decode: 1.11-1.15x a raw
+        # copy on the H200).
         early = not kvzip_lossless.prepare_copies_nothing(self.device)
         preps = []
-        with self._on(self.copy_stream):
-            if early:
-                preps = [prepare(j0, j1) for j0, j1 in bounds]
-            for j0, j1 in bounds:
-                load.copies += self.store.copy_records(batch, blob_dev, int(j0), int(j1))
-                if self.copy_stream is not None:
-                    events.append(torch.cuda.Event())
-                    events[-1].record(self.copy_stream)
+        if early:
+            with self._on(self.copy_stream):
+                preps = [prepare(g) for g in range(len(bounds))]
+        ahead = min(len(ring) - 1, len(bounds))
+        for g in range(ahead):
+            copy(g)
         bads = []
-        with self._on(self.decode_stream):
-            for g, (j0, j1) in enumerate(bounds):
+        for g, (j0, j1) in enumerate(bounds):
+            if g + ahead < len(bounds):
+                copy(g + ahead)  # its buffer's last decode (group g - 1) is already queued
+            with self._on(self.decode_stream):
                 if not early:
-                    preps.append(prepare(j0, j1))
-                if events:
-                    self.decode_stream.wait_event(events[g])
+                    preps.append(prepare(g))
+                if copied:
+                    self.decode_stream.wait_event(copied[g])
                 bads.append(preps[g].run()[1])
+                self._ring.release(g % len(ring), self.decode_stream)
                 if bounded:  # the group's chunks written before the next group's decode
                     self._scatter_on_device(load, good[j0:j1], out, bads[-1].view(-1, S).amax(1))
+        with self._on(self.decode_stream):
             load.flags = torch.cat(bads).view(n, S).amax(1)  # per chunk, on the device
             if bounded:
                 self._flags_to_host(load)
         load.out = None if bounded else out
         # (the prepared decodes' buffers, allocated on the copy or the decode stream and read
         # on the decode stream: held until the step's sync in wait_loads)
-        load.keep += [blob_dev, records, preps, out]
+        load.keep += [records, preps, out]
         # (the launches' time, less the preparing done between them)
         prep = st.load_prepare_seconds - prep0
         st.load_launch_seconds += time.perf_counter() - t_launch - prep

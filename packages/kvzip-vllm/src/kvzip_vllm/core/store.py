@@ -677,17 +677,26 @@ class BlockStore:
         src = np.array([e.off for e in entries], np.int64)
         return RecordBatch(offsets, int(ext.sum()), base, src, sizes)
 
-    def copy_records(self, batch: RecordBatch, dst: torch.Tensor, j0: int, j1: int) -> int:
+    def copy_records(
+        self, batch: RecordBatch, dst: torch.Tensor, j0: int, j1: int, shift: int = 0
+    ) -> int:
         """Copy the records ``j0 .. j1 - 1`` of ``batch`` into ``dst`` (asynchronously from
-        page-locked memory): one copy per run of records lying back to back in the arena.
-        Returns the copies issued."""
+        page-locked memory), each ``shift`` bytes before its place in the batch's buffer (a
+        group of records into a buffer of its own: ``shift`` is the group's first byte): one
+        copy per run of records lying back to back in the arena. Returns the copies issued."""
+        if not 0 <= shift <= int(batch.base[j0]) or (
+            int(batch.base[j1 - 1] + batch.size[j1 - 1]) - shift > dst.numel()
+        ):
+            raise ValueError(
+                f"records {j0}..{j1 - 1} shifted by {shift} do not fit a {dst.numel()}-byte buffer"
+            )
         src, base, sizes, buf = batch.src, batch.base, batch.size, self.arena.buf
         copies, j = 0, j0
         while j < j1:
             k = j + 1
             while k < j1 and src[k] - src[j] == base[k] - base[j]:
                 k += 1
-            a, s0, end = int(base[j]), int(src[j]), int(src[k - 1] + sizes[k - 1])
+            a, s0, end = int(base[j]) - shift, int(src[j]), int(src[k - 1] + sizes[k - 1])
             dst[a : a + end - s0].copy_(buf[s0:end], non_blocking=True)
             copies += 1
             j = k
