@@ -108,12 +108,13 @@ CASES = [  # B, hkv, G, lens, tokens_per_split: partial pages and tiles, splits,
 ]
 
 
-@pytest.mark.parametrize("variant", ["f8", "cvt"])
+@pytest.mark.parametrize("variant,units", [("f8", 1), ("f8", 2), ("cvt", 1), ("cvt", 2)])
 @pytest.mark.parametrize("B,hkv,G,lens,tps", CASES)
-def test_model_matches_reference(fm, variant, B, hkv, G, lens, tps):
+def test_model_matches_reference(fm, variant, units, B, hkv, G, lens, tps):
     case = fm.make_case(B, hkv, G, max(lens), seed=B * 7 + hkv + G, lens=lens)
     ref = fm.reference(case)
-    out = fm.model(case, variant, tokens_per_split=tps)
+    tps = -(-tps // (32 * units)) * 32 * units  # the kernel's rule: whole tiles per split
+    out = fm.model(case, variant, tokens_per_split=tps, units=units)
     tol = fm.tolerance(case, variant)
     err = float(np.abs(out - ref).max())
     assert np.isfinite(out).all()
@@ -150,15 +151,19 @@ def test_sass_counts(fm):
     assert shutil.which(cuobjdump) or Path(cuobjdump).exists(), (
         f"no cuobjdump (on PATH or in triton's bundle) next to {nvcc}"
     )
-    rows = {(r["variant"], r["arch"]): r for r in fm.sass_counts("90a") + fm.sass_counts("89")}
-    for r in rows.values():
-        assert r["spill_bytes"] == 0, r
-    # per 32-token tile: scores 2 m-tiles x 4 k-steps, PV 8 m-tiles, each k32 = 2 mma
-    cvt = rows[("cvt", "sm_90a")]
-    assert cvt["by_opcode"]["HMMA"] == 32 and cvt["by_class"]["prmt"] == 64
-    assert cvt["per_token_head"] < 27.5  # v6's 4bit d128 loop
-    f8_89 = rows[("f8", "sm_89")]
-    assert f8_89["by_opcode"]["QMMA"] == 32
-    # sm_90 has no synchronous fp8 mma: ptxas emulates it with F2FP + HMMA
-    f8_90 = rows[("f8", "sm_90a")]
-    assert "QMMA" not in f8_90["by_opcode"] and f8_90["by_opcode"]["HMMA"] == 64
+    rows = {
+        (r["variant"], r["units"], r["arch"]): r
+        for r in fm.sass_counts("90a") + fm.sass_counts("89")
+    }
+    assert len(rows) == 8
+    # per 32-token unit: scores 2 m-tiles x 4 k-steps, PV 8 m-tiles, each k32 = 2 mma
+    for u in (1, 2):
+        cvt = rows[("cvt", u, "sm_90a")]  # the Hopper design
+        assert cvt["spill_bytes"] == 0
+        assert cvt["by_opcode"]["HMMA"] == 32 * u and cvt["by_class"]["prmt"] == 64 * u
+        assert cvt["per_token_head"] < 27.5  # v6's 4bit d128 loop
+        f8 = rows[("f8", u, "sm_89")]  # a native fp8 mma.sync (Ada; Blackwell likewise)
+        assert f8["spill_bytes"] == 0 and f8["by_opcode"]["QMMA"] == 32 * u
+        # sm_90 has no synchronous fp8 mma: ptxas emulates each with F2FP + 2 HMMA (+ FADD)
+        f8_90 = rows[("f8", u, "sm_90a")]
+        assert "QMMA" not in f8_90["by_opcode"] and f8_90["by_opcode"]["HMMA"] == 64 * u

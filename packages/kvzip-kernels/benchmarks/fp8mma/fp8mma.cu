@@ -31,13 +31,16 @@
 // channel of page q >> 1): lo codes i <-> block i >> 1, hi codes i <-> block 2 + (i >> 1),
 // token e = i & 1.
 //
-// Pages (1056 bytes each, as today's 66 bytes per token):
-//   K: codes [16 tokens][64 bytes] (lane q's 16 bytes: channels 32q..32q+31, word ks: lo i =
-//      channel 32q + 8ks + i, hi i = 32q + 8ks + 4 + i), then fp16 scales [16].
-//   V: codes [64 channel pairs][16 bytes]: word (2j, h=0), (2j+1, 0), (2j, 1), (2j+1, 1), then
-//      fp16 scales [16]. Value = scale * e4m3(code).
-// The cache: uint8 [num_blocks][kv_heads][2][PAGE]: a head's K page, then its V page (one base
-// address per page and head; blocks strided by blk_stride bytes).
+// A page (16 tokens of one KV head): 1024 bytes of K codes, 1024 of V codes, 16 + 16 fp16
+// scales: 132 bytes per token and head, as today's `4bit` (2 x 66).
+//   K codes [16 tokens][64 bytes] (lane q's 16 bytes: channels 32q..32q+31, word ks: lo i =
+//      channel 32q + 8ks + i, hi i = 32q + 8ks + 4 + i).
+//   V codes [64 channel pairs][16 bytes]: word (2j, h=0), (2j+1, 0), (2j, 1), (2j+1, 1).
+//   Value = scale * e4m3(code).
+// The cache (codes and scales as separate arrays of each block, spec/4bit.md section 5 allows
+// it): block = [kv_heads][K codes, V codes] (2048 bytes per head) then [kv_heads][K scales,
+// V scales] (64 bytes per head); blocks blk_stride bytes apart. A page's codes are then 128
+// chunks of 16 bytes, 4 per lane, and the 2U pages' scales of a tile 4 chunks each.
 #include <stdint.h>
 
 #define FULL_MASK 0xffffffffu
@@ -46,14 +49,15 @@ namespace {
 
 constexpr int D = 128;
 constexpr int PS = 16;              // page size (tokens)
-constexpr int PAGE = 16 * 64 + 32;  // K and V page bytes
+constexpr int CODES = 2048;          // a page's K and V codes
 constexpr int NW = 4;               // warps per CTA
 constexpr int S = 2;                // ring stages per warp
-// a stage: pages A and B, each its K page then its V page, as the cache holds them (page B's
-// V codes start 2 PAGE = 64 mod 128 bytes after page A's: the two pages' 64-bit V loads of a
-// half-warp fall in different banks)
-constexpr int STAGE = 4 * PAGE;
-constexpr int KOFF0 = 0, VOFF0 = PAGE, KOFF1 = 2 * PAGE, VOFF1 = 3 * PAGE;
+// A ring stage of U units (2U pages): page k's codes at pg_off(k) (K, then V at +1024; odd
+// pages 64 bytes further, so that a unit's two pages' 64-bit V loads of a half-warp fall in
+// different banks), then the scales: page k's K scales at scale_off(U) + 64 k, V at + 32.
+__host__ __device__ constexpr int pg_off(int k) { return k * CODES + 64 * (k & 1); }
+__host__ __device__ constexpr int scale_off(int U) { return 2 * U * CODES + 64; }
+__host__ __device__ constexpr int stage_bytes(int U) { return scale_off(U) + 2 * U * 64; }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -194,10 +198,15 @@ struct Params {
 
 extern __shared__ __align__(16) uint8_t dyn_smem[];
 
-template <bool F8>
-__global__ void __launch_bounds__(NW * 32, F8 ? 3 : 4) fp8mma_split(const Params P) {
+// U 32-token units (each two consecutive pages, the layout above) per warp tile, sharing one
+// online-softmax update and one ring stage (U = 2: 64 tokens, 4 pages)
+template <bool F8, int U>
+__global__ void __launch_bounds__(NW * 32, (F8 || U > 1) ? 3 : 4) fp8mma_split(const Params P) {
+  constexpr int TT = 32 * U;          // tokens per tile
+  constexpr int STG = stage_bytes(U);  // bytes per ring stage
+  constexpr int BIDT = 32 / (2 * U);  // tiles whose block ids one load holds (a lane per page)
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) +
-                        (threadIdx.x / 32) * (S * STAGE);  // this warp's ring
+                        (threadIdx.x / 32) * (S * STG);  // this warp's ring
   __shared__ float sm_m[NW][8], sm_l[NW][8];
 
   const int bh = blockIdx.x, split = blockIdx.y;
@@ -208,36 +217,38 @@ __global__ void __launch_bounds__(NW * 32, F8 ? 3 : 4) fp8mma_split(const Params
   const int seq_len = P.sl[b];
   const int tok_lo = split * P.tokens_per_split;
   const int tok_hi = min(seq_len, tok_lo + P.tokens_per_split);
-  const int tile_lo = tok_lo / 32;
-  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 31) / 32 : tile_lo;
+  const int tile_lo = tok_lo / TT;
+  const int tile_hi = tok_lo < tok_hi ? (tok_hi + TT - 1) / TT : tile_lo;
   const int npages = (seq_len + PS - 1) / PS;
   const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
   const int first = tile_lo + warp;
   const int ntiles = first < tile_hi ? (tile_hi - first + NW - 1) / NW : 0;
-  const uint8_t* kvh = P.kv + (int64_t)h * 2 * PAGE + 16 * lane;
+  const uint8_t* kvh = P.kv + h * CODES + 16 * lane;  // + block * blk_stride
+  const uint8_t* sch = P.kv + P.num_kv_heads * CODES + h * 64 + 16 * (lane & 3);
 
-  int bidA = 0, bidB = -1;  // lane l: the blocks of tile (base + l)'s two pages (-1: none)
+  // lane l: the block of page l % (2U) of this warp's tile base + l / (2U) (-1: none)
+  int bid = -1;
   auto load_bids = [&](int base) {
-    const int u = first + (base + lane) * NW;
-    bidA = u < tile_hi ? btrow[2 * u] : 0;
-    bidB = u < tile_hi && 2 * u + 1 < npages ? btrow[2 * u + 1] : -1;
+    const int u = first + (base + lane / (2 * U)) * NW;
+    const int page = 2 * U * u + lane % (2 * U);
+    bid = u < tile_hi && page < npages ? btrow[page] : -1;
   };
   auto issue = [&](int n) {
     const int u = first + n * NW;
     if (u >= tile_hi) return;  // warp-uniform
-    const int ba = __shfl_sync(FULL_MASK, bidA, n & 31);
-    const int bb = __shfl_sync(FULL_MASK, bidB, n & 31);
-    const uint32_t dst = ring + (n % S) * STAGE + 16 * lane;
-    // a page's K and V: 2 PAGE = 132 chunks of 16 bytes: 4 per lane, and 4 lanes one more
-    const uint8_t* src = kvh + (int64_t)ba * P.blk_stride;
+    const uint32_t dst = ring + (n % S) * STG;
+    const int base = (n % BIDT) * 2 * U;
+    // the scales: lane l < 8U copies chunk l % 4 of page l / 4
+    const int bs = __shfl_sync(FULL_MASK, bid, base + (lane >> 2) % (2 * U));
+    if (lane < 8 * U && bs >= 0)
+      cp_async16(dst + scale_off(U) + 16 * lane, sch + (uint64_t)(uint32_t)bs * P.blk_stride);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async16(dst + 512 * i, src + 512 * i);
-    if (lane < 4) cp_async16(dst + 2048, src + 2048);
-    if (bb >= 0) {
-      src = kvh + (int64_t)bb * P.blk_stride;
+    for (int k = 0; k < 2 * U; ++k) {  // a page's codes: 4 chunks per lane
+      const int bk = __shfl_sync(FULL_MASK, bid, base + k);
+      if (bk < 0) break;  // warp-uniform: the sequence ended in the page before
+      const uint8_t* src = kvh + (uint64_t)(uint32_t)bk * P.blk_stride;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) cp_async16(dst + 2 * PAGE + 512 * i, src + 512 * i);
-      if (lane < 4) cp_async16(dst + 2 * PAGE + 2048, src + 2048);
+      for (int i = 0; i < 4; ++i) cp_async16(dst + pg_off(k) + 16 * lane + 512 * i, src + 512 * i);
     }
   };
 
@@ -282,54 +293,61 @@ __global__ void __launch_bounds__(NW * 32, F8 ? 3 : 4) fp8mma_split(const Params
     cp_async_wait<S - 2>();
     __syncwarp();
     const int nn = n + S - 1;
-    if ((nn & 31) == 0) load_bids(nn);
+    if (nn % BIDT == 0) load_bids(nn);
     if (nn < ntiles) issue(nn);
     cp_async_commit();
 
-    const uint32_t st = ring + (n % S) * STAGE;
-    const int t0 = (first + n * NW) * 32;
+    const uint32_t st0 = ring + (n % S) * STG;
     const int pg = g >> 2;
-    const uint32_t kpage = st + (pg ? KOFF1 : KOFF0), vpage = st + (pg ? VOFF1 : VOFF0);
-    // scores: m-tile t, rows g (position 8t + (g & 3) of page g >> 2) and g+8 (8t + 4 + ..):
-    // s = acc * k_scale (* q's row scale) + (0 or -inf where the token is not in the split)
-    float s[2][4], vsc[2][2];
+    // scores of unit e: m-tile t, rows g (position 8t + (g & 3) of the unit's page g >> 2) and
+    // g+8 (8t + 4 + ..): s = acc * k_scale (* q's row scale) + (0 or -inf outside the split)
+    float s[U][2][4], vsc[U][2][2];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      uint4 kw[2];
-      float kk[2], bias[2];
+    for (int e = 0; e < U; ++e) {
+      const int t0 = (first + n * NW) * TT + 32 * e;
+      const uint32_t kpage = st0 + pg_off(2 * e + pg);
+      const uint32_t ksc0 = st0 + scale_off(U) + 64 * (2 * e + pg);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int pos = 8 * t + 4 * r + (g & 3);
-        const int tok = t0 + 16 * pg + pos;
-        const bool valid = tok >= tok_lo && tok < tok_hi;
-        kw[r] = lds128(kpage + pos * 64 + 16 * q);
-        const float ksc = lds_f16(kpage + 1024 + 2 * pos);
-        const float v = lds_f16(vpage + 1024 + 2 * pos);
-        kk[r] = valid ? ksc : 0.f;
-        bias[r] = valid ? 0.f : neg_inf();
-        vsc[t][r] = valid ? v * pscale : 0.f;
-      }
-      float acc_s[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t w0[4] = {kw[0].x, kw[0].y, kw[0].z, kw[0].w};
-      const uint32_t w1[4] = {kw[1].x, kw[1].y, kw[1].z, kw[1].w};
+      for (int t = 0; t < 2; ++t) {
+        uint4 kw[2];
+        float kk[2], bias[2];
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        uint32_t a[4];
-        decode(w0[ks], T0, T1, a[0], a[2]);
-        decode(w1[ks], T0, T1, a[1], a[3]);
-        k32<F8>(acc_s, a, bq[ks]);
-      }
+        for (int r = 0; r < 2; ++r) {
+          const int pos = 8 * t + 4 * r + (g & 3);
+          const int tok = t0 + 16 * pg + pos;
+          const bool valid = tok < tok_hi;  // tok >= tok_lo: tiles start at split starts
+          kw[r] = lds128(kpage + pos * 64 + 16 * q);
+          const float ksc = lds_f16(ksc0 + 2 * pos);
+          const float v = lds_f16(ksc0 + 32 + 2 * pos);
+          kk[r] = valid ? ksc : 0.f;
+          bias[r] = valid ? 0.f : neg_inf();
+          vsc[e][t][r] = valid ? v * pscale : 0.f;
+        }
+        float acc_s[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint32_t w0[4] = {kw[0].x, kw[0].y, kw[0].z, kw[0].w};
+        const uint32_t w1[4] = {kw[1].x, kw[1].y, kw[1].z, kw[1].w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float k = F8 ? kk[i >> 1] * colc[i & 1] : kk[i >> 1];
-        s[t][i] = fmaf(acc_s[i], k, bias[i >> 1]);
+        for (int ks = 0; ks < 4; ++ks) {
+          uint32_t a[4];
+          decode(w0[ks], T0, T1, a[0], a[2]);
+          decode(w1[ks], T0, T1, a[1], a[3]);
+          k32<F8>(acc_s, a, bq[ks]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float k = F8 ? kk[i >> 1] * colc[i & 1] : kk[i >> 1];
+          s[e][t][i] = fmaf(acc_s[i], k, bias[i >> 1]);
+        }
       }
     }
     // online softmax over the tile (columns = heads 2q, 2q+1)
-    float alpha[2], p[2][4];
+    float alpha[2], p[U][2][4];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      float mx = fmaxf(fmaxf(s[0][c], s[0][2 + c]), fmaxf(s[1][c], s[1][2 + c]));
+      float mx = neg_inf();
+#pragma unroll
+      for (int e = 0; e < U; ++e)
+        mx = fmaxf(mx, fmaxf(fmaxf(s[e][0][c], s[e][0][2 + c]), fmaxf(s[e][1][c], s[e][1][2 + c])));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 8));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 16));
@@ -339,11 +357,13 @@ __global__ void __launch_bounds__(NW * 32, F8 ? 3 : 4) fp8mma_split(const Params
       alpha[c] = none ? 1.f : fast_exp2(m_i[c] - m_use);
       float sum = 0.f;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        p[t][c] = fast_exp2(s[t][c] - m_use);
-        p[t][2 + c] = fast_exp2(s[t][2 + c] - m_use);
-        sum += p[t][c] + p[t][2 + c];
-      }
+      for (int e = 0; e < U; ++e)
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          p[e][t][c] = fast_exp2(s[e][t][c] - m_use);
+          p[e][t][2 + c] = fast_exp2(s[e][t][2 + c] - m_use);
+          sum += p[e][t][c] + p[e][t][2 + c];
+        }
       l_i[c] = l_i[c] * alpha[c] + sum;
       m_i[c] = m_new;
     }
@@ -356,38 +376,43 @@ __global__ void __launch_bounds__(NW * 32, F8 ? 3 : 4) fp8mma_split(const Params
         acc[mt][3] *= alpha[1];
       }
     }
-    // P' = p * v_scale * pscale per block (fp16), transposed: M[blk] = (rows 2q, 2q+1; head g)
-    uint32_t M[4];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      M[2 * t] = movmatrix_trans(pack_f16x2(p[t][0] * vsc[t][0], p[t][1] * vsc[t][0]));
-      M[2 * t + 1] = movmatrix_trans(pack_f16x2(p[t][2] * vsc[t][1], p[t][3] * vsc[t][1]));
-    }
-    uint32_t bp[4];
-    if constexpr (F8) {  // b0 = blocks 0, 1; b1 = blocks 2, 3; hi then lo
-      uint32_t hi8[4], lo8[4];
+    for (int e = 0; e < U; ++e) {
+      // P' = p v_scale pscale per block (fp16), transposed: M[blk] = (rows 2q, 2q+1; head g)
+      uint32_t M[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        hi8[k] = f16x2_to_e4m3x2(M[k]);
-        lo8[k] = f16x2_to_e4m3x2(hsub2(M[k], e4m3x2_to_f16x2<false>(hi8[k])));
+      for (int t = 0; t < 2; ++t) {
+        M[2 * t] = movmatrix_trans(
+            pack_f16x2(p[e][t][0] * vsc[e][t][0], p[e][t][1] * vsc[e][t][0]));
+        M[2 * t + 1] = movmatrix_trans(
+            pack_f16x2(p[e][t][2] * vsc[e][t][1], p[e][t][3] * vsc[e][t][1]));
       }
-      bp[0] = hi8[0] | (hi8[1] << 16);
-      bp[1] = hi8[2] | (hi8[3] << 16);
-      bp[2] = lo8[0] | (lo8[1] << 16);
-      bp[3] = lo8[2] | (lo8[3] << 16);
-    } else {  // k-pairs (0, 1): lo codes 0, 1 = block 0, hi 0, 1 = block 2; (2, 3): blocks 1, 3
-      bp[0] = M[0], bp[1] = M[2], bp[2] = M[1], bp[3] = M[3];
-    }
-    // O^T += V^T P'^T: m-tile mt rows g (channel 2j), g+8 (2j+1), j = 8 mt + g; words of half
-    // q & 1 of page q >> 1
-    const uint32_t vrow = st + ((q >> 1) ? VOFF1 : VOFF0) + 16 * g + 8 * (q & 1);
+      uint32_t bp[4];
+      if constexpr (F8) {  // b0 = blocks 0, 1; b1 = blocks 2, 3; hi then lo
+        uint32_t hi8[4], lo8[4];
 #pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
-      const uint2 w = lds64(vrow + 128 * mt);
-      uint32_t a[4];
-      decode(w.x, T0, T1, a[0], a[2]);
-      decode(w.y, T0, T1, a[1], a[3]);
-      k32<F8>(acc[mt], a, bp);
+        for (int k = 0; k < 4; ++k) {
+          hi8[k] = f16x2_to_e4m3x2(M[k]);
+          lo8[k] = f16x2_to_e4m3x2(hsub2(M[k], e4m3x2_to_f16x2<false>(hi8[k])));
+        }
+        bp[0] = hi8[0] | (hi8[1] << 16);
+        bp[1] = hi8[2] | (hi8[3] << 16);
+        bp[2] = lo8[0] | (lo8[1] << 16);
+        bp[3] = lo8[2] | (lo8[3] << 16);
+      } else {  // k-pairs (0, 1): lo codes 0, 1 = block 0, hi 0, 1 = block 2; (2, 3): 1, 3
+        bp[0] = M[0], bp[1] = M[2], bp[2] = M[1], bp[3] = M[3];
+      }
+      // O^T += V^T P'^T: m-tile mt rows g (channel 2j), g+8 (2j+1), j = 8 mt + g; words of
+      // half q & 1 of the unit's page q >> 1
+      const uint32_t vrow = st0 + pg_off(2 * e + (q >> 1)) + 1024 + 16 * g + 8 * (q & 1);
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt) {
+        const uint2 w = lds64(vrow + 128 * mt);
+        uint32_t a[4];
+        decode(w.x, T0, T1, a[0], a[2]);
+        decode(w.y, T0, T1, a[1], a[3]);
+        k32<F8>(acc[mt], a, bp);
+      }
     }
   }
   cp_async_wait<0>();
@@ -435,20 +460,21 @@ __global__ void __launch_bounds__(NW * 32, F8 ? 3 : 4) fp8mma_split(const Params
   }
 }
 
-constexpr int SMEM = NW * S * STAGE;
-static_assert(SMEM >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
+template <int U>
+constexpr int smem_bytes() { return NW * S * stage_bytes(U); }
+static_assert(smem_bytes<1>() >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
 
-template <bool F8>
+template <bool F8, int U>
 int launch(const Params& p, int batch, cudaStream_t stream) {
   static bool attr = false;
   if (!attr) {
     const cudaError_t e = cudaFuncSetAttribute(
-        fp8mma_split<F8>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+        fp8mma_split<F8, U>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<U>());
     if (e != cudaSuccess) return (int)e;
     attr = true;
   }
   dim3 grid(batch * p.num_kv_heads, p.num_splits);
-  fp8mma_split<F8><<<grid, NW * 32, SMEM, stream>>>(p);
+  fp8mma_split<F8, U><<<grid, NW * 32, smem_bytes<U>(), stream>>>(p);
   return (int)cudaGetLastError();
 }
 
@@ -457,21 +483,23 @@ int launch(const Params& p, int batch, cudaStream_t stream) {
 extern "C" {
 
 // variant: 1 = F8 (e4m3 mma, q = e4m3 [rows][2][128] hi, lo), 0 = cvt (f16 mma, q = fp16
-// [rows][128]). Returns a cudaError_t, or 1000 + x for an unsupported argument.
+// [rows][128]); units: 32-token units per warp tile (1 or 2; tokens_per_split a multiple of
+// 32 units). Returns a cudaError_t, or 1000 + x for an unsupported argument.
 int fp8mma_split_launch(int variant, const void* q, const float* qs, const uint8_t* kv,
                         const int32_t* bt, const int32_t* sl, float* o_part,
                         float* lse, unsigned t0, unsigned t1, float pscale, long long stride_btb,
                         int batch, int num_kv_heads, int G, long long blk_stride,
-                        int tokens_per_split, int num_splits, void* stream) {
+                        int tokens_per_split, int num_splits, int units, void* stream) {
   if (G < 1 || G > 8) return 1001;
-  if (tokens_per_split % 32) return 1002;
-  if (blk_stride % 16) return 1004;
+  if ((units != 1 && units != 2) || tokens_per_split % (32 * units)) return 1002;
+  if (blk_stride % 16 || blk_stride >= (1ll << 32)) return 1004;
   Params p{static_cast<const uint8_t*>(q), qs, kv, bt, sl, o_part, lse, t0, t1, pscale,
            stride_btb, num_kv_heads, G, blk_stride, tokens_per_split, num_splits};
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  return variant ? launch<true>(p, batch, s) : launch<false>(p, batch, s);
+  if (units == 2) return variant ? launch<true, 2>(p, batch, s) : launch<false, 2>(p, batch, s);
+  return variant ? launch<true, 1>(p, batch, s) : launch<false, 1>(p, batch, s);
 }
 
-int fp8mma_smem_bytes() { return SMEM; }
+int fp8mma_smem_bytes(int units) { return units == 2 ? smem_bytes<2>() : smem_bytes<1>(); }
 
 }  // extern "C"

@@ -39,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE / "fp8mma.cu"
 D = 128
 PS = 16
-PAGE = PS * 64 + 2 * PS  # K and V page bytes: 1056, as today's 66 bytes per token
+PAGE = PS * 64 + 2 * PS  # a K (or V) page as one array: 1024 code bytes, 16 fp16 scales
+CODES = 2 * PS * 64  # a page's K and V codes in the cache (the scales apart: to_cache)
 TILE = 32
 
 # ---- e4m3 ------------------------------------------------------------------------------------
@@ -248,9 +249,10 @@ def make_case(B, hkv, G, ctx, seed=0, num_blocks=None, lens=None):
     for b in range(B):
         bt[b, : pages[b]] = perm[used : used + pages[b]]
         used += pages[b]
-    # the cache: [blocks, kv heads, (K page, V page)]; blocks no sequence uses: random bytes
-    kv = rng.integers(0, 256, (nb, hkv, 2, PAGE), dtype=np.uint8)
-    kc, vc = kv[:, :, 0], kv[:, :, 1]
+    # K and V pages [blocks, kv heads, PAGE] (to_cache lays them out for the kernel); blocks
+    # no sequence uses: random bytes
+    kc = rng.integers(0, 256, (nb, hkv, PAGE), dtype=np.uint8)
+    vc = rng.integers(0, 256, (nb, hkv, PAGE), dtype=np.uint8)
     for b in range(B):
         for p in range(pages[b]):
             n = min(PS, int(lens[b]) - p * PS)
@@ -263,7 +265,17 @@ def make_case(B, hkv, G, ctx, seed=0, num_blocks=None, lens=None):
                         sc[n:] = 60000.0
                     arr[bt[b, p], h] = pack(codes, sc)
     q = rng.standard_normal((B, hkv * G, D)) * rng.uniform(0.5, 2, (B, hkv * G, 1))
+    kv = to_cache(kc, vc)
     return dict(q=q, kv=kv, kc=kc, vc=vc, bt=bt, sl=lens.astype(np.int32), hkv=hkv, G=G)
+
+
+def to_cache(kc: np.ndarray, vc: np.ndarray) -> np.ndarray:
+    """K and V pages [blocks, H, PAGE] -> the kernel's cache uint8 [blocks, H * (CODES + 64)]:
+    per block [H][K codes, V codes] then [H][K scales, V scales] (fp8mma.cu's header)."""
+    nb, H = kc.shape[:2]
+    codes = np.concatenate([kc[..., : PS * 64], vc[..., : PS * 64]], axis=-1)  # [nb, H, 2048]
+    scales = np.concatenate([kc[..., PS * 64 :], vc[..., PS * 64 :]], axis=-1)  # [nb, H, 64]
+    return np.concatenate([codes.reshape(nb, -1), scales.reshape(nb, -1)], axis=-1)
 
 
 def gather(case, b, h):
@@ -595,8 +607,9 @@ def _p_fragments(variant, p, vsc):
             lo8[2] | lo8[3] << s16]  # fmt: skip
 
 
-def model(case, variant: str = "f8", tokens_per_split=64, nw=4) -> np.ndarray:
-    """The kernel's lanes in numpy: per (sequence, KV head, split, warp) the 32-token tiles,
+def model(case, variant: str = "f8", tokens_per_split=64, nw=4, units=1) -> np.ndarray:
+    """The kernel's lanes in numpy: per (sequence, KV head, split, warp) the tiles of ``units``
+    32-token units (two pages each) sharing one online-softmax update,
     the code words read as the lanes read them and decoded by :func:`decode_word`, the mma
     fragments of the PTX ISA (f8: m16n8k32 e4m3; cvt: the registers converted to fp16 and
     m16n8k16), the online softmax per column, P' through fp16, movmatrix and (f8) e4m3 hi + lo,
@@ -623,15 +636,24 @@ def model(case, variant: str = "f8", tokens_per_split=64, nw=4) -> np.ndarray:
                 for w in range(nw):
                     m_i, l_i = np.full(8, -np.inf), np.zeros(8)
                     acc = np.zeros((D, 8))  # O^T: channel, head
-                    for u in range(tok_lo // TILE + w, -(-tok_hi // TILE), nw):
-                        pages = []
-                        for pg in (2 * u, 2 * u + 1):
-                            if pg < npages:
-                                blk = case["bt"][b, pg]
-                                pages.append((case["kc"][blk, h], case["vc"][blk, h]))
-                            else:  # not copied: stale shared memory, masked
-                                pages.append((np.zeros(PAGE, np.uint8),) * 2)
-                        S, vsc = _tile(variant, pages, u, tok_lo, tok_hi, bq, colc, ps, t0, t1)
+                    tt = TILE * units
+                    for u in range(tok_lo // tt + w, -(-tok_hi // tt), nw):
+                        pages, Ss, vscs = [], [], []
+                        for e in range(units):
+                            unit = []
+                            for pg in (2 * (units * u + e), 2 * (units * u + e) + 1):
+                                if pg < npages:
+                                    blk = case["bt"][b, pg]
+                                    unit.append((case["kc"][blk, h], case["vc"][blk, h]))
+                                else:  # not copied: stale shared memory, masked
+                                    unit.append((np.zeros(PAGE, np.uint8),) * 2)
+                            pages.append(unit)
+                            S, vsc = _tile(
+                                variant, unit, units * u + e, tok_lo, tok_hi, bq, colc, ps, t0, t1
+                            )
+                            Ss.append(S)
+                            vscs.append(vsc)
+                        S = np.concatenate(Ss)
                         mx = np.maximum(m_i, S.max(axis=0))
                         m_use = np.where(np.isneginf(mx), 0.0, mx)
                         alpha = np.where(np.isneginf(mx), 1.0, np.exp2(m_i - m_use))
@@ -639,18 +661,21 @@ def model(case, variant: str = "f8", tokens_per_split=64, nw=4) -> np.ndarray:
                         l_i = l_i * alpha + p.sum(axis=0)
                         m_i = mx
                         acc *= alpha
-                        bp = _p_fragments(variant, p, vsc)
-                        for mt in range(8):
-                            vp = [pages[x][1] for x in LQ >> 1]
-                            off = 16 * (8 * mt + LG) + 8 * (LQ & 1)
-                            we = np.array([_word_at(vp[ln], [off[ln]])[0] for ln in range(32)])
-                            wo = np.array([_word_at(vp[ln], [off[ln] + 4])[0] for ln in range(32)])
-                            a0, a2 = decode_word(we, t0, t1)
-                            a1, a3 = decode_word(wo, t0, t1)
-                            o = k32(variant, [a0, a1, a2, a3], bp)
-                            # rows g -> channel 16 mt + 2g, g+8 -> 16 mt + 2g + 1
-                            acc[16 * mt + 2 * np.arange(8)] += o[:8]
-                            acc[16 * mt + 2 * np.arange(8) + 1] += o[8:]
+                        for e in range(units):
+                            bp = _p_fragments(variant, p[TILE * e : TILE * (e + 1)], vscs[e])
+                            for mt in range(8):
+                                vp = [pages[e][x][1] for x in LQ >> 1]
+                                off = 16 * (8 * mt + LG) + 8 * (LQ & 1)
+                                we = np.array([_word_at(vp[ln], [off[ln]])[0] for ln in range(32)])
+                                wo = np.array(
+                                    [_word_at(vp[ln], [off[ln] + 4])[0] for ln in range(32)]
+                                )
+                                a0, a2 = decode_word(we, t0, t1)
+                                a1, a3 = decode_word(wo, t0, t1)
+                                o = k32(variant, [a0, a1, a2, a3], bp)
+                                # rows g -> channel 16 mt + 2g, g+8 -> 16 mt + 2g + 1
+                                acc[16 * mt + 2 * np.arange(8)] += o[:8]
+                                acc[16 * mt + 2 * np.arange(8) + 1] += o[8:]
                     warps.append((m_i, l_i, acc))
                 mx = np.max([x[0] for x in warps], axis=0)
                 L, O = np.zeros(8), np.zeros((D, 8))
@@ -741,7 +766,11 @@ def sass_counts(arch: str = "90a") -> list[dict]:
     instructions (the shortest backward branch around the mma instructions: one warp's
     32-token tile) by opcode and class, per token and KV head (/ 32)."""
     log, sass = compile_sass(arch)
-    name = lambda s: "f8" if "ILb1E" in s else "cvt"  # noqa: E731
+
+    def name(mangled: str) -> tuple[str, int]:
+        m = re.search(r"fp8mma_splitILb([01])ELi(\d)E", mangled)
+        return ("f8" if m[1] == "1" else "cvt", int(m[2]))
+
     res: dict = {}
     cur = None
     for ln in log.splitlines():
@@ -774,18 +803,20 @@ def sass_counts(arch: str = "90a") -> list[dict]:
         by = collections.Counter(CLASSES.get(op.split(".")[0], "other") for op in body)
         rows.append(
             dict(
-                variant=key,
+                variant=key[0],
+                units=key[1],
+                tile_tokens=TILE * key[1],
                 arch=f"sm_{arch}",
                 **res.get(key, {}),
-                dynamic_smem_bytes=4 * 2 * 4 * PAGE,
+                dynamic_smem_bytes=4 * 2 * (2 * key[1] * (CODES + 64) + 64),
                 loop_instr=len(body),
-                per_token_head=round(len(body) / TILE, 2),
+                per_token_head=round(len(body) / (TILE * key[1]), 2),
                 by_class=dict(sorted(by.items())),
                 by_opcode=dict(sorted(ops.items(), key=lambda x: -x[1])),
                 whole_kernel_instr=len(ins),
             )
         )
-    return sorted(rows, key=lambda r: r["variant"])
+    return sorted(rows, key=lambda r: (r["variant"], r["units"]))
 
 
 def _nvcc_version() -> str:
@@ -797,7 +828,8 @@ def cmd_sass(a) -> None:
     rows = sass_counts("90a") + sass_counts("89")
     for x in rows:
         print(
-            f"{x['variant']:4s} {x['arch']:7s} regs {x.get('regs')} spill {x.get('spill_bytes')} "
+            f"{x['variant']:4s} U{x['units']} {x['arch']:7s} regs {x.get('regs')} "
+            f"spill {x.get('spill_bytes')} "
             f"smem {x.get('static_smem_bytes')}+{x['dynamic_smem_bytes']} loop {x['loop_instr']} "
             f"= {x['per_token_head']} /token-head {x['by_class']}"
         )
@@ -821,17 +853,18 @@ def cmd_sass(a) -> None:
             "",
             f"{doc['date']}, {doc['device']}, {doc['nvcc']}; `{doc['command']}`.",
             "Loop = the shortest backward branch around the mma instructions (one warp's",
-            "32-token tile); per token-head = loop / 32. v6 4bit d128: 27.5.",
+            "tile of U x 32 tokens); per token-head = loop / (32 U). v6 4bit d128: 27.5.",
             "",
-            "| variant | arch | loop instr | per token-head | registers | spill bytes "
+            "| variant | U | arch | loop instr | per token-head | registers | spill bytes "
             "| smem static + dynamic | mma | prmt | lop3 | shf | f2fp | lds | other classes |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for x in rows:
             c = dict(x["by_class"])
             main = [c.pop(k, 0) for k in ("mma", "prmt", "lop3", "shf", "f2fp", "lds")]
             md.append(
-                f"| {x['variant']} | {x['arch']} | {x['loop_instr']} | {x['per_token_head']} | "
+                f"| {x['variant']} | {x['units']} | {x['arch']} | {x['loop_instr']} | "
+                f"{x['per_token_head']} | "
                 f"{x.get('regs')} | {x.get('spill_bytes')} | {x.get('static_smem_bytes')} + "
                 f"{x['dynamic_smem_bytes']} | "
                 + " | ".join(map(str, main))
@@ -862,26 +895,26 @@ def build(cache: Path | None = None):
     lib.fp8mma_split_launch.restype = c.c_int
     lib.fp8mma_split_launch.argtypes = (
         [c.c_int] + [c.c_void_p] * 7 + [c.c_uint, c.c_uint, c.c_float, c.c_longlong]
-        + [c.c_int] * 3 + [c.c_longlong, c.c_int, c.c_int, c.c_void_p]
+        + [c.c_int] * 3 + [c.c_longlong, c.c_int, c.c_int, c.c_int, c.c_void_p]
     )  # fmt: skip
     return lib
 
 
 class Decoder:
     """One planned fp8mma call on the GPU: the query's operand (torch, on the device), the split
-    kernel, the splits' merge (torch). ``kv``: uint8 [blocks, kv heads, 2, PAGE]."""
+    kernel, the splits' merge (torch). ``kv``: uint8 [blocks, H * (CODES + 64)] (to_cache)."""
 
-    def __init__(self, lib, variant, kv, bt, sl, hkv, G, pscale, tokens_per_split=None):
+    def __init__(self, lib, variant, kv, bt, sl, hkv, G, pscale, tokens_per_split=None, units=2):
         import torch
 
         self.lib, self.variant = lib, variant
         self.kv, self.bt, self.sl = kv, bt, sl
-        self.B, self.hkv, self.G, self.pscale = bt.shape[0], hkv, G, pscale
+        self.B, self.hkv, self.G, self.pscale, self.units = bt.shape[0], hkv, G, pscale, units
         ctx = int(sl.max().item())
         if tokens_per_split is None:  # ~4 CTAs per SM, splits of >= 256 tokens
             sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
             splits = max(1, min(ctx // 256, -(-4 * sms // (self.B * hkv))))
-            tokens_per_split = -(-ctx // (splits * TILE)) * TILE
+            tokens_per_split = -(-ctx // (splits * TILE * units)) * TILE * units
         self.tps = tokens_per_split
         self.splits = -(-ctx // tokens_per_split)
         rows = self.B * hkv * G
@@ -912,7 +945,8 @@ class Decoder:
             1 if self.variant == "f8" else 0, op.data_ptr(), qs.data_ptr(), self.kv.data_ptr(),
             self.bt.data_ptr(), self.sl.data_ptr(), self.o_part.data_ptr(), self.lse.data_ptr(),
             self.t0, self.t1, self.pscale, self.bt.stride(0), self.B, self.hkv, self.G,
-            self.kv.stride(0), self.tps, self.splits, torch.cuda.current_stream().cuda_stream,
+            self.kv.stride(0), self.tps, self.splits, self.units,
+            torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         if err:
             raise RuntimeError(f"fp8mma_split_launch: error {err}")
@@ -946,6 +980,7 @@ def _median_us(torch, fn, iters, warmup):
     return statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3
 
 
+VARIANTS = [("cvt", 2), ("cvt", 1), ("f8", 2), ("f8", 1)]  # (variant, 32-token units per tile)
 CHECKS = [  # B, kv heads, G, lens, tokens per split (None: the timing's rule)
     (2, 2, 4, [300, 77], 64),
     (1, 1, 4, [1000], 128),
@@ -961,20 +996,21 @@ CONFIGS = [("8b", 32, 8, b, c) for c in (32768, 131072) for b in (8, 32)] + [
 def _check(torch, lib, dev) -> list[dict]:
     """Both variants against :func:`reference` on :data:`CHECKS`, within :func:`tolerance`."""
     rows = []
-    for variant in ("f8", "cvt"):
-        for B, hkv, G, lens, tps in CHECKS:
-            case = make_case(B, hkv, G, max(lens), seed=B + hkv, lens=lens)
-            ref = reference(case)
-            tol = tolerance(case, variant)
+    for B, hkv, G, lens, tps in CHECKS:
+        case = make_case(B, hkv, G, max(lens), seed=B + hkv, lens=lens)
+        ref = reference(case)
+        tols = {v: tolerance(case, v) for v in ("f8", "cvt")}
+        for variant, units in VARIANTS:
+            tol = tols[variant]
             t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
             dec = Decoder(lib, variant, t(case["kv"]), t(case["bt"]), t(case["sl"]), hkv, G,
-                          p_scale(case), tps)  # fmt: skip
+                          p_scale(case), tps, units)  # fmt: skip
             o = dec(torch.from_numpy(case["q"]).float().to(dev)).double().cpu().numpy()
             err = float(np.abs(o - ref).max())
             ok = bool(err <= tol and np.isfinite(o).all())
-            rows.append(dict(variant=variant, B=B, hkv=hkv, G=G, lens=lens, ok=ok,
+            rows.append(dict(variant=variant, units=units, B=B, hkv=hkv, G=G, lens=lens, ok=ok,
                              tokens_per_split=dec.tps, max_abs_err=err, tol=tol))  # fmt: skip
-            print(f"check {variant} B{B} hkv{hkv} G{G} {lens}: max abs err {err:.3e} "
+            print(f"check {variant} U{units} B{B} hkv{hkv} G{G} {lens}: max abs err {err:.3e} "
                   f"(tol {tol:.3e}) {'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return rows
 
@@ -995,15 +1031,17 @@ def _time(torch, lib, dev, a, shape, hq, hkv, B, ctx) -> dict:
     sl = torch.full((B,), ctx, dtype=torch.int32, device=dev)
     q = torch.randn(B, hq, D, device=dev, generator=gen, dtype=torch.bfloat16)
     row = dict(shape=shape, batch=B, context=ctx, kv_heads=hkv, q_heads=hq)
-    kv = torch.randint(0, 256, (nb, hkv, 2, PAGE), dtype=torch.uint8, device=dev, generator=gen)
-    sc = (torch.rand(nb, hkv, 2, PS, device=dev, generator=gen) * 0.3 + 0.05).half()
-    kv[..., PS * 64 :] = sc.view(torch.uint8)
-    for variant in ("f8", "cvt"):
-        dec = Decoder(lib, variant, kv, bt, sl, hkv, G, 224.0 / 0.35)
+    kv = torch.randint(0, 256, (nb, hkv * (CODES + 64)), dtype=torch.uint8, device=dev,
+                       generator=gen)  # fmt: skip
+    sc = (torch.rand(nb, hkv * 32, device=dev, generator=gen) * 0.3 + 0.05).half()
+    kv[:, hkv * CODES :] = sc.view(torch.uint8)
+    for variant, units in VARIANTS:
+        dec = Decoder(lib, variant, kv, bt, sl, hkv, G, 224.0 / 0.35, units=units)
         op, qs = dec.prep(q)
-        row[f"{variant}_split_us"] = _median_us(torch, lambda: dec.split(op, qs), a.iters, a.warmup)  # noqa: B023
-        row[f"{variant}_call_us"] = _median_us(torch, lambda: dec(q), a.iters, a.warmup)  # noqa: B023
-        row[f"{variant}_splits"] = dec.splits
+        key = f"{variant}{units}"
+        row[f"{key}_split_us"] = _median_us(torch, lambda: dec.split(op, qs), a.iters, a.warmup)  # noqa: B023
+        row[f"{key}_call_us"] = _median_us(torch, lambda: dec(q), a.iters, a.warmup)  # noqa: B023
+        row[f"{key}_splits"] = dec.splits
     del kv, sc
     fmt = get_format("4bit", calibration=synthetic_calibration(hkv, D))
     caches = []
@@ -1024,7 +1062,7 @@ def _time(torch, lib, dev, a, shape, hq, hkv, B, ctx) -> dict:
     for k in [k for k in row if k.endswith("_us")]:
         row[k] = round(row[k], 2)
         row[k[:-3] + "_pct_hbm"] = round(100 * nbytes / (row[k] * 1e-6) / (a.peak_tbps * 1e12), 1)
-    row["v6_over_cvt_split"] = round(row["v6_run_us"] / row["cvt_split_us"], 3)
+    row["v6_over_cvt_split"] = round(row["v6_run_us"] / row["cvt2_split_us"], 3)
     return row
 
 
@@ -1058,21 +1096,21 @@ def cmd_gpu(a) -> None:
         f"{doc['date']}; `{doc['command']}`; CUDA events, median of {a.iters} calls after "
         f"{a.warmup} warm-up; % of {a.peak_tbps} TB/s for 132 bytes per token and KV head.",
         "",
-        "| variant | B | kv heads | G | lens | max abs err | tolerance | ok |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | units | B | kv heads | G | lens | max abs err | tolerance | ok |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     md += [
-        f"| {c['variant']} | {c['B']} | {c['hkv']} | {c['G']} | {c['lens']} | "
+        f"| {c['variant']} | {c['units']} | {c['B']} | {c['hkv']} | {c['G']} | {c['lens']} | "
         f"{c['max_abs_err']:.2e} | {c['tol']:.2e} | {c['ok']} |"
         for c in doc["checks"]
     ]
-    keys = ["f8_split", "f8_call", "cvt_split", "cvt_call", "v6_run"]
+    keys = [f"{v}{u}_{k}" for v, u in VARIANTS for k in ("split", "call")] + ["v6_run"]
     md += [
         "",
-        "us (% of HBM): split = the fp8mma kernel alone, call = with the torch prep and merge; "
-        "v6 run = `plan(...).run` of today's `4bit` (4 launches).",
+        "us (% of HBM): <variant><units>_split = the fp8mma kernel alone, _call = with the "
+        "torch prep and merge; v6 run = `plan(...).run` of today's `4bit` (4 launches).",
         "",
-        "| shape | batch | context | " + " | ".join(keys) + " | v6 / cvt split |",
+        "| shape | batch | context | " + " | ".join(keys) + " | v6 / cvt2 split |",
         "|---|---|---|" + "---|" * (len(keys) + 1),
     ]
     for r in doc["rows"]:
