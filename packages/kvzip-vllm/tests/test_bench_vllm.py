@@ -114,6 +114,41 @@ def test_bench_tier_on_the_cpu(tmp_path):
     assert rows[1024, "kvzip"]["ttft_alone_s"] > 0 and rows[1024, "none"]["ttft_alone_s"] > 0
 
 
+def test_the_checkers_fingerprints_are_exact_and_see_any_changed_bit():
+    """A block's fingerprint equals the exact integer sums of its 16-bit words times the
+    weights; flipping any one bit (a word's lowest, highest, a bf16's sign), or moving one
+    unit from one word to another, changes it; the weights are sized so float64 sums exactly."""
+    import torch
+
+    from kvzip_eval.bench import checker
+
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(4, 2, 16, 64, generator=g).to(torch.bfloat16)  # [blocks, heads, n, 2d]
+    words = cache[0].numel()
+    w = checker.form_weights(words, "cpu")
+    assert 2**52 > words * 2**15 * int(w.max())  # every sum exact in float64
+    idx = torch.tensor([0, 2])
+    fp = checker.fingerprints(cache, idx, w)
+    ints = cache.view(torch.int16).flatten(1)[idx].tolist()
+    exact = [[sum(x * int(c) for x, c in zip(row, w[:, k].tolist(), strict=True))
+              for k in range(checker.LANES)] for row in ints]  # fmt: skip
+    assert fp.tolist() == exact
+    base = checker.fingerprints(cache, torch.tensor([1]), w)
+    flat = cache[1].view(torch.int16).view(-1)
+    for pos, bit in ((0, 0), (77, 15), (words - 1, 7), (1000, 14)):
+        changed = cache.clone()
+        changed[1].view(torch.int16).view(-1)[pos] = (
+            int(flat[pos]) ^ (1 << bit) if bit < 15 else (int(flat[pos]) ^ -0x8000)
+        )
+        assert (checker.fingerprints(changed, torch.tensor([1]), w) != base).any(), (pos, bit)
+    moved = cache.clone()
+    m = moved[1].view(torch.int16).view(-1)
+    m[5], m[9] = m[5] + 1, m[9] - 1  # a sum of the words kept
+    assert (checker.fingerprints(moved, torch.tensor([1]), w) != base).any()
+    with pytest.raises(ValueError, match="too large to fingerprint exactly"):
+        checker.form_weights(1 << 30, "cpu")
+
+
 @load_mode
 def test_the_checker_counts_every_restored_block_and_catches_a_changed_byte():
     """The checking worker around the CPU tier (chunks of 2 blocks): a chunk stored, restored
