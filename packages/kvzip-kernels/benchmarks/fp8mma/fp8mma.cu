@@ -7,10 +7,13 @@
 //
 // Two compile-time variants of the same loop, same bytes, same decoded e4m3 levels:
 //   F8  = true : mma.sync.m16n8k32.e4m3.e4m3.f32, Q and P split hi + lo in e4m3 (two MMAs each).
-//                sm_89 and sm_100+: QMMA. sm_90 has no synchronous fp8 MMA: ptxas lowers it to
-//                F2FP.F16.E4M3.UNPACK_B of every operand register + 2 HMMA.16816.
-//   F8  = false: ("cvt") the same e4m3 A registers converted by cvt.rn.f16x2.e4m3x2 (what ptxas
-//                does for sm_90 anyway), Q and P in fp16, mma m16n8k16 f16 (one product each).
+//                A QMMA.16832 on sm_89 and sm_120 only: sm_90a and sm_100a have no synchronous
+//                fp8 MMA (their fp8 tensor cores are wgmma / tcgen05), and ptxas lowers it to
+//                F2FP.F16.E4M3.UNPACK_B of every operand register, 2 HMMA.16816 from zero and 4
+//                FADD into the accumulator (nvcc 13.0 SASS).
+//   F8  = false: ("cvt") the same e4m3 A registers converted by cvt.rn.f16x2.e4m3x2 (F2FP, 2 per
+//                register), Q and P in fp16, mma m16n8k16 f16: the Hopper form of the design.
+// U: 32-token units per warp tile (1 or 2) sharing one online-softmax update and ring stage.
 //
 // SWAP_AB as v6: tokens are M, the query heads of the KV head are N = 8.
 //   scores S^T [16 tok x 8] = K [16 x 128] . Q^T       (A = K levels, B = q)
@@ -24,7 +27,7 @@
 //   m = w & 0x77777777; lo = prmt(T0, T1, m); hi = prmt(T0, T1, m >> 16);
 //   A_lo = lo ^ (w & 0x80808080); A_hi = hi ^ ((w << 4) & 0x80808080)
 //
-// A 32-token tile = two consecutive 16-token pages A, B. 8-token "blocks" b = 0..3: block row r
+// A 32-token unit = two consecutive 16-token pages A, B. 8-token "blocks" b = 0..3: block row r
 // is page r >> 2, position 4b + (r & 3). Score m-tile t: rows 0..7 = block 2t, 8..15 = 2t+1.
 // After movmatrix.trans of p (per block) lane (g, q) holds block rows 2q, 2q+1 of head g: page
 // q >> 1, positions 4b + 2(q & 1) + {0, 1}: the 8 tokens of one V word (half h = q & 1 of a
@@ -191,7 +194,7 @@ struct Params {
   int64_t stride_btb;
   int num_kv_heads;
   int G;
-  int64_t blk_stride;  // bytes between blocks (K and V caches alike)
+  uint32_t blk_stride;  // bytes between blocks (< 4 GiB)
   int tokens_per_split;
   int num_splits;
 };
@@ -226,12 +229,13 @@ __global__ void __launch_bounds__(NW * 32, (F8 || U > 1) ? 3 : 4) fp8mma_split(c
   const uint8_t* kvh = P.kv + h * CODES + 16 * lane;  // + block * blk_stride
   const uint8_t* sch = P.kv + P.num_kv_heads * CODES + h * 64 + 16 * (lane & 3);
 
-  // lane l: the block of page l % (2U) of this warp's tile base + l / (2U) (-1: none)
-  int bid = -1;
+  // lane l: the block of page l % (2U) of this warp's tile base + l / (2U); a page past the
+  // sequence's last reads the last one again (its tokens are masked): no branch per page
+  uint32_t bid = 0;
   auto load_bids = [&](int base) {
     const int u = first + (base + lane / (2 * U)) * NW;
-    const int page = 2 * U * u + lane % (2 * U);
-    bid = u < tile_hi && page < npages ? btrow[page] : -1;
+    const int page = min(2 * U * u + lane % (2 * U), npages - 1);
+    bid = u < tile_hi ? btrow[page] : 0u;
   };
   auto issue = [&](int n) {
     const int u = first + n * NW;
@@ -239,14 +243,12 @@ __global__ void __launch_bounds__(NW * 32, (F8 || U > 1) ? 3 : 4) fp8mma_split(c
     const uint32_t dst = ring + (n % S) * STG;
     const int base = (n % BIDT) * 2 * U;
     // the scales: lane l < 8U copies chunk l % 4 of page l / 4
-    const int bs = __shfl_sync(FULL_MASK, bid, base + (lane >> 2) % (2 * U));
-    if (lane < 8 * U && bs >= 0)
-      cp_async16(dst + scale_off(U) + 16 * lane, sch + (uint64_t)(uint32_t)bs * P.blk_stride);
+    const uint32_t bs = __shfl_sync(FULL_MASK, bid, base + (lane >> 2) % (2 * U));
+    if (lane < 8 * U) cp_async16(dst + scale_off(U) + 16 * lane, sch + (uint64_t)bs * P.blk_stride);
 #pragma unroll
     for (int k = 0; k < 2 * U; ++k) {  // a page's codes: 4 chunks per lane
-      const int bk = __shfl_sync(FULL_MASK, bid, base + k);
-      if (bk < 0) break;  // warp-uniform: the sequence ended in the page before
-      const uint8_t* src = kvh + (uint64_t)(uint32_t)bk * P.blk_stride;
+      const uint32_t bk = __shfl_sync(FULL_MASK, bid, base + k);
+      const uint8_t* src = kvh + (uint64_t)bk * P.blk_stride;
 #pragma unroll
       for (int i = 0; i < 4; ++i) cp_async16(dst + pg_off(k) + 16 * lane + 512 * i, src + 512 * i);
     }
@@ -494,7 +496,7 @@ int fp8mma_split_launch(int variant, const void* q, const float* qs, const uint8
   if ((units != 1 && units != 2) || tokens_per_split % (32 * units)) return 1002;
   if (blk_stride % 16 || blk_stride >= (1ll << 32)) return 1004;
   Params p{static_cast<const uint8_t*>(q), qs, kv, bt, sl, o_part, lse, t0, t1, pscale,
-           stride_btb, num_kv_heads, G, blk_stride, tokens_per_split, num_splits};
+           stride_btb, num_kv_heads, G, (uint32_t)blk_stride, tokens_per_split, num_splits};
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (units == 2) return variant ? launch<true, 2>(p, batch, s) : launch<false, 2>(p, batch, s);
   return variant ? launch<true, 1>(p, batch, s) : launch<false, 1>(p, batch, s);

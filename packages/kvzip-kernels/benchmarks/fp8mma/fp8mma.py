@@ -744,13 +744,13 @@ def _nvcc() -> str:
     return find_nvcc()
 
 
-def compile_sass(arch: str) -> tuple[str, str]:
-    """(ptxas -v output, cuobjdump -sass) of fp8mma.cu for ``arch`` ("90a", "89")."""
+def compile_sass(arch: str, src: Path = SRC) -> tuple[str, str]:
+    """(ptxas -v output, cuobjdump -sass) of ``src`` (fp8mma.cu) for ``arch`` ("90a", "89")."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         gen = f"-gencode=arch=compute_{arch},code=sm_{arch}"
         r = subprocess.run(
-            [_nvcc(), "-O3", gen, "-Xptxas", "-v", "-cubin", "-o", str(cubin), str(SRC)],
+            [_nvcc(), "-O3", gen, "-Xptxas", "-v", "-cubin", "-o", str(cubin), str(src)],
             capture_output=True,
             text=True,
             check=True,
@@ -759,6 +759,44 @@ def compile_sass(arch: str) -> tuple[str, str]:
             [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
         ).stdout
     return r.stderr, sass
+
+
+def loop_body(fn: str) -> tuple[list, list[str]]:
+    """(all instructions, the opcodes of the token loop) of one function's SASS: the loop is
+    the shortest backward branch around every mma of the kernel (the divergent-shuffle paths
+    past the exit branch back into the loop: not it)."""
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", fn)
+    addr = {int(x, 16): op for x, op in ins}
+    loops = [
+        (int(t, 16), int(s, 16))
+        for s, t in re.findall(r"/\*([0-9a-f]+)\*/[^\n]*BRA `?\(?\.?L?[^\n]*?0x([0-9a-f]+)", fn)
+        if int(t, 16) < int(s, 16)
+    ]
+    mmas = [x for x, op in addr.items() if op[1:4] == "MMA"]
+    around = [(lo, hi) for lo, hi in loops if lo <= min(mmas) and max(mmas) <= hi]
+    lo, hi = min(around, key=lambda x: x[1] - x[0])
+    return ins, [op for x, op in addr.items() if lo <= x <= hi]
+
+
+def v6_baseline() -> dict:
+    """Today's v6 `4bit` d128 split kernel (kvzip_kernels csrc/paged_decode.cu), counted the
+    same way with the same nvcc: its loop is one warp's 32-token tile."""
+    from kvzip_kernels import _cuda
+
+    log, sass = compile_sass("90a", _cuda._SRC)
+    for fn in re.split(r"\n\s*Function : ", sass)[1:]:
+        if re.search(r"split_v6ILi1ELi128E", fn.split("\n", 1)[0]):
+            _, body = loop_body(fn)
+            by = collections.Counter(CLASSES.get(op.split(".")[0], "other") for op in body)
+            return dict(
+                kernel="split_v6<FMT_4BIT, 128, 4, 2>",
+                source="packages/kvzip-kernels/src/kvzip_kernels/csrc/paged_decode.cu",
+                arch="sm_90a",
+                loop_instr=len(body),
+                per_token_head=round(len(body) / TILE, 2),
+                by_class=dict(sorted(by.items())),
+            )
+    raise RuntimeError("split_v6<4bit, 128> not found in the SASS of paged_decode.cu")
 
 
 def sass_counts(arch: str = "90a") -> list[dict]:
@@ -786,19 +824,7 @@ def sass_counts(arch: str = "90a") -> list[dict]:
     rows = []
     for fn in re.split(r"\n\s*Function : ", sass)[1:]:
         key = name(fn.split("\n", 1)[0])
-        ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", fn)
-        addr = {int(x, 16): op for x, op in ins}
-        loops = [
-            (int(t, 16), int(s, 16))
-            for s, t in re.findall(r"/\*([0-9a-f]+)\*/[^\n]*BRA `?\(?\.?L?[^\n]*?0x([0-9a-f]+)", fn)
-            if int(t, 16) < int(s, 16)
-        ]
-        # the token loop: the shortest backward branch around every mma of the kernel (the
-        # divergent-shuffle paths past the exit branch back into the loop: not it)
-        mmas = [x for x, op in addr.items() if op[1:4] == "MMA"]
-        around = [(lo, hi) for lo, hi in loops if lo <= min(mmas) and max(mmas) <= hi]
-        lo, hi = min(around, key=lambda x: x[1] - x[0])
-        body = [op for x, op in addr.items() if lo <= x <= hi]
+        ins, body = loop_body(fn)
         ops = collections.Counter(op.split(".")[0] for op in body)
         by = collections.Counter(CLASSES.get(op.split(".")[0], "other") for op in body)
         rows.append(
@@ -824,8 +850,13 @@ def _nvcc_version() -> str:
     return out.strip().splitlines()[-1]
 
 
+SASS_ARCHS = ("90a", "89", "120", "100a")  # H100/H200; Ada; consumer and datacenter Blackwell
+
+
 def cmd_sass(a) -> None:
-    rows = sass_counts("90a") + sass_counts("89")
+    rows = [r for arch in SASS_ARCHS for r in sass_counts(arch)]
+    v6 = v6_baseline()
+    print(f"v6 4bit d128 sm_90a: loop {v6['loop_instr']} = {v6['per_token_head']} /token-head")
     for x in rows:
         print(
             f"{x['variant']:4s} U{x['units']} {x['arch']:7s} regs {x.get('regs')} "
@@ -840,10 +871,10 @@ def cmd_sass(a) -> None:
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             device="CPU (no GPU): nvcc + cuobjdump only",
             nvcc=_nvcc_version(),
-            flags="-O3 -gencode=arch=compute_90a,code=sm_90a -cubin (and compute_89/sm_89)",
+            flags="-O3 -gencode=arch=compute_90a,code=sm_90a -cubin (and sm_89, sm_120, sm_100a)",
             command="python packages/kvzip-kernels/benchmarks/fp8mma/fp8mma.py sass --out " + a.out,
             source="packages/kvzip-kernels/benchmarks/fp8mma/fp8mma.cu",
-            v6_4bit_d128_per_token_head=27.5,
+            v6_4bit_d128=v6,
             levels=levels(),
             rows=rows,
         )
@@ -853,7 +884,9 @@ def cmd_sass(a) -> None:
             "",
             f"{doc['date']}, {doc['device']}, {doc['nvcc']}; `{doc['command']}`.",
             "Loop = the shortest backward branch around the mma instructions (one warp's",
-            "tile of U x 32 tokens); per token-head = loop / (32 U). v6 4bit d128: 27.5.",
+            "tile of U x 32 tokens); per token-head = loop / (32 U). Today's v6 `4bit` d128 "
+            f"(same nvcc, sm_90a): {v6['loop_instr']} per 32 tokens = {v6['per_token_head']} "
+            f"per token-head ({', '.join(f'{k} {n}' for k, n in v6['by_class'].items())}).",
             "",
             "| variant | U | arch | loop instr | per token-head | registers | spill bytes "
             "| smem static + dynamic | mma | prmt | lop3 | shf | f2fp | lds | other classes |",
