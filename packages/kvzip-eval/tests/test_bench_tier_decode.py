@@ -59,6 +59,32 @@ def test_cpu_bytes_beyond_the_hosts_share_are_refused_with_the_numbers():
         itf.cpu_bytes_for(_opts(cpu_bytes=105 * 10**9), BPT_8B, H200_HOST)
 
 
+def _gpu_opts(decoders=16, **kw):
+    base = dict(long_context=131072, decode_context=32768, decode_tokens=7680,
+                gpu_memory_utilization=0.9, decoders=decoders)  # fmt: skip
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_a_gpu_cache_past_the_gpu_is_refused_with_the_decoders_that_fit():
+    from kvzip_eval.bench.engines import LLAMA31_8B
+
+    # the 8B shape's weights: 8.03e9 parameters in bf16
+    assert itf.weight_bytes(LLAMA31_8B) == pytest.approx(16.06e9, rel=0.01)
+    h200, h100 = 143771 * 2**20, 81559 * 2**20  # total memory as nvidia-smi reports it
+    itf.check_gpu_fits(_gpu_opts(), LLAMA31_8B, BPT_8B, h200)  # the defaults fit an H200
+    # on an H100 vLLM was handed 48,626 blocks (102 GB) and ran out of memory allocating them
+    assert -(-itf.gpu_cache_tokens(_gpu_opts()) // 16) == 48626
+    with pytest.raises(ValueError) as e:
+        itf.check_gpu_fits(_gpu_opts(), LLAMA31_8B, BPT_8B, h100)
+    msg = str(e.value)
+    assert "778001 tokens" in msg and "102.0 GB" in msg and "16 decoders" in msg
+    fit = int(msg.split("at most ")[1].split()[0])
+    assert 0 < fit < 16
+    itf.check_gpu_fits(_gpu_opts(decoders=fit), LLAMA31_8B, BPT_8B, h100)  # what it names fits
+    with pytest.raises(ValueError):
+        itf.check_gpu_fits(_gpu_opts(decoders=fit + 1), LLAMA31_8B, BPT_8B, h100)
+
+
 def test_the_host_memory_is_read():
     assert 0 < itf.available_memory()
 

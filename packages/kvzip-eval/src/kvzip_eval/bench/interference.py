@@ -90,6 +90,47 @@ def cpu_bytes_for(o, bpt: int, available: int) -> int:
     return cpu
 
 
+#: device memory a CUDA engine takes besides its weights and its KV cache (activations, CUDA
+#: graphs, the tier's staging and restore buffers)
+GPU_OVERHEAD_BYTES = 6 << 30
+
+
+def weight_bytes(cfg: dict, dtype_bytes: int = 2) -> int:
+    """A Llama config's weights (embeddings, attention, MLP, the head unless tied)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+    heads = 1 if cfg.get("tie_word_embeddings") else 2
+    params = heads * cfg["vocab_size"] * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    return params * dtype_bytes
+
+
+def gpu_cache_tokens(o) -> int:
+    """The GPU cache a CUDA engine is given (tokens): the decoders' prompts and decoded
+    tokens, ONE long prompt and 4096 tokens of slack (see the engine's sizing)."""
+    long_n, dec_n = o.long_context - CHUNK + 1, o.decode_context - CHUNK + 1
+    return o.decoders * (dec_n + o.decode_tokens) + long_n + 4096
+
+
+def check_gpu_fits(o, cfg: dict, bpt: int, total_bytes: int) -> None:
+    """ValueError, before any engine starts, when the GPU cache the run needs
+    (:func:`gpu_cache_tokens`) cannot fit a GPU of ``total_bytes`` at
+    ``--gpu-memory-utilization`` beside the weights (vLLM would take the override and run out of
+    device memory allocating it)."""
+    need = gpu_cache_tokens(o) * bpt
+    room = int(total_bytes * o.gpu_memory_utilization) - weight_bytes(cfg) - GPU_OVERHEAD_BYTES
+    if need > room:
+        per = (o.decode_context - CHUNK + 1 + o.decode_tokens) * bpt
+        fit = max(0, (room - (o.long_context - CHUNK + 1 + 4096) * bpt) // per)
+        raise ValueError(
+            f"the GPU cache this run needs ({gpu_cache_tokens(o)} tokens, {need / 1e9:.1f} GB: "
+            f"{o.decoders} decoders x (prompt + --decode-tokens), one long prompt, 4096 of "
+            f"slack) does not fit this GPU ({total_bytes / 1e9:.1f} GB x "
+            f"{o.gpu_memory_utilization} less {weight_bytes(cfg) / 1e9:.1f} GB of weights and "
+            f"{GPU_OVERHEAD_BYTES / 1e9:.1f} GB for the rest: {max(room, 0) / 1e9:.1f} GB). "
+            f"Ask for at most {fit} --decoders, or a shorter --decode-context or --long-context."
+        )
+
+
 def _itl(stamps: dict[str, list[float]]) -> list[float]:
     """Every gap between consecutive token times of each request."""
     gaps = []
@@ -337,6 +378,10 @@ def run(o) -> dict:
     # both tiers hold the returning prompts (stored after the decoders'): restores compared
     # with restores; refused here, before any engine, where the host cannot give the bytes
     cpu = cpu_bytes_for(o, bpt, available_memory()) if set(conns) - {"none"} else 0
+    import torch
+
+    if torch.cuda.is_available():
+        check_gpu_fits(o, cfg, bpt, torch.cuda.get_device_properties(0).total_memory)
     bar = tqdm(total=len(conns) * 4, desc="bench tier decode", unit="phase")
     started, engs = time.monotonic(), []
     for conn in conns:
