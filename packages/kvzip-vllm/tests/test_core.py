@@ -132,6 +132,37 @@ def test_bf16_tier_restores_bit_exact_and_reports_what_it_cannot_serve():
     assert st.load_host_seconds == st.load_wait_seconds == 0.0
 
 
+def test_asynchronous_loads_submitted_in_a_batch_run_as_one_pass():
+    """Three requests' loads submitted in one ``load_batch`` (a step whose requests return
+    at once) are taken up together: one pass, each job its own result, every chunk bit-exact;
+    a load submitted alone afterwards is its own pass."""
+    caches = _bf16_caches()
+    tier = _tier(caches, Bf16Pages.of(caches[0], _cpu_orders()))
+    keys = [bytes([i]) * 32 for i in range(3)]
+    tier.submit_store(1, [ChunkStore(k, (2 * i, 2 * i + 1)) for i, k in enumerate(keys)])
+    tier.wait({1})
+    tier.get_finished()
+    before = [c.clone() for c in caches]
+    passes = []
+    run = tier._run_loads
+    tier._run_loads = lambda jobs: passes.append([j for j, _ in jobs]) or run(jobs)
+    with tier.load_batch():
+        for i, k in enumerate(keys):
+            tier.submit_load(10 + i, [ChunkLoad(f"r{i}", k, (6 + 2 * i, 7 + 2 * i))],
+                             asynchronous=True)  # fmt: skip
+        assert tier.loads_in_flight == 3 and passes == []  # held until the batch ends
+    tier.wait({10, 11, 12})
+    assert passes == [[10, 11, 12]] and tier.store.stats.load_jobs_merged == 2
+    results = {r.job_id: r for r in tier.get_finished()}
+    assert sorted(results) == [10, 11, 12]
+    assert all(r.success and r.hits == {f"r{r.job_id - 10}": 1} for r in results.values())
+    for c, b in zip(caches, before, strict=True):
+        assert torch.equal(c[6:12], b[0:6])
+    tier.submit_load(13, [ChunkLoad("s", keys[0], (6, 7))], asynchronous=True)
+    tier.wait({13})
+    assert passes[-1] == [13]
+
+
 def test_cpu_stores_leave_the_call_at_once_and_loads_wait_for_them():
     """CPU, bf16: submit_store returns once the pages are copied out (the blocks may be
     overwritten at once), get_finished reports the job only when the coder thread is done, and

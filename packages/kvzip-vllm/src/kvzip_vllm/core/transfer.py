@@ -308,6 +308,22 @@ class KvTier(TierTransfers):
         self.shared_counts["shared_blocks_fetched"] += len(fetched)
         return fetched
 
+    def _load_runner(self) -> _LoadRunner:
+        if self._runner is None:
+            tokens = self.bpc * self.layout.block_size
+            self._runner = _LoadRunner(
+                self._run_loads, self._fail_all, max(1, MERGE_LOAD_TOKENS // tokens)
+            )
+        return self._runner
+
+    @contextlib.contextmanager
+    def load_batch(self):
+        """The asynchronous loads submitted inside are taken up by the load thread together
+        once the block ends (one pass for as many as one pass holds), not the first alone
+        while the rest are still being submitted: a step whose requests return at once."""
+        with self._load_runner().holding():
+            yield
+
     def submit_load(self, job_id: int, loads: list[ChunkLoad], *, asynchronous=False) -> bool:
         """Begin restoring ``loads``. Synchronous (the default): the caller's step does the
         host work now and the job finishes by the step's :meth:`wait` / :meth:`ready`.
@@ -317,12 +333,7 @@ class KvTier(TierTransfers):
         for ld in loads:
             self._check(ld.block_ids, ld.skip)
         if asynchronous:
-            if self._runner is None:
-                tokens = self.bpc * self.layout.block_size
-                self._runner = _LoadRunner(
-                    self._run_loads, self._fail_all, max(1, MERGE_LOAD_TOKENS // tokens)
-                )
-            self._runner.submit(job_id, loads)
+            self._load_runner().submit(job_id, loads)
             return True
         t0 = time.perf_counter()
         try:
@@ -743,6 +754,7 @@ class _LoadRunner:
         self._pending: set[int] = set()
         self._done: list[TransferResult] = []
         self._closed = False
+        self._held = 0  # submitters holding the queue (:meth:`holding`)
         self._thread = threading.Thread(target=self._loop, name="kvzip-tier-load", daemon=True)
         self._thread.start()
 
@@ -750,6 +762,18 @@ class _LoadRunner:
     def pending(self) -> int:
         with self._cv:
             return len(self._pending)
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Jobs submitted inside are not taken up until the block ends."""
+        with self._cv:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._held -= 1
+                self._cv.notify_all()
 
     def submit(self, job_id: int, loads: list[ChunkLoad]) -> None:
         with self._cv:
@@ -762,7 +786,7 @@ class _LoadRunner:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._closed)
+                self._cv.wait_for(lambda: (self._queue and not self._held) or self._closed)
                 if not self._queue:
                     return
                 jobs = [self._queue.pop(0)]

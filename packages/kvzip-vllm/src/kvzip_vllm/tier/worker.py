@@ -349,13 +349,14 @@ class KvzipWorker:
         by_req: dict[str, list[Load]] = {}
         for ld in loads:
             by_req.setdefault(ld.req_id, []).append(ld)
-        for req_id, lds in by_req.items():
-            self._job += 1
-            self._job_loads[self._job] = {(ld.req_id, ld.key): ld for ld in lds}
-            self._recving[self._job] = req_id
-            chunks = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in lds]
-            self.tier.submit_load(self._job, chunks, asynchronous=True)
-            self.store.stats.load_jobs_async += 1
+        with self.tier.load_batch():  # the step's returns taken up together
+            for req_id, lds in by_req.items():
+                self._job += 1
+                self._job_loads[self._job] = {(ld.req_id, ld.key): ld for ld in lds}
+                self._recving[self._job] = req_id
+                chunks = [ChunkLoad(ld.req_id, ld.key, ld.ids, ld.skip, ld.pos == 0) for ld in lds]
+                self.tier.submit_load(self._job, chunks, asynchronous=True)
+                self.store.stats.load_jobs_async += 1
         self._stats_dirty = True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
