@@ -471,6 +471,89 @@ struct Warp {
     }
   }
 
+  // vm -> the V scale (compact: times 64) and zero of rows g, g+8 of a unit
+  __device__ __forceinline__ void v_meta(const uint32_t vm[2], float vs_r[2], float vz_r[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (F::INT4) {
+        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu);
+        vz_r[r] = f16_to_f32(vm[r] >> 16);
+      } else {
+        vs_r[r] = f16_to_f32(vm[r] & 0xFFFFu) * 64.f;
+        vz_r[r] = 0.f;
+      }
+    }
+  }
+
+  // v7's steps (v6's pv below does the same for 2 units in one piece; it is kept as it was, so
+  // that v6's machine code stays what was measured): the online softmax of NU units' scores at
+  // once (v7: the 4 units of a 64-token tile), p against the new running maximum, l_i and m_i
+  // updated, the accumulators rescaled only when some lane's running maximum moved
+  template <int NU>
+  __device__ __forceinline__ void softmax(float (*s)[4], float (*p)[4]) {
+    static_assert(NU == 2 || NU == 4, "units per softmax update");
+    float alpha[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float mh[NU];
+#pragma unroll
+      for (int h = 0; h < NU; ++h) mh[h] = fmaxf(s[h][c], s[h][2 + c]);
+      float mx = NU == 2 ? fmaxf(mh[0], mh[1])
+                         : fmaxf(fmaxf(mh[0], mh[1]), fmaxf(mh[NU - 2], mh[NU - 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 16));
+      const float m_new = fmaxf(m_i[c], mx);
+      const bool none = m_new == neg_inf();
+      const float m_use = none ? 0.f : m_new;
+      alpha[c] = none ? 1.f : fast_exp2(m_i[c] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < NU; ++h) {
+        p[h][c] = fast_exp2(s[h][c] - m_use);
+        p[h][2 + c] = fast_exp2(s[h][2 + c] - m_use);
+        sum += p[h][c] + p[h][2 + c];
+      }
+      l_i[c] = l_i[c] * alpha[c] + sum;
+      m_i[c] = m_new;
+    }
+    if (__any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int mt = 0; mt < F::KS; ++mt) {
+        acc[mt][0] *= alpha[0];
+        acc[mt][1] *= alpha[1];
+        acc[mt][2] *= alpha[0];
+        acc[mt][3] *= alpha[1];
+      }
+      if constexpr (F::INT4) {
+        acc_c[0] *= alpha[0];
+        acc_c[1] *= alpha[1];
+      }
+    }
+  }
+
+  // O^T += V^T P'^T of one unit: p its probabilities (rows g, g+8; heads 2q, 2q+1), vs_r / vz_r
+  // its V metadata (v_meta), vrow its V tile (v_frag)
+  template <typename LUT>
+  __device__ __forceinline__ void pv_unit(const float p[4], const float vs_r[2],
+                                          const float vz_r[2], const uint8_t* vrow, int g,
+                                          const LUT& T) {
+    const uint32_t plo = pack2<BF16>(p[0] * vs_r[0], p[1] * vs_r[0]);
+    const uint32_t phi = pack2<BF16>(p[2] * vs_r[1], p[3] * vs_r[1]);
+    if constexpr (F::INT4) {
+      acc_c[0] += p[0] * vz_r[0] + p[2] * vz_r[1] - 128.f * (lo_f32<true>(plo) + lo_f32<true>(phi));
+      acc_c[1] += p[1] * vz_r[0] + p[3] * vz_r[1] - 128.f * (hi_f32<true>(plo) + hi_f32<true>(phi));
+    }
+    const uint32_t bp0 = movmatrix_trans(plo);
+    const uint32_t bp1 = movmatrix_trans(phi);
+#pragma unroll
+    for (int mt = 0; mt < F::KS; ++mt) {
+      uint32_t a[4];
+      v_frag<FMT, D>(vrow, 16, mt, g, T, a);
+      mma16816<BF16>(acc[mt], a, bp0, bp1);
+    }
+  }
+
   // pv: the online softmax of the two units' scores at once, then O^T += V^T P'^T per unit;
   // vm the V metadata words of rows g, g+8 (0 where invalid), vrow the V tile (v_frag). The
   // accumulators are rescaled only when some lane's running maximum moved (alpha != 1;
@@ -735,59 +818,296 @@ __global__ void __launch_bounds__(NW * 32, min_ctas<FMT, D>()) split_v6(const Pa
                           row0, split, warp, g, q);
 }
 
+// ---- v7: 64-token softmax tiles in the same layout (NOTES.md "v7") ------------------------
+// v6's bytes, units, fragments, lookups and per-unit code; what changes is the schedule and the
+// copies. A warp's softmax tile is two of its v6 tiles ("pairs" of two 16-token units: pair m
+// = units first + 2 m NW and the next, v6's tile m), so the max reduction, the exp2 of the
+// correction, the rescale test and rescale are paid per 64 tokens. The ring keeps S slots of
+// one pair (S = 2: v6's shared memory and CTAs per SM; S = 4: two tiles in flight): pair m sits
+// in slot m % S; after the PV of pair m the warp refills its slot with pair m + S. So a pair
+// lands during the work of the S - 1 pairs' steps before it (S = 2: the other pair's PV or
+// scores) where v6 gave it a whole 32-token tile. The copies are branch-free: the block offset
+// is one 32 x 32 -> 64-bit multiply (block strides < 2^31, checked by the launcher), the
+// per-lane metadata source and stride are loop-invariant, and the copies of units past the
+// split's end are predicated off (no branch) instead of skipped by a branch. A warp's last tile
+// with one pair skips the absent pair's work by one warp-uniform branch.
+
+// cp.async of 16 bytes (global -> shared, L2 only) to a 32-bit shared-window address, issued only
+// where p holds (a predicated LDGSTS)
+__device__ __forceinline__ void cp_async16_if(uint32_t s, const void* gmem, bool p) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
+      ::"r"(s), "l"(gmem), "r"((uint32_t)p));
+}
+
+// v7's launch bound: the CTAs per SM its shared memory allows (at most 4; registers for them)
+// base + a * b with a 32 x 32 -> 64-bit product (one IMAD.WIDE; the compiler makes a 64-bit
+// multiply of (int64_t)a * b)
+__device__ __forceinline__ const uint8_t* mad_wide(int a, int b, const uint8_t* base) {
+  const uint8_t* r;
+  asm("mad.wide.s32 %0, %1, %2, %3;\n" : "=l"(r) : "r"(a), "r"(b), "l"(base));
+  return r;
+}
+
+template <int FMT, int D, int NW, int S>
+constexpr int min_ctas_v7() {
+  const int n = (228 * 1024) / (smem_bytes<FMT, D, NW, S>() + 1024 + 256);
+  return n > 4 ? 4 : n;
+}
+
+template <int FMT, int D, int NW, int S>
+__global__ void __launch_bounds__(NW * 32, min_ctas_v7<FMT, D, NW, S>()) split_v7(const Params P) {
+  using F = Fmt<FMT, D>;
+  using ST = Stage<FMT, D>;
+  static_assert(S >= 2 && S <= 32 && (S & (S - 1)) == 0, "ring slots: a power of two >= 2");
+  static_assert(NW * S * 2 * ST::BYTES >= (int)sizeof(float) * NW * 8 * D, "merge buffer");
+  uint32_t* rep = reinterpret_cast<uint32_t*>(dyn_smem);
+  auto ring = reinterpret_cast<uint8_t(*)[S][2 * ST::BYTES]>(dyn_smem + RepLut<FMT>::ENTRIES * 128);
+  __shared__ float sm_m[NW][8], sm_l[NW][8];
+
+  const int bh = blockIdx.x, split = blockIdx.y;
+  const int b = bh / P.num_kv_heads, h = bh % P.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, q = lane & 3;
+
+  const int seq_len = P.sl[b];
+  const int tok_lo = max(split * P.tokens_per_split, P.skip);
+  const int tok_hi = min(seq_len, split * P.tokens_per_split + P.tokens_per_split);
+  const int tile_lo = tok_lo / 16;  // units of 16 tokens
+  const int tile_hi = tok_lo < tok_hi ? (tok_hi + 15) / 16 : tile_lo;
+  const int64_t kho = (int64_t)h * P.k_page_bytes;
+  const int64_t vho = (int64_t)h * P.v_page_bytes;
+  const int32_t* btrow = P.bt + (int64_t)b * P.stride_btb;
+  // this warp's pair m: units first + 2 m NW and the next one (v6's tile m); tile n: pairs
+  // 2n, 2n + 1
+  const int first = tile_lo + 2 * warp;
+  const int npairs = first < tile_hi ? (tile_hi - first + 2 * NW - 1) / (2 * NW) : 0;
+  const int ntiles = (npairs + 1) / 2;
+
+  int bids0 = 0, bids1 = 0;  // lane l: the blocks of pair base + l's two units
+  auto load_bids = [&](int base) {
+    const int u = first + 2 * (base + lane) * NW;
+    bids0 = u < tile_hi ? btrow[(u * 16) >> P.ps_log2] : 0;
+    bids1 = u + 1 < tile_hi ? btrow[((u + 1) * 16) >> P.ps_log2] : 0;
+  };
+  constexpr int MC = ST::M / 16;
+  const uint8_t* ksrc = P.kc + kho + 16 * lane;
+  const uint8_t* vsrc = P.vc + vho + (int64_t)lane * P.PS;
+  const bool kmeta = lane < MC;
+  const uint8_t* msrc = kmeta ? P.kc + kho + P.PS * F::KCB + 16 * lane
+                              : P.vc + vho + P.PS * F::VCB + 16 * (lane - MC);
+  const int kstr = (int)P.k_blk_stride, vstr = (int)P.v_blk_stride;
+  const int mstr = kmeta ? kstr : vstr;
+  const bool mlane = lane < 2 * MC;
+  // this lane's 16 bytes of slot 0 (the destinations of v6's copies, as a 32-bit address)
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0])) + 16u * lane;
+  auto issue = [&](int m) {  // pair m into slot m % S; units past the end: no copy
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int u = first + 2 * m * NW + hf;
+      const bool on = u < tile_hi;
+      const int blk = __shfl_sync(FULL_MASK, hf ? bids1 : bids0, m & 31);
+      const int toff = (u * 16) & (P.PS - 1);
+      const uint32_t dst = ring_s + (uint32_t)((m & (S - 1)) * (2 * ST::BYTES) + hf * ST::BYTES);
+      const uint8_t* kp = mad_wide(blk, kstr, ksrc) + toff * F::KCB;
+#pragma unroll
+      for (int i = 0; i < ST::K / 16; i += 32)
+        cp_async16_if(dst + 16 * i, kp + 16 * i,
+                      on && (ST::K / 16 % 32 == 0 || i + lane < ST::K / 16));
+      const uint8_t* vp = mad_wide(blk, vstr, vsrc) + toff;
+#pragma unroll
+      for (int j = 0; j < F::VCB; j += 32)
+        cp_async16_if(dst + ST::K + 16 * j, vp + (int64_t)j * P.PS,
+                      on && (F::VCB % 32 == 0 || j + lane < F::VCB));
+      cp_async16_if(dst + ST::K + ST::V, mad_wide(blk, mstr, msrc) + toff * F::MB, on && mlane);
+    }
+  };
+
+  load_bids(0);
+#pragma unroll
+  for (int m = 0; m < S; ++m) {
+    issue(m);  // pairs past this warp's last: nothing copied, the group still counted
+    cp_async_commit();
+  }
+  if constexpr (!F::INT4) fill_rep<FMT>(rep, P.lut16, threadIdx.x, NW * 32);
+  const RepLut<FMT> lut{static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) + 4u * lane};
+  const int64_t row0 = (int64_t)bh * P.G;
+  Warp<FMT, D> W;
+  W.init(P, row0, g, q);
+  if constexpr (!F::INT4) __syncthreads();
+
+  for (int n = 0; n < ntiles; ++n) {
+    const int m0 = 2 * n;
+    // the block ids of this tile's two copies (pairs m0 + S, m0 + S + 1: one block of 32 pairs)
+    if (((m0 + S) & 31) == 0) load_bids(m0 + S);
+    const bool two = m0 + 1 < npairs;  // warp-uniform: the tile's second pair exists
+    float s[4][4];
+    uint32_t vm[4][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      // committed: pairs up to m0 - 1 + S; pair m0 + j complete leaves S - 1 - j pending
+      if (j == 0)
+        cp_async_wait<S - 1>();
+      else
+        cp_async_wait<S - 2>();
+      __syncwarp();
+      if (j == 1 && !two) {
+#pragma unroll
+        for (int hf = 2; hf < 4; ++hf) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[hf][i] = neg_inf();
+          vm[hf][0] = vm[hf][1] = 0u;
+        }
+        break;
+      }
+      const uint8_t* st0 = ring[warp][(m0 + j) & (S - 1)];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const uint8_t* st = st0 + hf * ST::BYTES;
+        const int t0 = (first + 2 * (m0 + j) * NW + hf) * 16;
+        KRow<FMT, D> kr[2];
+        uint32_t km[2];
+        bool valid[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int t = 4 * (g >> 1) + 2 * r + (g & 1), tok = t0 + t;
+          valid[r] = tok >= tok_lo && tok < tok_hi;
+          kr[r].load(st + t * F::KCB, q);
+          km[r] = valid[r] ? ld_meta(st + ST::K + ST::V + t * F::MB, F::INT4) : 0u;
+          vm[2 * j + hf][r] = valid[r] ? ld_meta(st + ST::K + ST::V + ST::M + t * F::MB, F::INT4) : 0u;
+        }
+        W.score(kr, km, valid, P.qk_scale, lut, s[2 * j + hf]);
+      }
+    }
+    float p[4][4];
+    W.template softmax<4>(s, p);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (j == 0 || two) {
+        const uint8_t* st0 = ring[warp][(m0 + j) & (S - 1)];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float vs_r[2], vz_r[2];
+          W.v_meta(vm[2 * j + hf], vs_r, vz_r);
+          W.pv_unit(p[2 * j + hf], vs_r, vz_r, st0 + hf * ST::BYTES + ST::K + 4 * q, g, lut);
+        }
+      }
+      __syncwarp();  // every lane's reads of the slot are done before it is refilled
+      issue(m0 + j + S);
+      cp_async_commit();
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  merge_store<FMT, D, NW>(W, P, sm_m, sm_l, reinterpret_cast<float(*)[8][D]>(&ring[0][0][0]),
+                          row0, split, warp, g, q);
+}
+
 constexpr int NWARPS = 4;
 constexpr int STAGES = 2;
 
+// The kernel of design V (6 or 7) with S ring slots per warp
+template <int V, int FMT, int D, int S>
+constexpr auto kernel_of() {
+  if constexpr (V == 6)
+    return split_v6<FMT, D, NWARPS, S>;
+  else
+    return split_v7<FMT, D, NWARPS, S>;
+}
+
 // The instance's dynamic shared memory allowed past 48 KB, once per instance (per process: one
 // GPU kind at a time)
-template <int FMT, int D>
+template <int V, int FMT, int D, int S>
 cudaError_t prepare() {
   static bool attr = false;
   if (!attr) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(split_v6<FMT, D, NWARPS, STAGES>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem_bytes<FMT, D, NWARPS, STAGES>());
+    const cudaError_t e = cudaFuncSetAttribute(kernel_of<V, FMT, D, S>(),
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               smem_bytes<FMT, D, NWARPS, S>());
     if (e != cudaSuccess) return e;
     attr = true;
   }
   return cudaSuccess;
 }
 
-template <int FMT, int D>
+template <int V, int FMT, int D, int S>
 int launch(const Params& p, int grid_x, cudaStream_t stream) {
   dim3 grid(grid_x, p.num_splits);
-  const cudaError_t e = prepare<FMT, D>();
+  const cudaError_t e = prepare<V, FMT, D, S>();
   if (e != cudaSuccess) return (int)e;
-  split_v6<FMT, D, NWARPS, STAGES><<<grid, NWARPS * 32, smem_bytes<FMT, D, NWARPS, STAGES>(),
-                                     stream>>>(p);
+  kernel_of<V, FMT, D, S>()<<<grid, NWARPS * 32, smem_bytes<FMT, D, NWARPS, S>(), stream>>>(p);
   return (int)cudaGetLastError();
 }
 
-template <int FMT>
-int launch_d(int head_dim, const Params& p, int gx, cudaStream_t s) {
-  if (head_dim == 128) return launch<FMT, 128>(p, gx, s);
-  if (head_dim == 64) return launch<FMT, 64>(p, gx, s);
+template <int V, int S>
+int launch_fmt(int fmt, int head_dim, const Params& p, int gx, cudaStream_t s) {
+  if (head_dim != 64 && head_dim != 128) return 1000;
+  const bool d128 = head_dim == 128;
+  switch (fmt) {
+    case FMT_INT4: return d128 ? launch<V, FMT_INT4, 128, S>(p, gx, s) : launch<V, FMT_INT4, 64, S>(p, gx, s);
+    case FMT_4BIT: return d128 ? launch<V, FMT_4BIT, 128, S>(p, gx, s) : launch<V, FMT_4BIT, 64, S>(p, gx, s);
+    case FMT_35BIT: return d128 ? launch<V, FMT_35BIT, 128, S>(p, gx, s) : launch<V, FMT_35BIT, 64, S>(p, gx, s);
+    case FMT_3BIT: return d128 ? launch<V, FMT_3BIT, 128, S>(p, gx, s) : launch<V, FMT_3BIT, 64, S>(p, gx, s);
+  }
   return 1000;
 }
 
 // CTAs of the instance resident per SM on the current device (0 on an error)
-template <int FMT, int D>
+template <int V, int FMT, int D, int S>
 int resident() {
   int n = 0;
-  if (prepare<FMT, D>() != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_v6<FMT, D, NWARPS, STAGES>,
-                                                    NWARPS * 32,
-                                                    smem_bytes<FMT, D, NWARPS, STAGES>()) !=
-          cudaSuccess)
+  if (prepare<V, FMT, D, S>() != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_of<V, FMT, D, S>(), NWARPS * 32,
+                                                    smem_bytes<FMT, D, NWARPS, S>()) != cudaSuccess)
     return 0;
   return n;
 }
 
-template <int FMT>
-int resident_d(int head_dim) {
-  if (head_dim == 128) return resident<FMT, 128>();
-  if (head_dim == 64) return resident<FMT, 64>();
+template <int V, int S>
+int resident_fmt(int fmt, int head_dim) {
+  if (head_dim != 64 && head_dim != 128) return 0;
+  const bool d128 = head_dim == 128;
+  switch (fmt) {
+    case FMT_INT4: return d128 ? resident<V, FMT_INT4, 128, S>() : resident<V, FMT_INT4, 64, S>();
+    case FMT_4BIT: return d128 ? resident<V, FMT_4BIT, 128, S>() : resident<V, FMT_4BIT, 64, S>();
+    case FMT_35BIT: return d128 ? resident<V, FMT_35BIT, 128, S>() : resident<V, FMT_35BIT, 64, S>();
+    case FMT_3BIT: return d128 ? resident<V, FMT_3BIT, 128, S>() : resident<V, FMT_3BIT, 64, S>();
+  }
+  return 0;
+}
+
+// The launch arguments checked and gathered (0), or 1000 + x for an unsupported argument
+int make_params(Params& p, const void* q, const float* qs, const uint16_t* lut16,
+    const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
+    float* lse, float qk_scale, long long stride_btb, int num_kv_heads, int G,
+    long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
+    long long v_blk_stride, int PS, int tokens_per_split, int num_splits, int skip) {
+  if (G < 1 || G > 8) return 1001;
+  if (PS < 16 || (PS & (PS - 1)) || tokens_per_split % 16) return 1002;
+  if (k_blk_stride % 16 || v_blk_stride % 16 || k_page_bytes % 16 || v_page_bytes % 16)
+    return 1004;  // cp.async and vector loads need 16-byte aligned pages
+  p = Params{q,
+             qs,
+             lut16,
+             kc,
+             vc,
+             bt,
+             sl,
+             o_part,
+             lse,
+             qk_scale,
+             stride_btb,
+             num_kv_heads,
+             G,
+             k_page_bytes,
+             v_page_bytes,
+             k_blk_stride,
+             v_blk_stride,
+             PS,
+             31 - __builtin_clz((unsigned)PS),
+             tokens_per_split,
+             num_splits,
+             skip};
   return 0;
 }
 
@@ -796,59 +1116,52 @@ int resident_d(int head_dim) {
 extern "C" {
 
 // fmt: 0 = int4 (bf16 q), 1 = 4bit, 2 = 3.5bit, 3 = 3bit (fp16 q' with per-row scale qs, fp16
-// level table [4][16]). Returns a cudaError_t (0 = launched); 1000 + x for an unsupported
-// argument.
+// level table [4][16]). Design v6 (2 ring stages). Returns a cudaError_t (0 = launched); 1000 +
+// x for an unsupported argument.
 int kvzd_split_launch(int fmt, int head_dim, const void* q, const float* qs, const uint16_t* lut16,
     const uint8_t* kc, const uint8_t* vc, const int32_t* bt, const int32_t* sl, float* o_part,
     float* lse, float qk_scale, long long stride_btb, int batch, int num_kv_heads, int G,
     long long k_page_bytes, long long v_page_bytes, long long k_blk_stride,
     long long v_blk_stride, int PS, int tokens_per_split, int num_splits, int skip, void* stream) {
-  if (G < 1 || G > 8) return 1001;
-  if (PS < 16 || (PS & (PS - 1)) || tokens_per_split % 16) return 1002;
-  if (k_blk_stride % 16 || v_blk_stride % 16 || k_page_bytes % 16 || v_page_bytes % 16)
-    return 1004;  // cp.async and vector loads need 16-byte aligned pages
-  Params p{q,
-           qs,
-           lut16,
-           kc,
-           vc,
-           bt,
-           sl,
-           o_part,
-           lse,
-           qk_scale,
-           stride_btb,
-           num_kv_heads,
-           G,
-           k_page_bytes,
-           v_page_bytes,
-           k_blk_stride,
-           v_blk_stride,
-           PS,
-           31 - __builtin_clz((unsigned)PS),
-           tokens_per_split,
-           num_splits,
-           skip};
+  Params p;
+  const int rc = make_params(p, q, qs, lut16, kc, vc, bt, sl, o_part, lse, qk_scale, stride_btb,
+                             num_kv_heads, G, k_page_bytes, v_page_bytes, k_blk_stride,
+                             v_blk_stride, PS, tokens_per_split, num_splits, skip);
+  if (rc) return rc;
+  return launch_fmt<6, STAGES>(fmt, head_dim, p, batch * num_kv_heads,
+                               reinterpret_cast<cudaStream_t>(stream));
+}
+
+// Design v7 (NOTES.md "v7": 64-token softmax tiles, branch-free copies; the same arguments and
+// results as kvzd_split_launch) with `slots` ring slots of 32 tokens per warp (2 or 4); block
+// strides must be below 2^31 (1005 otherwise).
+int kvzd_split_launch_v7(int fmt, int head_dim, const void* q, const float* qs,
+    const uint16_t* lut16, const uint8_t* kc, const uint8_t* vc, const int32_t* bt,
+    const int32_t* sl, float* o_part, float* lse, float qk_scale, long long stride_btb, int batch,
+    int num_kv_heads, int G, long long k_page_bytes, long long v_page_bytes,
+    long long k_blk_stride, long long v_blk_stride, int PS, int tokens_per_split, int num_splits,
+    int skip, void* stream, int slots) {
+  Params p;
+  const int rc = make_params(p, q, qs, lut16, kc, vc, bt, sl, o_part, lse, qk_scale, stride_btb,
+                             num_kv_heads, G, k_page_bytes, v_page_bytes, k_blk_stride,
+                             v_blk_stride, PS, tokens_per_split, num_splits, skip);
+  if (rc) return rc;
+  if (k_blk_stride >= (1LL << 31) || v_blk_stride >= (1LL << 31)) return 1005;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int gx = batch * num_kv_heads;
-  switch (fmt) {
-    case FMT_INT4: return launch_d<FMT_INT4>(head_dim, p, gx, s);
-    case FMT_4BIT: return launch_d<FMT_4BIT>(head_dim, p, gx, s);
-    case FMT_35BIT: return launch_d<FMT_35BIT>(head_dim, p, gx, s);
-    case FMT_3BIT: return launch_d<FMT_3BIT>(head_dim, p, gx, s);
-  }
-  return 1000;
+  if (slots == 2) return launch_fmt<7, 2>(fmt, head_dim, p, gx, s);
+  if (slots == 4) return launch_fmt<7, 4>(fmt, head_dim, p, gx, s);
+  return 1006;
 }
 
 // CTAs of the split kernel for (fmt, head_dim) resident per SM on the current device (the
 // split-KV sizing fills whole rounds of them: decode_plan._num_splits); 0 on an error
-int kvzd_ctas_per_sm(int fmt, int head_dim) {
-  switch (fmt) {
-    case FMT_INT4: return resident_d<FMT_INT4>(head_dim);
-    case FMT_4BIT: return resident_d<FMT_4BIT>(head_dim);
-    case FMT_35BIT: return resident_d<FMT_35BIT>(head_dim);
-    case FMT_3BIT: return resident_d<FMT_3BIT>(head_dim);
-  }
+int kvzd_ctas_per_sm(int fmt, int head_dim) { return resident_fmt<6, STAGES>(fmt, head_dim); }
+
+// The same for design v7 with `slots` ring slots (2 or 4)
+int kvzd_ctas_per_sm_v7(int fmt, int head_dim, int slots) {
+  if (slots == 2) return resident_fmt<7, 2>(fmt, head_dim);
+  if (slots == 4) return resident_fmt<7, 4>(fmt, head_dim);
   return 0;
 }
 
