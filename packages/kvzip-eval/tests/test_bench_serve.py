@@ -209,3 +209,33 @@ def test_bench_serve_help_says_what_it_measures():
         assert words in text, words
     bad = CliRunner().invoke(main, ["bench", "serve", "--num-prompts", "9", "--num-prefixes", "2"])
     assert bad.exit_code != 0 and "multiple" in bad.output
+
+
+def _doc(conns, device="H200", date="d1", **kw):
+    return {"device": device, "date": date, "command": f"kvzip bench serve --connectors {conns}",
+            "workload": {"concurrency": 32}, "settings": {"cpu_bytes": 1 << 30},
+            "servers": [{"connector": c, "call": date} for c in conns.split(",")],
+            "rows": [{"connector": c, "call": date} for c in conns.split(",")], **kw}  # fmt: skip
+
+
+def test_merge_joins_earlier_calls_rows_and_this_calls_replace_theirs():
+    first = _doc("kvzip,offload", date="d1")
+    got = sv.merge_calls(_doc("offload,none", date="d2"), [first])
+    assert [(r["connector"], r["call"]) for r in got["rows"]] == [
+        ("kvzip", "d1"), ("offload", "d2"), ("none", "d2")]  # fmt: skip
+    assert [s["call"] for s in got["servers"]] == ["d1", "d2", "d2"]
+    assert [c["date"] for c in got["calls"]] == ["d1", "d2"]
+    # a merge of a merge keeps every call
+    third = sv.merge_calls(_doc("none", date="d3"), [got])
+    assert [c["date"] for c in third["calls"]] == ["d1", "d2", "d3"]
+    assert [(r["connector"], r["call"]) for r in third["rows"]] == [
+        ("kvzip", "d1"), ("offload", "d2"), ("none", "d3")]  # fmt: skip
+    assert any("Merged from calls" in line for line in sv._markdown(
+        {**third, "model": "m", "rows": []} | {"servers": []}))  # fmt: skip
+
+
+@pytest.mark.parametrize("field,value", [("device", "H100"), ("workload", {"concurrency": 8}),
+                                         ("settings", {"cpu_bytes": 1})])  # fmt: skip
+def test_merge_refuses_a_call_of_another_comparison(field, value):
+    with pytest.raises(ValueError, match=f"earlier call's {field}"):
+        sv.merge_calls(_doc("none"), [_doc("kvzip", **{field: value})])

@@ -410,6 +410,13 @@ def tier_decode(**kw) -> None:
               help="At most this long for a server to answer /health.")  # fmt: skip
 @click.option("--bench-timeout-s", type=float, default=900, show_default=True,
               help="At most this long for one vllm bench serve.")  # fmt: skip
+@click.option(
+    "--merge",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="An earlier call's serve_tier_defaults.json (same device, workload and "
+    "settings), its connectors' rows merged in: one comparison split over calls.",
+)
 @click.option("--deadline-s", type=float, default=1e9,
               help="No server starts after this many seconds; a running bench is "
               "stopped.")  # fmt: skip

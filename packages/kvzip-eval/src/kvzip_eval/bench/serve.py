@@ -418,6 +418,31 @@ def serve_one(conn: str, port: int, o, model: str, load_format: str, env: dict, 
     return e
 
 
+def merge_calls(doc: dict, prev: list[dict]) -> dict:
+    """``doc`` with the servers and rows of earlier calls ``prev`` (their result JSONs) before
+    its own: a connector this call ran replaces the earlier call's. ValueError unless every
+    earlier call ran on this device, the same workload and the same settings (one comparison
+    split over calls, as the device machine's call limit may ask: three servers take 90-110 s
+    each to start)."""
+    servers, rows, calls = [], [], []
+    mine = {r["connector"] for r in doc["rows"]}
+    for p in prev:
+        for key in ("device", "workload", "settings"):
+            if p.get(key) != doc.get(key):
+                raise ValueError(
+                    f"--merge: the earlier call's {key} {p.get(key)!r} is not this call's "
+                    f"{doc.get(key)!r}: only calls of one comparison are merged"
+                )
+        keep = [i for i, r in enumerate(p["rows"]) if r["connector"] not in mine]
+        servers += [p["servers"][i] for i in keep]
+        rows += [p["rows"][i] for i in keep]
+        mine |= {p["rows"][i]["connector"] for i in keep}
+        calls += p.get("calls") or [{"command": p["command"], "date": p["date"]}]
+    calls.append({"command": doc["command"], "date": doc["date"]})
+    return {**doc, "servers": servers + doc["servers"], "rows": rows + doc["rows"],
+            "calls": calls}  # fmt: skip
+
+
 def run(o) -> dict:
     """The whole call (options ``o`` as ``kvzip bench serve`` takes them). Returns the result."""
     from tqdm import tqdm
@@ -467,6 +492,9 @@ def run(o) -> dict:
                   "environment": {k: v for k, v in env.items() if k.startswith("VLLM_")}},
         rows=rows, servers=servers,
     )  # fmt: skip
+    if getattr(o, "merge", ()):
+        doc = merge_calls(doc, [json.loads(Path(p).read_text()) for p in o.merge])
+        rows = doc["rows"]
     output.write(out, NAME, doc, _markdown(doc), lambda ax: _plot(ax, rows))
     (out / f"{NAME}.partial.json").unlink(missing_ok=True)
     return doc
@@ -494,10 +522,14 @@ def _markdown(doc: dict) -> list[str]:
     lines += ["", "The last pass's figures (the first filled the tier; every pass is in the "
               "JSON): vllm bench serve's TTFT and ITL percentiles and output throughput. ok: "
               "every request of every pass completed and, for kvzip, no restored block differed. "
-              "bit-exact: kvzip only, every block it restored compared byte for byte with a "
-              "device copy of the block stored; offload and none are null (not checked): the "
+              "bit-exact: kvzip only, every block it restored compared with the block stored "
+              "(by fingerprints: 3 exact random linear forms of its 16-bit words per layer); "
+              "offload and none are null (not checked): the "
               "checker wraps kvzip's worker, and recompute restores nothing. Tier hit rate: "
               "vLLM's external prefix-cache hits over its queries in the last pass."]  # fmt: skip
+    if doc.get("calls"):
+        lines += ["", "Merged from calls on this device (`--merge`), the last this one:", ""]
+        lines += [f"- {c['date']}: `{c['command']}`" for c in doc["calls"]]
     return lines
 
 
