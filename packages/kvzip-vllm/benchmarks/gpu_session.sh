@@ -92,8 +92,11 @@ serve)
   # `vllm serve` per connector (kvzip checked, OffloadingConnector, none; about 60-90 s each to
   # start), each with the same `vllm bench serve` twice; servers and benches run as `python3 -m
   # vllm.entrypoints.cli.main` (no `vllm` script under /tmp/site) with this PYTHONPATH
+  # (the three servers of one comparison over two calls: SERVE_ARGS="--connectors kvzip", then
+  # SERVE_ARGS="--connectors offload,none" SERVE_MERGE=/tmp/res/serve/serve_tier_defaults.json)
+  merge=""; [ -n "${SERVE_MERGE:-}" ] && cp $SERVE_MERGE /tmp/serve_prev.json && merge="--merge /tmp/serve_prev.json"
   timeout ${SERVE_LIMIT_S:-570} python3 -m kvzip_eval bench serve --out $RES --deadline-s ${DEADLINE:-480} \
-    ${SERVE_ARGS:-} 2>&1 | tee $RES/serve.log | tail -30
+    $merge ${SERVE_ARGS:-} 2>&1 | tee $RES/serve.log | tail -30
   ;;
 kernels)
   env_line
