@@ -1,6 +1,7 @@
 """The CUDA C++ split kernel (csrc/paged_decode.cu: design v6, formats int4, int4-rot, 4bit,
-3.5bit, 3bit) against the float32 reference and the Triton kernels, and the backend choice of
-``paged_decode``.
+3.5bit, 3bit) against the float32 reference and the Triton kernels, the research design v7
+(``DecodeConfig(cuda_variant="v7" | "v7s4")``) against the reference and v6, and the backend
+choice of ``paged_decode``.
 
 GPU tests (``gpu`` marker) need a GPU of compute capability >= 8.0 and an nvcc; the earned
 tolerance is test_paged_decode's (2x plain torch in bf16 + 1e-3), and the kernel's output
@@ -10,6 +11,7 @@ found, that the kernel compiles for sm_90a.
 """
 
 import ctypes
+import dataclasses
 import math
 import os
 
@@ -43,7 +45,7 @@ CASES = [
 COMPACT = ["4bit", "3.5bit", "3bit"]
 
 
-def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, recent=0):
+def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, recent=0, variant="v6"):
     (fmt, q, kc, vc, bt, sl), dev = make_case(name, hq, hkv, d, block_size, lens, seed, "cuda")
     sk = win = None
     g = torch.Generator().manual_seed(9)
@@ -76,6 +78,15 @@ def _check(name, hq, hkv, d, block_size, lens, config, sinks=False, seed=0, rece
     assert err <= tol, f"{name} CUDA: relative L2 error {err:.2e} > earned tolerance {tol:.2e}"
     diff = _rel(out, tri.float().cpu())
     assert diff <= tol, f"{name}: CUDA and Triton differ by {diff:.2e} > {tol:.2e}"
+    if variant != "v6":  # a research design: v6's values, another schedule
+        cfg7 = dataclasses.replace(cfg, cuda_variant=variant)
+        out7 = paged_decode(fmt, *dev, backend="cuda", config=cfg7, **kw)
+        assert out7.dtype == torch.bfloat16 and out7.shape == q.shape
+        assert torch.isfinite(out7).all()
+        err = _rel(out7, ref)
+        assert err <= tol, f"{name} {variant}: relative L2 error {err:.2e} > {tol:.2e}"
+        diff = _rel(out7, out.float().cpu())
+        assert diff <= tol, f"{name}: {variant} and v6 differ by {diff:.2e} > {tol:.2e}"
 
 
 @pytest.mark.gpu
@@ -121,6 +132,99 @@ def test_cuda_sinks_and_window_odd_units(name):
     _check(name, 8, 2, 128, 16, [300, 100, 1], DecodeConfig(block_n=16, num_splits=3),
            sinks=True, recent=128)  # fmt: skip
     _check(name, 32, 8, 128, 16, [4099, 8192], None, sinks=True, recent=128)
+
+
+V7 = ["v7", "v7s4"]
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("variant", V7)
+@pytest.mark.parametrize("name", ["int4", *COMPACT, "int4-rot"])
+@pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "lens", "config"), CASES)
+def test_cuda_v7_matches_reference_and_v6(variant, name, hq, hkv, d, block_size, lens, config):
+    """Design v7 (64-token softmax tiles of two v6 pairs, 2 or 4 ring slots, predicated
+    copies): the reference's answer within the earned tolerance, and v6's (same values, its P
+    rounded to fp16 against a running maximum over 64 tokens instead of 32)."""
+    if name == "int4-rot" and d != 128:
+        pytest.skip("int4-rot: one head_dim is enough (the kernel is int4's)")
+    _check(name, hq, hkv, d, block_size, lens, config, variant=variant)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("variant", V7)
+@pytest.mark.parametrize("name", COMPACT)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (9, 3, 64), (8, 8, 64)])
+def test_cuda_v7_sinks(variant, name, hq, hkv, d):
+    """v7 skips the sink position as v6 does (a one-token sequence is all sink)."""
+    _check(name, hq, hkv, d, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True,
+           variant=variant)  # fmt: skip
+    _check(name, hq, hkv, d, 16, [2000], None, sinks=True, variant=variant)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("variant", V7)
+@pytest.mark.parametrize("name", COMPACT)
+def test_cuda_v7_sinks_and_window(variant, name):
+    """v7 stops at the residual window as v6 does: odd unit and pair counts per warp (a 64-token
+    tile whose second pair is absent, a pair whose second unit is absent), one-token and
+    all-sink sequences."""
+    _check(name, 9, 3, 64, 16, [37, 1], DecodeConfig(block_n=16, num_splits=2), sinks=True,
+           variant=variant)  # fmt: skip
+    _check(name, 8, 2, 128, 16, [300, 100, 1], DecodeConfig(block_n=16, num_splits=2),
+           sinks=True, recent=128, variant=variant)  # fmt: skip
+    _check(name, 8, 2, 128, 16, [300, 100, 1], DecodeConfig(block_n=16, num_splits=3),
+           sinks=True, recent=128, variant=variant)  # fmt: skip
+    _check(name, 32, 8, 128, 16, [4099, 8192], None, sinks=True, recent=128, variant=variant)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("variant", V7)
+@pytest.mark.parametrize("name", ["int4", *COMPACT])
+@pytest.mark.parametrize("lens", [[16 * 8 * 3 + 7], [16 * 8 * 5], [16 * 8 * 8 + 16], [9000]])
+def test_cuda_v7_tile_tails(variant, name, lens):
+    """Split lengths where a warp's pairs are odd (its last 64-token tile has one pair), where
+    they fill whole tiles, and longer than 32 pairs per warp (the block-id refill at pair 32):
+    v7 gives the reference's answer and v6's within the earned tolerance (one split, two, and
+    pages of 64 tokens)."""
+    for cfg in (DecodeConfig(num_splits=1), DecodeConfig(block_n=128, num_splits=2)):
+        _check(name, 8, 2, 128, 16, lens, cfg, variant=variant)
+    _check(name, 8, 1, 128, 64, lens, DecodeConfig(block_n=64, num_splits=1), variant=variant)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("variant", V7)
+@pytest.mark.parametrize("name", ["int4", *COMPACT])
+def test_cuda_v7_block_strided_caches(variant, name):
+    """v7 on vLLM's kv[:, 0] / kv[:, 1] views with a block stride (its 32-bit block offsets):
+    the same answer as on contiguous caches, bit for bit."""
+    (fmt, *_), (q, kc, vc, bt, sl) = make_case(name, 8, 2, 128, 16, [300], 0, "cuda")
+    k, v, stride = _one_allocation(kc, vc)
+    cfg = DecodeConfig(cuda_variant=variant)
+    want = paged_decode(fmt, q, kc, vc, bt, sl, block_size=16, backend="cuda", config=cfg)
+    got = paged_decode(fmt, q, k, v, bt, sl, block_size=16, block_stride=stride, backend="cuda",
+                       config=cfg)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_sm80
+@pytest.mark.parametrize("variant", V7)
+def test_cuda_v7_residency(variant):
+    """v7's CTAs per SM from the occupancy calculator: v7 (2 slots) as many as v6 at d128 for
+    the compact formats; v7s4 at least 2 (NOTES.md "v7")."""
+    for name in ("int4", *COMPACT):
+        for d in (64, 128):
+            n = _cuda.ctas_per_sm(name, d, "cuda", variant)
+            assert 1 <= n <= 8, (name, d, n)
+            if variant == "v7s4":
+                assert n >= 2, (name, d, n)
+            elif name != "int4" and d == 128:
+                assert n == _cuda.ctas_per_sm(name, d, "cuda"), (name, d, n)
 
 
 def _one_allocation(kc, vc):
@@ -279,4 +383,22 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     assert so.exists() and so.stat().st_size > 0
     lib = ctypes.CDLL(str(so))
     assert hasattr(lib, "kvzd_split_launch") and hasattr(lib, "kvzd_ctas_per_sm")
-    assert not hasattr(lib, "kvzd_split_launch_v6")  # one design, one launcher
+    assert hasattr(lib, "kvzd_split_launch_v7") and hasattr(lib, "kvzd_ctas_per_sm_v7")
+    assert not hasattr(lib, "kvzd_split_launch_v6")  # v5's research launcher: gone
+
+
+def test_cuda_variant_is_checked():
+    """An unknown design of the CUDA split kernel is refused by name when the config is made,
+    before any plan or launch; the known ones are accepted, v6 is the default."""
+    assert DecodeConfig().cuda_variant == "v6"
+    assert set(_cuda.VARIANTS) == {"v6", "v7", "v7s4"}
+    for v in _cuda.VARIANTS:
+        assert DecodeConfig(cuda_variant=v).cuda_variant == v
+    with pytest.raises(
+        ValueError, match="cuda_variant must be one of 'v6', 'v7', 'v7s4', got 'v8'"
+    ):
+        DecodeConfig(cuda_variant="v8")
+    with pytest.raises(ValueError, match="cuda_variant must be one of"):
+        dataclasses.replace(DecodeConfig(), cuda_variant="v5")
+    with pytest.raises(ValueError, match="cuda_variant must be one of"):
+        _cuda.check_variant("V7")

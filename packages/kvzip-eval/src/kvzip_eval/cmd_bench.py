@@ -269,6 +269,13 @@ def tier(**kw) -> None:
     help="kvzip's kernels: triton, cuda (default: both on a GPU, triton on the CPU).",
 )
 @click.option(
+    "--cuda-variants",
+    default="v6",
+    show_default=True,
+    help="Designs of the CUDA split kernel timed (v6, v7, v7s4), each keyed "
+    "kvzip-cuda-<design>-<fmt> when more than v6 is named.",
+)
+@click.option(
     "--baselines",
     default=",".join(("xqa", "flashinfer-fp8", "vllm-fa3-fp8")),
     show_default=True,
@@ -309,6 +316,16 @@ def kernels(**kw) -> None:
     for k in ("shapes", "formats", "baselines"):
         kw[k] = _names(kw[k])
     kw["backends"] = _names(kw["backends"]) if kw["backends"] else None
+    kw["cuda_variants"] = _names(kw["cuda_variants"])
+    from kvzip_kernels._cuda import VARIANTS
+
+    unknown = [v for v in kw["cuda_variants"] if v not in VARIANTS]
+    if unknown or not kw["cuda_variants"]:
+        raise click.BadParameter(
+            f"{unknown or kw['cuda_variants']}: the CUDA kernel's designs are "
+            f"{', '.join(VARIANTS)}",
+            param_hint="--cuda-variants",
+        )
     bad = [s for s in kw["shapes"] if s not in bench.SHAPES]
     bad += [b for b in kw["baselines"] if b not in bench.BASELINES]
     if bad or any(c % kw["block_size"] for c in kw["contexts"]):

@@ -19,7 +19,10 @@ chosen over v5 by measurement (NOTES.md:
 ``results/kernels/paged_decode/bench_paged_decode_v6.md``, H200, full grid, same run:
 geometric-mean speedup over the best fp8 int4 1.61x (v5 1.49x), 4bit 1.37x (1.15x), 3.5bit
 1.30x (0.97x), 3bit 1.29x (0.90x)); v5's and v4a's sources are in git history (NOTES.md says
-where).
+where). ``DecodeConfig(cuda_variant=)`` picks a design (:data:`VARIANTS`): ``v6`` (the default)
+or the research design v7 (NOTES.md "v7": v6's layout, bytes and values; 64-token softmax tiles
+and branch-free copies) with 2 (``v7``) or 4 (``v7s4``) ring slots of 32 tokens per warp, until
+a GPU run decides.
 ``KVZIP_KERNELS_CUDA_SO`` names a prebuilt library (skips the build); ``KVZIP_NVCC`` an nvcc.
 """
 
@@ -46,6 +49,18 @@ AUTO_CAPABILITIES = ((9, 0),)
 MAX_GROUP = 8  # query heads per KV head: the N = 8 of the mma
 FORMATS = {"int4": 0, "int4-rot": 0, "4bit": 1, "3.5bit": 2, "3bit": 3}
 BACKENDS = KERNELS_BACKEND.choices  # ("auto", "cuda", "triton")
+#: The split kernel's designs (``DecodeConfig(cuda_variant=)``): name -> (design, ring slots of
+#: 32 tokens per warp). ``v6`` is the shipped one; ``v7``/``v7s4`` the research design v7 (same
+#: bytes and decoded values, 64-token softmax tiles, branch-free copies; NOTES.md "v7").
+VARIANTS = {"v6": (6, 2), "v7": (7, 2), "v7s4": (7, 4)}
+
+
+def check_variant(variant: str) -> None:
+    """ValueError naming the designs unless ``variant`` is one of :data:`VARIANTS`."""
+    if variant not in VARIANTS:
+        raise ValueError(
+            f"cuda_variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}"
+        )
 
 
 def expected_groups(fmt_name: str, d: int) -> tuple[tuple, tuple] | None:
@@ -123,6 +138,10 @@ def _declare(L: ctypes.CDLL) -> None:
     L.kvzd_split_launch.restype = I
     L.kvzd_ctas_per_sm.argtypes = [I, I]
     L.kvzd_ctas_per_sm.restype = I
+    L.kvzd_split_launch_v7.argtypes = [*L.kvzd_split_launch.argtypes, I]  # + ring slots
+    L.kvzd_split_launch_v7.restype = I
+    L.kvzd_ctas_per_sm_v7.argtypes = [I, I, I]
+    L.kvzd_ctas_per_sm_v7.restype = I
 
 
 #: The kernel's library per GPU architecture (built, cached and loaded by kvzip_formats.nvcc).
@@ -195,19 +214,24 @@ def choose(backend: str | None, fmt_name: str, spec, group: int, device) -> str:
     return "cuda"
 
 
-def ctas_per_sm(fmt_name: str, head_dim: int, device) -> int:
-    """CTAs of the split kernel for this format and head_dim resident per SM on ``device``
-    (CUDA's occupancy calculator with the kernel's registers and shared memory; 0 where it
-    cannot say)."""
+def ctas_per_sm(fmt_name: str, head_dim: int, device, variant: str = "v6") -> int:
+    """CTAs of the split kernel (design ``variant``) for this format and head_dim resident per
+    SM on ``device`` (CUDA's occupancy calculator with the kernel's registers and shared
+    memory; 0 where it cannot say)."""
+    check_variant(variant)
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return _ctas_per_sm(FORMATS[fmt_name], head_dim, index)
+    return _ctas_per_sm(FORMATS[fmt_name], head_dim, index, variant)
 
 
 @functools.lru_cache(maxsize=64)
-def _ctas_per_sm(fmt: int, head_dim: int, index: int) -> int:
+def _ctas_per_sm(fmt: int, head_dim: int, index: int, variant: str = "v6") -> int:
+    design, slots = VARIANTS[variant]
     with torch.cuda.device(index):
-        return int(lib(torch.device("cuda", index)).kvzd_ctas_per_sm(fmt, head_dim))
+        L = lib(torch.device("cuda", index))
+        if design == 6:
+            return int(L.kvzd_ctas_per_sm(fmt, head_dim))
+        return int(L.kvzd_ctas_per_sm_v7(fmt, head_dim, slots))
 
 
 def _ptr(t: torch.Tensor | None):
@@ -236,10 +260,18 @@ def split(
     tokens_per_split: int,
     num_splits: int,
     skip: int = 0,
+    variant: str = "v6",
 ) -> None:
     """Launch the split stage on the current stream (inputs validated by ``paged_decode``;
     ``q`` contiguous: bf16 for int4, the fp16 q' of the compact formats with ``qs`` and the
-    level table ``lut16`` (:func:`level_table`))."""
+    level table ``lut16`` (:func:`level_table`)); ``variant``: a key of :data:`VARIANTS`."""
+    check_variant(variant)
+    design, slots = VARIANTS[variant]
+    if design == 7 and max(k_blk_stride, v_blk_stride) >= 1 << 31:
+        raise FormatError(
+            f"cuda_variant {variant!r} takes block strides below 2**31 bytes, got "
+            f"{k_blk_stride} and {v_blk_stride}; use cuda_variant='v6'"
+        )
     b, hq, d = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.data_ptr() % 16:  # cp.async and the vector loads read 16-byte aligned pages
@@ -247,7 +279,9 @@ def split(
                 f"{name} must start 16-byte aligned for the CUDA kernel (data_ptr % 16 = "
                 f"{t.data_ptr() % 16}); use backend='triton' for this cache"
             )
-    rc = lib(q.device).kvzd_split_launch(
+    L = lib(q.device)
+    fn, extra = (L.kvzd_split_launch, ()) if design == 6 else (L.kvzd_split_launch_v7, (slots,))
+    rc = fn(
         FORMATS[fmt_name],
         d,
         _ptr(q),
@@ -273,6 +307,7 @@ def split(
         num_splits,
         skip,
         ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream),
+        *extra,
     )
     if rc:
         raise RuntimeError(f"kvzip-kernels CUDA decode launch failed: error {rc}")

@@ -60,6 +60,14 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int | None = None  # split-KV factor; None: see _num_splits
     split_tokens: int = 2048  # target tokens per split (halved down to 512 to fill the GPU)
+    #: the CUDA split kernel's design (``_cuda.VARIANTS``): ``v6`` (shipped) or the research
+    #: design ``v7`` / ``v7s4`` (NOTES.md "v7"); a ValueError names them for anything else
+    cuda_variant: str = "v6"
+
+    def __post_init__(self):
+        from kvzip_kernels._cuda import check_variant
+
+        check_variant(self.cuda_variant)
 
 
 #: A CTA's fixed cost in tokens streamed, for :func:`_splits_by_rounds`: 70B-TP8 at 32k on the
@@ -316,7 +324,7 @@ class DecodePlan:
         if use_cuda and cfg.num_splits is None:
             from kvzip_kernels import _cuda
 
-            ctas = _cuda.ctas_per_sm(f.name, d, dev)
+            ctas = _cuda.ctas_per_sm(f.name, d, dev, cfg.cuda_variant)
         step = max(cfg.block_n, block_size)
         splits = cfg.num_splits or _num_splits(b, hkv, max_seq_len, cfg, dev, ctas, step)
         per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), step) * step
@@ -477,7 +485,8 @@ class DecodePlan:
             q = q.contiguous()
             _cuda.split(
                 self.fmt.name, q, None, None, k_cache, v_cache, self.block_table, self.seq_lens,
-                self.o_part, self.lse, scale2, **self.geometry,
+                self.o_part, self.lse, scale2, variant=self.config.cuda_variant,
+                **self.geometry,
             )  # fmt: skip
         elif self.spec.family == "int4":
             _int4_split_kernel[self.grid](
@@ -537,7 +546,8 @@ class DecodePlan:
 
             _cuda.split(
                 f.name, q16, qs, self.lut16, k_cache, v_cache, self.block_table, self.row_lens,
-                self.o_part, self.lse, scale2, skip=self.n_sink, **self.geometry,
+                self.o_part, self.lse, scale2, skip=self.n_sink,
+                variant=self.config.cuda_variant, **self.geometry,
             )  # fmt: skip
         else:
             _codebook_split_kernel[self.grid](

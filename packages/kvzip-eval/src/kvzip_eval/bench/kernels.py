@@ -7,7 +7,10 @@ Per shape (``8b``: Llama-3.1-8B's 32 query / 8 KV heads; ``70b-tp8``: 70B per GP
 - ``kvzip-<backend>-<fmt>``: ``kvzip_kernels``' decode for each format, on the Triton kernels
   (``triton``) and the CUDA ones (``cuda``, built for this GPU first): planned once
   (``decode_plan.plan``), the plan's ``run`` timed, as the baselines are timed after their
-  plans and workspaces are made (a server plans a step once and runs it per layer);
+  plans and workspaces are made (a server plans a step once and runs it per layer); with
+  ``--cuda-variants`` naming more than the shipped design (``v6``), the CUDA kernel is timed
+  once per design (``DecodeConfig(cuda_variant=)``), keyed ``kvzip-cuda-<design>-<fmt>``
+  (``kvzip-cuda-v6-4bit``, ``kvzip-cuda-v7-4bit``; the default keeps ``kvzip-cuda-<fmt>``);
 - the fp8 baselines, on an fp8 e4m3 cache holding the same values as kvzip's fp8 cache (copied
   into their NHD layout), each where it can be imported: ``xqa`` (FlashInfer's XQA,
   TensorRT-LLM's fp8 decode), ``flashinfer-fp8`` (FlashInfer's tensor-core decode),
@@ -35,6 +38,22 @@ from kvzip_eval.bench import output
 SHAPES = {"8b": (32, 8, 128), "70b-tp8": (8, 1, 128), "tiny": (4, 2, 64)}
 PEAK_TBPS = {"H200": 4.3, "H100": 3.35}
 BASELINES = ("xqa", "flashinfer-fp8", "vllm-fa3-fp8")
+
+
+def kernel_keys(backends, fname: str, cuda_variants=("v6",)) -> list[tuple[str, str, str]]:
+    """(row key, backend, CUDA design) of each kvzip kernel timed for format ``fname``: one per
+    backend, the CUDA one once per design in ``cuda_variants``; the design is named in the key
+    (``kvzip-cuda-v7-4bit``) unless only the shipped one, ``v6``, is timed (``kvzip-cuda-4bit``,
+    the key of the runs before designs were compared)."""
+    named = list(cuda_variants) != ["v6"]
+    keys = []
+    for backend in backends:
+        if backend != "cuda":
+            keys.append((f"kvzip-{backend}-{fname}", backend, "v6"))
+            continue
+        for v in cuda_variants:
+            keys.append((f"kvzip-cuda-{v}-{fname}" if named else f"kvzip-cuda-{fname}", "cuda", v))
+    return keys
 
 
 def timer(torch, device):
@@ -144,7 +163,7 @@ def run(o) -> dict:
     from kvzip_eval.bench.engines import device_name
     from kvzip_formats import FormatError, get_format
     from kvzip_formats.ops import PagedLayout
-    from kvzip_kernels.decode_plan import plan
+    from kvzip_kernels.decode_plan import DecodeConfig, plan
     from kvzip_kernels.testing import synthetic_calibration
 
     if o.flashinfer_bundle:  # FlashInfer carried as a bundle (make_bundle.sh): its own set-up
@@ -171,6 +190,7 @@ def run(o) -> dict:
             build = f"{type(e).__name__}: {e}"[:300]
         if build:
             backends = [b for b in backends if b != "cuda"]
+    cuda_variants = list(getattr(o, "cuda_variants", None) or ["v6"])
     bench = timer(torch, device)
     gen = torch.Generator(device=device).manual_seed(1234)
     ps = o.block_size
@@ -229,15 +249,15 @@ def run(o) -> dict:
             for fname, (fmt, tok_bytes, (kp, vp)) in pools.items():
                 if fname not in o.formats and res:
                     continue  # fp8 for the baselines' data only
-                for backend in backends:
-                    key = f"kvzip-{backend}-{fname}"
+                for key, backend, variant in kernel_keys(backends, fname, cuda_variants):
                     oo = torch.empty_like(q)
                     try:
                         # planned once, as a server plans a step and runs it per layer (and as
                         # the baselines' plans and workspaces are made before their timing)
                         p = plan(fmt, num_q_heads=hq, head_dim=d, block_table=bt, seq_lens=sl,
                                  k_cache=kp, v_cache=vp, block_size=ps, max_seq_len=ctx,
-                                 backend=backend)  # fmt: skip
+                                 backend=backend,
+                                 config=DecodeConfig(cuda_variant=variant))  # fmt: skip
                         fn = functools.partial(p.run, q, kp, vp, out=oo)
                         res[key] = bench(fn, o.iters, o.warmup)
                     except (FormatError, RuntimeError) as e:  # a format without this kernel
@@ -276,6 +296,7 @@ def run(o) -> dict:
             "contexts": o.contexts,
             "formats": o.formats,
             "backends": backends,
+            "cuda_variants": cuda_variants,
             "baselines": o.baselines,
             "block_size": ps,
             "iters": o.iters,
