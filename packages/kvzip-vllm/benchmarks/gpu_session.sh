@@ -9,7 +9,8 @@
 #   gpu_session.sh tier      # kvzip bench tier: the tier beside vLLM's OffloadingConnector and recompute (TIER_WORKLOADS)
 #   gpu_session.sh tierdecode  # kvzip bench tier-decode: decoders' ITL while long prompts return, the store path's waits
 #   gpu_session.sh serve     # kvzip bench serve: `vllm serve` with vLLM's defaults per connector (kvzip, offload, none), the same `vllm bench serve` (SERVE_ARGS)
-#   gpu_session.sh kernels   # kvzip bench kernels: the paged decode beside XQA / FlashInfer / vLLM's FA3 fp8 (.carry/flashinfer if carried)
+#   gpu_session.sh kernels   # kvzip bench kernels: the paged decode beside XQA / FlashInfer / vLLM's FA3 fp8 (.carry/flashinfer if carried; KERNELS_VARIANTS=v6,v7,v7s4: the CUDA designs)
+#   gpu_session.sh v7        # the CUDA decode's research designs' GPU tests (v7, v7s4 against the reference and v6)
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race, pending loads
 #   gpu_session.sh quality   # tests/test_vllm_quality_gpu.py: SmolLM2 through vLLM against kvzip eval (.carry/smollm2 carried)
@@ -49,8 +50,9 @@ checks)
   env_line
   timeout 120 python3 -m pytest -q $R/kvzip-vllm/tests/test_support.py 2>&1 | tee $RES/checks_support.log | tail -3
   # the test checks the dispatch itself: no override in its environment
+  # (the shipped design's tests pick the path; the research designs' tests are the v7 stage's)
   env -u KVZIP_KERNELS_BACKEND PYTHONPATH=$PYTHONPATH:$R/kvzip-kernels/tests timeout 200 python3 -m pytest -q -m gpu \
-    $R/kvzip-kernels/tests/test_cuda_decode.py 2>&1 | tee $RES/checks_cuda_decode.log | tail -5
+    $R/kvzip-kernels/tests/test_cuda_decode.py -k "not v7" 2>&1 | tee $RES/checks_cuda_decode.log | tail -5
   if [ "${PIPESTATUS[0]}" = 0 ]; then echo auto >/tmp/kvzip_kernels_backend; else echo triton >/tmp/kvzip_kernels_backend; fi
   echo "decode path for vLLM: $(cat /tmp/kvzip_kernels_backend)"
   export KVZIP_KERNELS_BACKEND=$(cat /tmp/kvzip_kernels_backend)
@@ -103,7 +105,14 @@ kernels)
   fi=""; [ -d .carry/flashinfer ] && fi="--flashinfer-bundle .carry/flashinfer"
   env -u KVZIP_KERNELS_BACKEND timeout ${KERNELS_LIMIT_S:-560} python3 -m kvzip_eval bench kernels --out $RES $fi \
     --formats ${KERNELS_FORMATS:-fp8,int4,4bit,3.5bit,3bit} --shapes ${KERNELS_SHAPES:-8b,70b-tp8} \
-    --batches ${KERNELS_BATCHES:-8,32} --time-budget-s ${KERNELS_BUDGET_S:-480} 2>&1 | tee $RES/kernels.log | tail -30
+    --batches ${KERNELS_BATCHES:-8,32} --cuda-variants ${KERNELS_VARIANTS:-v6} --time-budget-s ${KERNELS_BUDGET_S:-480} \
+    2>&1 | tee $RES/kernels.log | tail -30
+  ;;
+v7)
+  env_line
+  # the CUDA decode's research designs (kvzip-kernels NOTES "v7") against the reference and v6
+  PYTHONPATH=$PYTHONPATH:$R/kvzip-kernels/tests timeout ${V7_LIMIT_S:-300} python3 -m pytest -q -m gpu \
+    $R/kvzip-kernels/tests/test_cuda_decode.py -k "v7" 2>&1 | tee $RES/gpu_tests_v7.log | tail -5
   ;;
 e2e)
   env_line
