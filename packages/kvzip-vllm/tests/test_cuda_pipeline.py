@@ -212,6 +212,13 @@ def test_groups_past_the_ring_reuse_its_buffers_bit_exact(
     # (every other chunk stored), so each group's bytes start past the batch's first byte
     monkeypatch.setattr(cuda_pipeline, "BLOCKS_PER_GROUP", 1)
     buf, caches, store, pipe = make(device, device_scatter=device_scatter)
+    reserved = pipe._ring.grown  # the ring's buffers, reserved with the pipeline
+    assert pipe._ring.record_bytes >= store_raw_chunk_bytes(device)
+    assert (pipe._ring.decoded_bytes == store_raw_chunk_bytes(device)) is device_scatter
+    groups = []
+    prep = kvzip_lossless.prepare_decode_batch
+    monkeypatch.setattr(kvzip_lossless, "prepare_decode_batch",
+                        lambda *a, **k: groups.append(len(a[1])) or prep(*a, **k))  # fmt: skip
     fill(caches, seed=5)
     want = [c.clone() for c in caches]
     store_blocks(pipe, [(key(i), i) for i in range(NUM_BLOCKS)])
@@ -226,8 +233,11 @@ def test_groups_past_the_ring_reuse_its_buffers_bit_exact(
     assert pipe.wait_loads() == set()
     for s, d in zip(src, dst, strict=True):
         assert_block_equal(caches, d, want, s)
+    layers = SHAPES[device][0]
+    assert groups == [2 * layers] * 7  # one chunk (all its blobs) a group
     assert len(pipe._ring.buffers(0)) == cuda_pipeline.LOAD_RING
     grown = pipe._ring.grown
+    assert grown == reserved  # nothing allocated by the load
     # the next step's smaller groups reuse the buffers (nothing allocated)
     buf.view(torch.int16).fill_(-1)
     pipe.start_loads([("s", key(4), 2), ("s", key(23), 6)])
@@ -236,6 +246,11 @@ def test_groups_past_the_ring_reuse_its_buffers_bit_exact(
     assert_block_equal(caches, 6, want, 3)
     assert pipe._ring.grown == grown
     assert store.stats.load_errors == 0
+
+
+def store_raw_chunk_bytes(device):
+    layers, heads, n, d = SHAPES[device]
+    return 2 * layers * n * heads * d * 2  # one block a chunk, K and V, bf16
 
 
 def test_copy_records_refuses_a_shift_outside_the_buffer():

@@ -234,8 +234,9 @@ LOAD_GROUP_CHUNKS = Setting(
     16,
     ("kvzip_vllm.core.cuda_pipeline",),
     "chunks per copy/decode group of the tier's CUDA loads (a load of n chunks runs in "
-    "min(16, max(1, n // this)) groups: the copy of one group overlaps the decode of the last; "
-    "each group costs host work), for measuring the split",
+    "ceil(n / this) groups of at most this many: the copy of one group overlaps the decode of "
+    "the last; each group costs host work; the restore ring reserves the device memory of 3 "
+    "groups' records and one group decoded), for measuring the split",
     package=_VLLM,
     scope="bench",
     check=_positive,

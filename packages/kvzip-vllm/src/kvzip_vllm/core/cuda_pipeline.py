@@ -57,19 +57,26 @@ from kvzip_vllm.core.store import BlockStore
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
-#: Chunk groups per load step: the copies of group g+1 overlap the decode of group g, and only
-#: the last group's decode follows the last copy. Each group costs one prepare (numpy over its
-#: plans) and three launches. Measured on the H200 (results/vllm/tier_restore/, 8B shape,
-#: 256-token chunks): 16 chunks per group, at most 16 groups, restore 0.83-0.87x a raw copy.
+#: Chunks per group of a load step: the copies of group g+1 overlap the decode of group g,
+#: and only the last group's decode follows the last copy. Each group costs one prepare (numpy
+#: over its plans) and four launches. Measured on the H200 (results/vllm/tier_restore/, 8B
+#: shape, 256-token chunks): 16 chunks per group, at most 16 groups, restore 0.83-0.87x a raw
+#: copy. A step of n chunks now runs in ceil(n / 16) groups of at most 16 (more than 16 groups
+#: past 256 chunks), so that the restore ring's device buffers are sized once, for 16 chunks.
 #: ``KVZIP_LOAD_GROUP_CHUNKS`` sets the chunks per group (for measuring the split).
-BLOCKS_PER_GROUP, MAX_GROUPS = table.LOAD_GROUP_CHUNKS.get(), 16
+BLOCKS_PER_GROUP = table.LOAD_GROUP_CHUNKS.get()
 
 
 #: Device buffers the step's records are copied into, one chunk group each, reused round
 #: robin (a group's copies wait on the device for the decode of the group before it in that
 #: buffer): a restore holds ``LOAD_RING`` groups' records on the device, not the whole step's
-#: (a 131,072-token 8B prefix: about 2 GB instead of 11 GB), and allocates nothing per step.
+#: (a 131,072-token 8B prefix took 11 GB, allocated per step), and allocates nothing per step.
+#: The buffers are reserved when the pipeline is made, before the store queue is sized from
+#: the free memory (8B shape: 3 x 16 chunks of at most 34 MB of records, and 16 decoded
+#: chunks of 32 MB: about 2.1 GB).
 LOAD_RING = 3
+#: a record's bytes over its chunk's raw bytes, at most (blobs stored raw, with their headers)
+RECORD_SLACK = 1.0625
 
 
 class _LoadRing:
@@ -93,10 +100,11 @@ class _LoadRing:
                 stream.synchronize()
 
     def buffers(self, nbytes: int) -> list[torch.Tensor]:
-        """The record buffers, each of at least ``nbytes`` (grown by a quarter more)."""
+        """The record buffers, each of at least ``nbytes`` (grown by a quarter more past
+        what they hold)."""
         if not self._records or self._records[0].numel() < nbytes:
             self._sync()
-            size = max(nbytes + nbytes // 4, 1 << 20)
+            size = max(nbytes + nbytes // 4 if self._records else nbytes, 1 << 16)
             self._records = []  # (the old ones let go before the new ones are taken)
             self._records = [
                 torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.depth)
@@ -104,6 +112,14 @@ class _LoadRing:
             self._free = [None] * self.depth
             self.grown += 1
         return self._records
+
+    @property
+    def record_bytes(self) -> int:
+        return self._records[0].numel() if self._records else 0
+
+    @property
+    def decoded_bytes(self) -> int:
+        return 0 if self._decoded is None else self._decoded.numel() * 2
 
     def claim(self, i: int, stream) -> None:
         """``stream`` (the copies into buffer ``i``) waits for the last decode that read it."""
@@ -210,6 +226,16 @@ class CudaTierPipeline(StorePath):
         # spilled chunks brought back to the device ahead of their turn (``_start_unspill``)
         self.unspill_stream = torch.cuda.Stream(self.device) if cuda else None
         self._ring = _LoadRing(self.device, (self.copy_stream, self.decode_stream))
+        # reserved now, before the store queue takes half of what is free
+        raw = 2 * len(caches) * int(np.prod(self.block_shape)) * 2  # a chunk's bf16 bytes
+        self._ring.buffers(int(BLOCKS_PER_GROUP * raw * RECORD_SLACK) + (1 << 16))
+        if self.device_scatter:
+            self._ring.decoded((2 * len(caches), BLOCKS_PER_GROUP, *self.block_shape))
+        if cuda:
+            logger.info(
+                "kvzip tier: restore ring %d x %.0f MB of records, %.0f MB decoded",
+                LOAD_RING, self._ring.record_bytes / 1e6, self._ring.decoded_bytes / 1e6,
+            )  # fmt: skip
         if cuda:  # the arena page-locked: records are copied to the GPU from where they lie
             store.pin()
         # every entry holds its decode plan (also those the shared tier's fetches put)
@@ -427,7 +453,7 @@ class CudaTierPipeline(StorePath):
         batch = self.store.record_batch(records, all_plans[:, 0].reshape(n, S))
         offsets = batch.offsets
         j_idx, s_idx = np.divmod(np.arange(n * S), S)
-        groups = max(1, min(MAX_GROUPS, n // BLOCKS_PER_GROUP))
+        groups = -(-n // BLOCKS_PER_GROUP)  # (each of at most BLOCKS_PER_GROUP chunks)
         bounds = np.linspace(0, n, groups + 1).astype(int)
         bounds = list(zip(bounds[:-1], bounds[1:], strict=True))
         # each group's records from its own buffer's start: [lo, hi) of the batch's bytes
@@ -441,8 +467,8 @@ class CudaTierPipeline(StorePath):
         # Written on the device, each group is decoded into one buffer of the largest group's
         # size and written into the cache right behind its decode (the same stream), so the
         # decoded bf16 takes a group's bytes on the device, not the whole step's (a 131,072-
-        # token 8B prefix: about 1 GB instead of 17 GB, outside vLLM's memory accounting),
-        # and that buffer is kept for the next steps. Otherwise (the host reads the flags
+        # token 8B prefix: 0.5 GB instead of 17 GB, outside vLLM's memory accounting), and
+        # that buffer is the ring's, reserved with it. Otherwise (the host reads the flags
         # first) every chunk keeps its decoded copy until wait_loads scatters the good ones.
         bounded = self.device_scatter
         cap = max(j1 - j0 for j0, j1 in bounds) if bounded else n
