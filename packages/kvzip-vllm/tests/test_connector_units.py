@@ -45,11 +45,18 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
     assert "'budget_byte'" in msg
     assert (
         "known keys: budget_bytes, chunk_tokens, fit_tokens, load_mode, shared_budget_bytes, "
-        "shared_timeout_s, shared_url, stats_path, store_queue_bytes, switch_interval_s, "
-        "tables_path"
+        "shared_timeout_s, shared_url, stats_path, store_queue_bytes, store_queue_reserved, "
+        "switch_interval_s, tables_path"
     ) in msg
     with pytest.raises(ConnectorSettingsError, match=r"store_queue_bytes=0 .*greater than 0"):
         connector_settings({"store_queue_bytes": 0}, environ={})
+    assert connector_settings({}, environ={}).store_queue_reserved is True
+    assert (
+        connector_settings({"store_queue_reserved": False}, environ={}).store_queue_reserved
+        is False
+    )
+    with pytest.raises(ConnectorSettingsError, match="store_queue_reserved"):
+        connector_settings({"store_queue_reserved": "sometimes"}, environ={})
 
 
 @pytest.mark.parametrize(

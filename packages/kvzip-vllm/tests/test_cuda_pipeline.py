@@ -131,14 +131,16 @@ def make(request):
         queue_bytes=2 << 30,
         bpc=1,
         device_scatter=None,
+        queue_reserved=True,
     ):
         layers, heads, n, d = SHAPES[device]
         buf, caches = paged_caches(layers, heads, n, d, device, layout)
         ts = calibrated_tables(layers, heads, d) if tables == "calibrated" else None
         store = BlockStore(budget, tables=ts, fit_tokens=2 * n if tables == "fit" else 0)
         pipe = CudaTierPipeline(
-            store, caches, n, bpc, queue_bytes=queue_bytes, device_scatter=device_scatter
-        )
+            store, caches, n, bpc, queue_bytes=queue_bytes, device_scatter=device_scatter,
+            queue_reserved=queue_reserved,
+        )  # fmt: skip
         pipes.append(pipe)
         return buf, caches, store, pipe
 
@@ -246,6 +248,53 @@ def test_groups_past_the_ring_reuse_its_buffers_bit_exact(
     assert_block_equal(caches, 6, want, 3)
     assert pipe._ring.grown == grown
     assert store.stats.load_errors == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_staged_stores_take_extents_of_the_reserved_queue_and_give_them_back(make, device):
+    # two steps' stores staged in the queue reserved at start-up (no allocation per step),
+    # every extent free again once coded, the chunks restored bit-exact
+    buf, caches, store, pipe = make(device, queue_bytes=64 << 20)
+    arena = pipe._queue_arena
+    assert arena is not None and arena.buf.device.type == device
+    assert arena.capacity == (64 << 20) and arena.used == 0
+    taken = []
+    alloc = arena.alloc
+    arena.alloc = lambda n: taken.append(n) or alloc(n)
+    fill(caches, seed=7)
+    want = [c.clone() for c in caches]
+    pipe.start_stores([(key(i), i) for i in (0, 1)])
+    pipe.start_stores([(key(i), i) for i in (2, 3)])
+    pipe.drain()
+    stored, _ = pipe.collect()
+    assert sorted(stored) == [key(i) for i in range(4)]
+    assert taken == [2 * store_raw_chunk_bytes(device)] * 2 and arena.used == 0
+    assert store.stats.stores_stage_allocated == 0
+    buf.view(torch.int16).fill_(-1)
+    pipe.start_loads([("r", key(i), 8 + i) for i in range(4)])
+    assert pipe.wait_loads() == set()
+    for i in range(4):
+        assert_block_equal(caches, 8 + i, want, i)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_the_reserved_queue_cannot_hold_is_allocated_and_stored(make, device):
+    # a queue smaller than one step's copies (an empty queue still takes a step): the copies
+    # are allocated by torch, counted, and stored as any others
+    buf, caches, store, pipe = make(device, queue_bytes=1024)
+    fill(caches, seed=8)
+    want = [c.clone() for c in caches]
+    stored, dropped = store_blocks(pipe, [(key(i), i) for i in (0, 1)])
+    assert stored == [key(0), key(1)] and dropped == []
+    assert store.stats.stores_stage_allocated == 1 and pipe._queue_arena.used == 0
+    buf.view(torch.int16).fill_(-1)
+    pipe.start_loads([("r", key(0), 5), ("r", key(1), 6)])
+    assert pipe.wait_loads() == set()
+    assert_block_equal(caches, 5, want, 0)
+    assert_block_equal(caches, 6, want, 1)
+    # not reserved: nothing held at start, nothing counted
+    *_, pipe2 = make(device, queue_reserved=False)
+    assert pipe2._queue_arena is None
 
 
 def store_raw_chunk_bytes(device):
@@ -394,6 +443,9 @@ def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
     # the last spilled job's copy back to the device began while the job before it was coded
     # (the first one's could not: the thread was already coding chunk 0 when it was queued)
     assert st.stores_unspilled_ahead == 1
+    # the reserved queue (1.5 chunks) held chunk 0's copies and chunk 4's brought back; the
+    # 3-chunk job's did not fit it and were allocated; every extent is free again
+    assert st.stores_stage_allocated == 1 and pipe._queue_arena.used == 0
     assert st.bytes_held <= budget and st.peak_bytes_held <= budget
     assert st.store_busy_seconds > 0
     buf.view(torch.int16).fill_(-1)

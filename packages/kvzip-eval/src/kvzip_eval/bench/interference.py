@@ -348,7 +348,8 @@ def child(spec: dict) -> None:
     if conn == "kvzip":
         keys = ("stores_dropped_queue_full", "store_errors", "blocks_skipped", "load_errors",
                 "stores_spilled_host", "stores_waited_queue_full", "store_wait_seconds",
-                "stores_unspilled_ahead", "step_waits_for_loads", "load_jobs_async",
+                "stores_unspilled_ahead", "stores_stage_allocated", "step_waits_for_loads",
+                "load_jobs_async",
                 "tokens_restored", "ratio", "raw_bytes_stored", "store_busy_seconds",
                 "store_encode_seconds", "store_copy_seconds", "spill_peak_bytes",
                 "load_host_seconds", "load_async_seconds", "store_unspill_seconds",

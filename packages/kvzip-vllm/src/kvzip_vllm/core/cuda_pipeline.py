@@ -53,7 +53,7 @@ from kvzip_vllm.core.cuda_stores import (  # noqa: F401  (the store path's setti
     default_queue_bytes,
 )
 from kvzip_vllm.core.pages import Bf16Pages
-from kvzip_vllm.core.store import BlockStore
+from kvzip_vllm.core.store import Arena, BlockStore
 
 logger = logging.getLogger("kvzip_vllm.cuda_pipeline")
 
@@ -190,6 +190,7 @@ class CudaTierPipeline(StorePath):
         layout: Bf16Pages | None = None,
         device_scatter: bool | None = None,
         switch_interval_s: float | None = None,
+        queue_reserved: bool = True,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -255,6 +256,10 @@ class CudaTierPipeline(StorePath):
         if queue_bytes <= 0:
             raise ValueError(f"queue_bytes must be > 0, got {queue_bytes}")
         self.queue_bytes = queue_bytes  # staged copies waiting for the store thread, at most
+        # the queue's device memory reserved now, extents handed out per job (no allocation
+        # per step: a cudaMalloc that fails beside vLLM's cache makes torch free its cached
+        # blocks and retry, which waits for the whole device, the forward included)
+        self._queue_arena = Arena(queue_bytes, self.device) if queue_reserved else None
         self._queued = 0  # bytes of staged copies queued or being coded
         self._queued_lock = threading.Lock()
         self._room = threading.Condition(self._queued_lock)  # notified as the queue drains

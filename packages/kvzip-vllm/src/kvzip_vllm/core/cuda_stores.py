@@ -79,6 +79,9 @@ class _Job:
     #: a spilled job's chunks being brought back to the device ahead of its turn (while the
     #: job before it is coded): the device copy and the event after its copies
     unspill: tuple[torch.Tensor, object] | None = None
+    #: the job's staged (or brought back) copies' extent of the reserved store queue
+    #: (``(offset, bytes)``), given back once the store thread is done reading them
+    extent: tuple[int, int] | None = None
 
 
 def default_queue_bytes(device: torch.device) -> int:
@@ -153,18 +156,48 @@ class StorePath:
             s.stores_waited_queue_full += m
             s.store_wait_seconds += time.perf_counter() - t0
         ids = self._device_ids(flat)
-        self._jobs.put(_Job(keys, self._layers(self._stage(ids, m)), self._record(), nbytes))
+        extent: list = []
+        staged = self._layers(self._stage(ids, m, extent))
+        self._jobs.put(
+            _Job(keys, staged, self._record(), nbytes, extent=extent[0] if extent else None)
+        )
 
-    def _stage(self, ids: torch.Tensor, m: int) -> torch.Tensor:
+    def _stage(self, ids: torch.Tensor, m: int, extent: list | None = None) -> torch.Tensor:
         """The ``m`` chunks of the blocks ``ids`` copied into one device buffer, chunk-major:
         each chunk's layers' K then V, ``[m, 2 * layers, chunk_tokens, kv_heads, head_size]``
         (the order the coder reads them in, so that it reads them in place, and the order of a
-        spilled chunk's extent)."""
-        L = len(self.caches)
-        buf = torch.empty((m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device)
+        spilled chunk's extent). With ``extent`` (a list), the buffer is taken from the
+        reserved store queue where it has room and its ``(offset, bytes)`` appended."""
+        buf = self._queue_buffer(m, extent)
         for li, cache in enumerate(self.caches):
             self.layout.gather_into(cache, ids, buf[:, 2 * li], buf[:, 2 * li + 1])
         return buf
+
+    def _queue_buffer(self, m: int, extent: list | None) -> torch.Tensor:
+        """A device buffer of ``m`` chunks: an extent of the reserved store queue (its
+        ``(offset, bytes)`` appended to ``extent``) where there is one and it has room, else
+        from torch's allocator (``stores_stage_allocated``)."""
+        shape = (m, 2 * len(self.caches), *self.block_shape)
+        arena = self._queue_arena
+        if extent is not None and arena is not None and self.store.tables is not None:
+            # (not while the table set waits for its fit: the jobs held for it keep their
+            # copies past their turn in the store thread)
+            nbytes = int(np.prod(shape)) * 2
+            with self._queued_lock:
+                off = arena.alloc(nbytes)
+            if off is not None:
+                extent.append((off, nbytes))
+                return arena.view(off, nbytes).view(torch.bfloat16).view(shape)
+        if arena is not None and extent is not None:
+            self.store.stats.stores_stage_allocated += 1
+        return torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+
+    def _give_back(self, job: _Job) -> None:
+        """The job's extent of the reserved store queue, free again (its readers are done)."""
+        if job.extent is not None:
+            with self._queued_lock:
+                self._queue_arena.free(*job.extent)
+            job.extent = None
 
     @staticmethod
     def _layers(buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -266,7 +299,7 @@ class StorePath:
         of the other overlap (``stores_unspilled_ahead``)."""
         if job.unspill is not None or job.spill is None:
             return
-        m, L = len(job.keys), len(self.caches)
+        m = len(job.keys)
         nbytes = sum(n for _, n in job.spill)
         with self._queued_lock:  # device memory the job takes while it is coded
             self._queued += nbytes
@@ -275,9 +308,9 @@ class StorePath:
         if cuda and job.event is not None:
             self.unspill_stream.wait_event(job.event)  # the spill's own copies have landed
         with self._on(self.unspill_stream):
-            dev = torch.empty(
-                (m, 2 * L, *self.block_shape), dtype=torch.bfloat16, device=self.device
-            )
+            extent: list = []
+            dev = self._queue_buffer(m, extent)
+            job.extent = extent[0] if extent else None
             for j, (off, n) in enumerate(job.spill):
                 src = self.store.extent(off, n).view(torch.bfloat16)
                 dev[j].view(-1).copy_(src, non_blocking=cuda)
@@ -347,6 +380,11 @@ class StorePath:
                         job.unspill[1].synchronize()  # (its copies read the extents)
                     job.unspill = None
                     self._release_spill(job)
+                if job.extent is not None:  # its reserved copies: no reader left
+                    for stream in (self.store_stream, self.unspill_stream):
+                        if stream is not None:
+                            stream.synchronize()  # (done already, but after an error)
+                    self._give_back(job)
                 job.staged = None  # (jobs held for the table fit keep their copies)
                 with self._room:
                     self._queued -= job.nbytes

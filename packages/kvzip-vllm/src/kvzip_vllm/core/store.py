@@ -111,13 +111,13 @@ def _host_unregister(t: torch.Tensor) -> None:
 
 
 class Arena:
-    """``capacity`` bytes of host memory allocated once, handed out in extents of
-    :data:`RECORD_ALIGN` bytes (first fit over a coalescing free list)."""
+    """``capacity`` bytes of host memory (or of ``device``'s) allocated once, handed out in
+    extents of :data:`RECORD_ALIGN` bytes (first fit over a coalescing free list)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, device="cpu"):
         self.capacity = capacity // RECORD_ALIGN * RECORD_ALIGN
-        self.buf = torch.empty(self.capacity, dtype=torch.uint8)
-        self.np = self.buf.numpy()
+        self.buf = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+        self.np = self.buf.numpy() if self.buf.device.type == "cpu" else None
         self.pinned = False
         self._registered = False
         self._offs: list[int] = [0] if self.capacity else []  # free extents, by offset
@@ -284,6 +284,9 @@ class TierStats:
     stores_waited_queue_full: int = 0
     #: spilled chunks whose copy back to the device ran while the job before them was coded
     stores_unspilled_ahead: int = 0
+    # store jobs whose device copies the reserved store queue had no room for (fragmented):
+    # allocated by torch instead (``store_queue_reserved``)
+    stores_stage_allocated: int = 0
     store_wait_seconds: float = 0.0
     #: loads of chunks still being stored (the scheduler counts them held): waited for
     loads_waited_for_store: int = 0

@@ -153,6 +153,7 @@ class KvTier(TierTransfers):
         shared_writer=None,
         on_store_idle=None,
         switch_interval_s: float | None = None,
+        queue_reserved: bool = True,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -167,7 +168,7 @@ class KvTier(TierTransfers):
 
             self.pipeline = CudaTierPipeline(
                 store, caches, layout.block_size, bpc, queue_bytes=queue_bytes, layout=layout,
-                switch_interval_s=switch_interval_s,
+                switch_interval_s=switch_interval_s, queue_reserved=queue_reserved,
             )  # fmt: skip
         elif self.device.type == "cuda":
             store.pin()  # raw pages are copied from the arena where they lie

@@ -255,6 +255,7 @@ class KvzipWorker:
             shared_writer=self._shared_writer,
             on_store_idle=self._write_stats,  # the stats file current on an idle server too
             switch_interval_s=self.settings.switch_interval_s,
+            queue_reserved=self.settings.store_queue_reserved,
         )
 
     def _compact_layout(self, cache: torch.Tensor) -> pages.CompactPages:
