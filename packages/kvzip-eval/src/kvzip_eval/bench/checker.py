@@ -44,8 +44,8 @@ COUNTS_ENV = "KVZIP_CHECKER_COUNTS"
 
 #: independent random linear forms per block and layer
 LANES = 3
-#: blocks fingerprinted at once (a float64 copy of their words: 256 MB at the 8B shape)
-PIECE_BLOCKS = 1024
+#: blocks fingerprinted at once (a float64 copy of their words: 64 MB at the 8B shape)
+PIECE_BLOCKS = 256
 
 
 def form_weights(words: int, device, seed: int = 0) -> torch.Tensor:
