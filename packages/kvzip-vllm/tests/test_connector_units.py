@@ -50,10 +50,9 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
     ) in msg
     with pytest.raises(ConnectorSettingsError, match=r"store_queue_bytes=0 .*greater than 0"):
         connector_settings({"store_queue_bytes": 0}, environ={})
-    assert connector_settings({}, environ={}).store_queue_reserved is True
+    assert connector_settings({}, environ={}).store_queue_reserved is False
     assert (
-        connector_settings({"store_queue_reserved": False}, environ={}).store_queue_reserved
-        is False
+        connector_settings({"store_queue_reserved": True}, environ={}).store_queue_reserved is True
     )
     with pytest.raises(ConnectorSettingsError, match="store_queue_reserved"):
         connector_settings({"store_queue_reserved": "sometimes"}, environ={})

@@ -128,13 +128,15 @@ class ConnectorSettings(BaseModel):
     also kept until the table set is fitted from them. On the CPU: the host memory the copies
     of chunks waiting for the coder thread may take (None: 1 GiB; past it the step waits for
     room; ``kvzip_vllm.core.background``)."""
-    store_queue_reserved: bool = True
+    store_queue_reserved: bool = False
     """CUDA: the store queue's device memory (``store_queue_bytes``) is allocated once, when
     the tier starts, and each step's staged copies take an extent of it (a step whose copies
-    find no room there is allocated by torch: ``stores_stage_allocated``). False: each step's
-    copies are allocated by torch's caching allocator as they come; with vLLM holding most
-    of the device, an allocation it cannot serve from its cache makes it free the cache and
-    retry, which waits for the whole device (``cuda_alloc_retries``)."""
+    find no room there is allocated by torch: ``stores_stage_allocated``). False (the default
+    until a GPU run compares the two): each step's copies are allocated by torch's caching
+    allocator as they come; with vLLM holding most of the device, an allocation it cannot
+    serve from its cache makes it free the cache and retry, which waits for the whole device
+    (``cuda_alloc_retries``). Reserved, the queue's unused bytes are no longer free for the
+    encoder's working memory (about 1.7x the bf16 bytes of the job it codes)."""
     load_mode: Literal["async", "sync"] = "async"
     """How a prefix hit is restored. ``"async"`` (the default): the request waits in vLLM's
     ``WAITING_FOR_REMOTE_KVS`` while the tier's load thread copies, decodes and writes its

@@ -190,7 +190,7 @@ class CudaTierPipeline(StorePath):
         layout: Bf16Pages | None = None,
         device_scatter: bool | None = None,
         switch_interval_s: float | None = None,
-        queue_reserved: bool = True,
+        queue_reserved: bool = False,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")

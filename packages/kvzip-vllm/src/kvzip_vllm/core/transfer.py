@@ -153,7 +153,7 @@ class KvTier(TierTransfers):
         shared_writer=None,
         on_store_idle=None,
         switch_interval_s: float | None = None,
-        queue_reserved: bool = True,
+        queue_reserved: bool = False,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
