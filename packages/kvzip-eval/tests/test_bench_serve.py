@@ -239,3 +239,23 @@ def test_merge_joins_earlier_calls_rows_and_this_calls_replace_theirs():
 def test_merge_refuses_a_call_of_another_comparison(field, value):
     with pytest.raises(ValueError, match=f"earlier call's {field}"):
         sv.merge_calls(_doc("none"), [_doc("kvzip", **{field: value})])
+
+
+def test_results_are_written_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """A bench's numbers are not lost where matplotlib is missing: json and md, no png."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    doc = output.header("bench_serve", "a bench without its plot", "cpu")
+    paths = output.write(tmp_path, "b", doc, ["| a |", "|---|"], lambda ax: ax.plot([1], [1]))
+    assert "png" not in paths and not (tmp_path / "b.png").exists()
+    assert json.loads(paths["json"].read_text())["plot"] is None
+    assert "| a |" in paths["md"].read_text()
+    assert "matplotlib is not installed" in capsys.readouterr().err

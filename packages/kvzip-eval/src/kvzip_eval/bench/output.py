@@ -5,6 +5,7 @@ engine used them), ``NAME.md`` (the same for reading) and ``NAME.png`` (the plot
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from kvzip_eval.results import provenance
@@ -63,18 +64,23 @@ def write(out: Path, name: str, doc: dict, body: list[str], plot=None) -> dict[s
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
     if plot is not None:
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError:  # a bench's numbers outlive a missing plotting library
+            doc["plot"] = None
+            print(f"kvzip bench: matplotlib is not installed: {name}.png not drawn "
+                  "(pip install matplotlib)", file=sys.stderr)  # fmt: skip
+        else:
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        plot(ax)
-        fig.tight_layout()
-        paths["png"] = out / f"{name}.png"
-        fig.savefig(paths["png"], dpi=120)
-        plt.close(fig)
-        doc["plot"] = paths["png"].name
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            plot(ax)
+            fig.tight_layout()
+            paths["png"] = out / f"{name}.png"
+            fig.savefig(paths["png"], dpi=120)
+            plt.close(fig)
+            doc["plot"] = paths["png"].name
     v = ", ".join(f"{k} {val}" for k, val in doc["versions"].items())
     md = [
         f"# {doc['what']}",
