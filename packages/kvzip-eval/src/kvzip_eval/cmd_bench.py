@@ -337,6 +337,69 @@ def kernels(**kw) -> None:
     _done(None, kw["out"], "bench_kernels")
 
 
+@command.command("restore")
+@click.option("--shape", default="8b", show_default=True,
+              help="8b (Llama-3.1-8B: 32 layers, 8 KV heads, head size 128), smollm2 (30, 3, "
+              "64), tiny (4, 2, 64: a CPU-sized check).")  # fmt: skip
+@click.option("--contexts", default="8192,32768,131072", show_default=True,
+              help="Prompt lengths in tokens (multiples of the block size and of the tier's "
+              "chunk).")  # fmt: skip
+@click.option("--block-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--chunk-tokens", type=click.IntRange(1), default=None,
+              help="Tokens per stored tier chunk (default: the connector's, 256).")  # fmt: skip
+@click.option("--repeats", type=click.IntRange(1), default=5, show_default=True,
+              help="Timed restores and raw copies per context (median, min, max), after one "
+              "untimed.")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Default: cuda where there is one, else cpu.")  # fmt: skip
+@out_option
+def restore(**kw) -> None:
+    """The lossless tier's restore of a returning prompt beside a raw bf16 copy, no vLLM.
+
+    Per context: a paged bf16 cache in vLLM's layout holding the prompt twice, filled with
+    synthetic KV-like values (the compression ratio depends on the data); the tier's core
+    stores the prompt's blocks (timed), then each repeat restores them into the other blocks
+    end to end (start_loads to the blocks on the device) and copies the same bf16 bytes from
+    page-locked host memory (the raw copy a raw CPU tier does). Every restored block is
+    compared bit for bit with its source; a row that is not bit-exact is never reported (the
+    command fails). Reported: bytes and ratio, store time, restore and raw copy time
+    (median, min, max), restore / raw copy, restore GB/s of bf16. Plot: both times per context.
+    """
+    from kvzip_eval.bench import restore as bench
+
+    kw["contexts"] = _ints(kw["contexts"])
+    if kw["shape"] not in bench.SHAPES:
+        raise click.BadParameter(
+            f"{kw['shape']!r}: supported shapes are {', '.join(bench.SHAPES)}",
+            param_hint="--shape",
+        )
+    chunk = kw["chunk_tokens"] or bench.default_chunk_tokens()
+    if chunk % kw["block_size"]:
+        raise click.BadParameter(
+            f"{chunk}: the chunk must be a multiple of the block size {kw['block_size']}",
+            param_hint="--chunk-tokens",
+        )
+    bad = [why for c in kw["contexts"] if (why := bench.check_context(c, kw["block_size"], chunk))]
+    if bad or not kw["contexts"]:
+        raise click.BadParameter(
+            f"{'; '.join(bad) or 'no context'}: supported are positive multiples of the block "
+            f"size ({kw['block_size']}) and of the tier's chunk ({chunk} tokens)",
+            param_hint="--contexts",
+        )
+    try:
+        doc = bench.run(SimpleNamespace(**kw))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    except bench.RestoreBenchError as e:
+        raise click.ClickException(str(e)) from None
+    for r in doc["rows"]:
+        click.echo(f"{r['tokens']} tokens: ratio {r['ratio']}, restore {r['restore_s_p50']} s, "
+                   f"raw copy {r['raw_copy_s_p50']} s ({r['restore_vs_raw']}x), "
+                   f"{r['restore_gbps']} GB/s, bit-exact")  # fmt: skip
+    _done(doc, kw["out"], bench.NAME)
+
+
 @command.command("tier-decode")
 @model_option
 @click.option("--connectors", default="kvzip,offload", show_default=True,
