@@ -44,7 +44,8 @@ def test_misspelled_key_is_an_error_naming_it_and_the_known_keys():
     msg = str(e.value)
     assert "'budget_byte'" in msg
     assert (
-        "known keys: budget_bytes, chunk_tokens, fit_tokens, load_mode, shared_budget_bytes, "
+        "known keys: budget_bytes, chunk_tokens, fit_tokens, idle_wait_s, load_mode, "
+        "shared_budget_bytes, "
         "shared_timeout_s, shared_url, stats_path, store_queue_bytes, store_queue_reserved, "
         "switch_interval_s, tables_path"
     ) in msg
@@ -300,6 +301,7 @@ def test_scheduler_rewinds_and_stores_again_after_a_refusal():
                 num_computed_tokens=[c[1] for c in cached],
             ),
             num_scheduled_tokens={"r": n},
+            total_num_scheduled_tokens=n,
         )
 
     new = SimpleNamespace(req_id="r", block_ids=([0, 1, 2, 3, 4],), num_computed_tokens=0)
@@ -429,6 +431,7 @@ def _sched_out(new=(), cached=(), n=None):
             num_computed_tokens=[c[1] for c in cached],
         ),
         num_scheduled_tokens=n or {},
+        total_num_scheduled_tokens=sum((n or {}).values()),
     )
 
 
@@ -454,7 +457,7 @@ def test_scheduler_keys_chunks_by_their_last_blocks_hash_and_reports_whole_chunk
         (keys[0], (10, 11), 0),
         (keys[1], (12, 13), 1),
     ]
-    assert meta.req_blocks == {"r": [10, 11, 12, 13]}
+    assert meta.req_blocks == {"r": [10, 11, 12, 13]} and not meta.idle
     report = KvzipWorkerMetadata(stored=keys[:2], seq=1)
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
     meta = sched.build_connector_meta(_sched_out(cached=[("r", 5 * BS)], n={"r": 2 * BS + 3}))
@@ -470,6 +473,7 @@ def test_scheduler_keys_chunks_by_their_last_blocks_hash_and_reports_whole_chunk
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(20, 28)),))
     sched.update_state_after_alloc(req2, blocks, 3 * BS)
     meta = sched.build_connector_meta(_sched_out())
+    assert meta.idle  # (a step that schedules nothing: the worker may rest in its poll)
     assert [(ld.key, ld.ids, ld.pos, ld.skip, ld.written) for ld in meta.loads] == [
         (keys[1], (22, 23), 1, 1, (23,)),
         (keys[2], (24, 25), 2, 0, (24, 25)),
@@ -646,6 +650,102 @@ def test_the_switch_interval_setting_is_checked():
     for bad in (-0.001, 1.0, "fast"):
         with pytest.raises(ConnectorSettingsError, match="switch_interval_s"):
             connector_settings({"switch_interval_s": bad}, environ={})
+
+
+def _slow_async_worker(seconds, **extra):
+    """An asynchronous worker holding one stored chunk, whose load passes take ``seconds``."""
+    import time
+
+    from kvzip_vllm.settings import connector_settings
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load, Store
+    from kvzip_vllm.tier.worker import KvzipWorker
+
+    settings = {"fit_tokens": 0, "chunk_tokens": BS, "load_mode": "async", **extra}
+    w = KvzipWorker(_vllm_config(), connector_settings(settings, environ={}))
+    caches = _caches()
+    w.register_kv_caches(caches)
+    key = b"\x07" * 32
+    _step(w, stores=[Store("a", key, 0, 0)])
+    # (a first load outside the timed part: the coder's decode compiled)
+    w.start_load_kv(KvzipConnectorMetadata(loads=[Load("w", key, 2, 0)]))
+    assert finish_loads(w) == {"w"}
+    run = w.tier._run_load
+
+    def slow(job_id, loads):
+        time.sleep(seconds)
+        return run(job_id, loads)
+
+    w.tier._run_load = slow
+    return w, caches, key
+
+
+def test_an_idle_step_waits_for_the_load_thread_with_the_gil_released():
+    """A step that schedules nothing while a load is in flight (its request only waits) rests
+    in vLLM's poll, the GIL released, until the load finishes or ``idle_wait_s``; the load's
+    request is reported by the poll that the finished load ended; a step that computes
+    something never waits."""
+    import threading
+    import time
+
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load
+
+    w, caches, key = _slow_async_worker(0.25, idle_wait_s=0.1)
+    w.start_load_kv(KvzipConnectorMetadata(loads=[Load("b", key, 3, 0)], idle=True))
+    spins = []  # another Python thread's progress while the step waits: the GIL is free
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            spins.append(1)
+            time.sleep(0)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    t0 = time.perf_counter()
+    assert w.get_finished(set()) == (None, None)  # waited the bound: the load is not done
+    first = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    assert 0.09 <= first < 0.2 and len(spins) > 10
+    w.idle_wait_s = 5.0  # (a bound the load ends long before)
+    w.start_load_kv(KvzipConnectorMetadata(idle=True))
+    t0 = time.perf_counter()
+    assert w.get_finished(set()) == (None, {"b"})  # ended by the load, not the bound
+    assert time.perf_counter() - t0 < 1.0
+    for cache in caches.values():
+        assert torch.equal(cache[3], cache[0])
+    s = w.stats()
+    assert s["idle_waits"] == 2 and s["idle_waits_ended_by_load"] == 1
+    assert 0.1 <= s["idle_wait_seconds"] < 1.2
+    # a step that computes anything, or no load in flight: the poll returns at once
+    w.start_load_kv(KvzipConnectorMetadata(loads=[Load("c", key, 4, 0)], idle=False))
+    t0 = time.perf_counter()
+    assert w.get_finished(set()) == (None, None)
+    assert time.perf_counter() - t0 < 0.05
+    assert finish_loads(w) == {"c"}
+    w.start_load_kv(KvzipConnectorMetadata(idle=True))
+    t0 = time.perf_counter()
+    assert w.get_finished(set()) == (None, None)
+    assert time.perf_counter() - t0 < 0.05
+    assert w.stats()["idle_waits"] == 2
+
+
+def test_idle_wait_off_never_waits_and_the_setting_is_checked():
+    import time
+
+    from kvzip_vllm.settings import ConnectorSettingsError, connector_settings
+    from kvzip_vllm.tier.metadata import KvzipConnectorMetadata, Load
+
+    assert connector_settings({}, environ={}).idle_wait_s == pytest.approx(0.005)
+    for bad in (-0.001, 0.5, "soon"):
+        with pytest.raises(ConnectorSettingsError, match="idle_wait_s"):
+            connector_settings({"idle_wait_s": bad}, environ={})
+    w, _, key = _slow_async_worker(0.2, idle_wait_s=0)
+    w.start_load_kv(KvzipConnectorMetadata(loads=[Load("b", key, 3, 0)], idle=True))
+    t0 = time.perf_counter()
+    assert w.get_finished(set()) == (None, None)
+    assert time.perf_counter() - t0 < 0.05 and w.stats()["idle_waits"] == 0
+    assert finish_loads(w) == {"b"}
 
 
 def test_an_asynchronous_load_job_that_raises_fails_its_chunks_not_its_request():

@@ -76,6 +76,7 @@ def _new_step(req_id, block_ids, computed=0, n=0):
             req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
         ),
         num_scheduled_tokens={req_id: n},
+        total_num_scheduled_tokens=n,
     )
 
 
@@ -229,7 +230,10 @@ def test_a_rank1_load_failure_is_recomputed_and_every_ranks_copy_dropped(monkeyp
         req_ids=["b"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[BS]
     )
     step = SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"b": 3 * BS + 1}
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"b": 3 * BS + 1},
+        total_num_scheduled_tokens=3 * BS + 1,
     )
     meta = sched.build_connector_meta(step)
     assert sorted(meta.drop) == sorted(keys[2:])
@@ -267,6 +271,7 @@ def test_reports_fold_per_rank_and_seen_reports_go_back_per_rank():
                 req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
             ),
             num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
         )
     )
     assert meta.seen_by_rank == {0: 3, 1: 7} and meta.seen_report == 3

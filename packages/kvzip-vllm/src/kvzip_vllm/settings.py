@@ -152,6 +152,12 @@ class ConnectorSettings(BaseModel):
     call, a copy) it waits up to the interval to get it back: 5 ms by Python's default, which
     made the tier's host work several times slower beside vLLM's loop
     (``kvzip_vllm.core.gil``)."""
+    idle_wait_s: float = Field(0.005, ge=0, le=0.1)
+    """In a step that schedules no tokens while asynchronous loads are in flight (requests
+    only wait for their restores), vLLM's poll waits up to this long for a load to finish, the
+    GIL released, instead of returning at once: the engine loop otherwise spins through such
+    steps holding the GIL the load thread needs (0: never waits). A load that finishes ends
+    the wait; a step that computes anything never waits."""
     fit_tokens: int = Field(1024, ge=0)
     """Without ``tables_path``: fit the table set from the first this many tokens stored
     (0: never; every blob then embeds its own table)."""

@@ -56,10 +56,11 @@ PLANS = {8192: (2, 4), 32768: (1, 2), 131072: (1, 0)}
 DEFAULT_GROUPS = (1, 1)
 #: the tier's counters that say where a run's time went (the markdown's table of them):
 #: restores (all, the host's part, asynchronous jobs and those run as one pass with the one
-#: before) and stores (the store thread's busy time, of it coding and copying; steps waiting)
+#: before) and stores (the store thread's busy time, of it coding and copying; steps waiting);
+#: steps with nothing to compute that rested in vLLM's poll while restores ran (idle_wait_s)
 TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jobs_merged",
              "store_busy_seconds", "store_encode_seconds", "store_copy_seconds",
-             "store_wait_seconds")  # fmt: skip
+             "store_wait_seconds", "idle_waits", "idle_wait_seconds")  # fmt: skip
 #: ... and where the host's part of those went: the restores' lookups, offsets, device
 #: buffers, decode preparation and launches; the stores' bringing back of spilled chunks and
 #: their last synchronisation; the device allocations retried after freeing torch's cache

@@ -265,6 +265,11 @@ class TierStats:
     load_async_seconds: float = 0.0
     step_waits_for_loads: int = 0
     step_wait_for_loads_seconds: float = 0.0
+    # steps that scheduled nothing and waited, the GIL released, for the load thread
+    # (``idle_wait_s``): how many, their time, and those a finished load ended early
+    idle_waits: int = 0
+    idle_wait_seconds: float = 0.0
+    idle_waits_ended_by_load: int = 0
     store_seconds: float = 0.0
     load_errors: int = 0  # chunks missing or failing their checksum at load: recomputed
     # chunks not stored because a chunk before them in their request failed to load this

@@ -701,6 +701,12 @@ class KvTier(TierTransfers):
         :meth:`get_finished`); False if ``timeout_s`` passed first."""
         return self._runner is None or self._runner.wait(None, timeout_s)
 
+    def wait_any_load(self, timeout_s: float) -> bool:
+        """Block (the GIL released) until an asynchronous load job finishes or none is left
+        in flight, at most ``timeout_s``; True if that came first (its result stays for
+        :meth:`get_finished`), False on the timeout or without a load thread."""
+        return self._runner is not None and self._runner.wait_any(timeout_s)
+
     def ready(self, job_ids: set[int]) -> None:
         job = self._load_job
         if self.pipeline is not None and job is not None and job[0] in job_ids:
@@ -817,6 +823,14 @@ class _LoadRunner:
             return self._cv.wait_for(
                 lambda: not (self._pending if job_ids is None else self._pending & job_ids),
                 timeout_s,
+            )
+
+    def wait_any(self, timeout_s: float) -> bool:
+        """Block until a job has finished and is not taken yet, or none is pending (or the
+        thread is closed), at most ``timeout_s``: True if that came first."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: bool(self._done) or not self._pending or self._closed, timeout_s
             )
 
     def close(self) -> None:

@@ -75,6 +75,9 @@ class KvzipConnectorMetadata(KVConnectorMetadata):
     #: them (computed on a load that failed there), so another rank's copy may be wrong too
     drop: list[bytes] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests finished since last step
+    #: the step schedules no tokens (requests only wait, e.g. for their loads): the worker's
+    #: poll may then wait for the tier's load thread, the GIL released (``idle_wait_s``)
+    idle: bool = False
 
 
 @dataclass

@@ -188,6 +188,7 @@ class KvzipScheduler:
             seen_by_rank=dict(self._seen),
             drop=self._drop,
             finished=self._finished,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._loads, self._clear, self._finished, self._drop = [], False, [], []
         sched = scheduler_output.num_scheduled_tokens

@@ -150,6 +150,8 @@ class KvzipWorker:
         #: thread, reported by get_finished; else the step's one load job, finished before
         #: the forward reads the cache
         self.async_loads = settings.load_mode == "async"
+        self.idle_wait_s = settings.idle_wait_s
+        self._idle_step = False  # this step schedules no tokens (its metadata's ``idle``)
         self._job_loads: dict[int, dict[tuple[str, bytes], Load]] = {}  # load jobs' loads
         self._recving: dict[int, str] = {}  # asynchronous load job -> its request
         self._loads_done: list[TransferResult] = []  # finished, not yet reported finished
@@ -314,6 +316,7 @@ class KvzipWorker:
 
     # -- the step -------------------------------------------------------------------------
     def start_load_kv(self, meta: KvzipConnectorMetadata) -> None:
+        self._idle_step = meta.idle
         if meta.clear:
             self._clear()
         meta = self._shard_meta(meta)
@@ -367,6 +370,9 @@ class KvzipWorker:
         aborted while its load ran is reported too: vLLM frees its blocks then."""
         if not self.async_loads or self.tier is None:
             return None, None
+        idle, self._idle_step = self._idle_step, False
+        if idle and self.idle_wait_s and not self._loads_done and self.tier.loads_in_flight:
+            self._wait_idle()
         self._take_finished()
         done, self._loads_done = self._loads_done, []
         if not done:
@@ -375,6 +381,19 @@ class KvzipWorker:
         self._stats_dirty = True  # (written with this step's report)
         finished = {self._recving.pop(res.job_id) for res in done}
         return None, finished
+
+    def _wait_idle(self) -> None:
+        """A step with nothing to compute while loads are in flight: wait up to
+        ``idle_wait_s`` for one of them to finish, the GIL released. vLLM's engine loop polls
+        through such steps as fast as it can, holding the GIL that the tier's load thread
+        takes back after every stream call or copy; here the loop rests instead, and a load
+        that finishes ends the wait, so it is reported no later than without it."""
+        t0 = time.perf_counter()
+        ended = self.tier.wait_any_load(self.idle_wait_s)
+        s = self.store.stats
+        s.idle_waits += 1
+        s.idle_waits_ended_by_load += int(ended)
+        s.idle_wait_seconds += time.perf_counter() - t0
 
     def _loads_finished(self, results: list[TransferResult]) -> None:
         """Asynchronous load jobs finished (each ``res.loads`` its chunks, ``res.failed`` those
