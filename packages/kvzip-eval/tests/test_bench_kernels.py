@@ -33,6 +33,53 @@ def test_bench_kernels_refuses_an_unknown_cuda_design(tmp_path):
     assert not (tmp_path / "k").exists()
 
 
+def test_graph_timing_needs_a_cuda_device(tmp_path):
+    """--timing graph captures each call in a CUDA graph: refused before any work where there
+    is no CUDA device, naming what runs instead."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: graph timing runs here")
+    res = CliRunner().invoke(main, ["bench", "kernels", "--timing", "graph",
+                                    "--out", str(tmp_path / "k")])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "no CUDA device" in res.output and "eager" in res.output
+    assert not (tmp_path / "k").exists()
+
+
+@pytest.mark.gpu
+def test_graph_timing_times_the_replays_of_the_same_call(tmp_path):
+    """On a GPU: a plan's call captures in a CUDA graph (no host synchronisation inside) and
+    its replay takes no longer than the eager call (the host's work is what the graph removes)."""
+    import functools
+
+    import torch
+
+    from kvzip_eval.bench.kernels import timer
+    from kvzip_formats import get_format
+    from kvzip_formats.ops import PagedLayout
+    from kvzip_kernels.decode_plan import plan
+    from kvzip_kernels.testing import synthetic_calibration
+
+    dev = torch.device("cuda")
+    fmt = get_format("4bit", calibration=synthetic_calibration(1, 128))
+    B, ctx, ps = 8, 4096, 16
+    pools = [torch.randint(0, 255, (B * ctx // ps, 1, PagedLayout.of(fmt, 128, ps, k).page_bytes),
+                           dtype=torch.uint8, device=dev) for k in ("k", "v")]  # fmt: skip
+    for pool in pools:  # finite scales: random fp16 bytes may be NaN
+        pool.view(torch.float16).nan_to_num_(0.0).clamp_(-1, 1)
+    bt = torch.arange(B * ctx // ps, device=dev, dtype=torch.int32).view(B, -1)
+    sl = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(B, 8, 128, device=dev, dtype=torch.bfloat16)
+    p = plan(fmt, num_q_heads=8, head_dim=128, block_table=bt, seq_lens=sl, k_cache=pools[0],
+             v_cache=pools[1], block_size=ps, max_seq_len=ctx)  # fmt: skip
+    out = torch.empty_like(q)
+    fn = functools.partial(p.run, q, *pools, out=out)
+    eager = timer(torch, dev)(fn, 10, 2)
+    graphed = timer(torch, dev, graph=True)(fn, 10, 2)
+    assert 0 < graphed <= eager * 1.1
+
+
 def test_kernel_keys_per_cuda_design():
     """One row per backend; the CUDA kernel once per design, the design in the key when more
     than the shipped v6 is timed (the key of the v6-only runs is kept)."""
@@ -73,4 +120,6 @@ def test_bench_kernels_on_the_cpu(tmp_path):
         assert r["speedup_vs_best_fp8"] == pytest.approx(
             by["kvzip-triton-fp8"]["us"] / r["us"], rel=0.02)  # fmt: skip
     assert (out / "bench_kernels.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| tiny | 2 | 256 | kvzip-triton-int4 |" in (out / "bench_kernels.md").read_text()
+    md = (out / "bench_kernels.md").read_text()
+    assert "| tiny | 2 | 256 | kvzip-triton-int4 |" in md
+    assert doc["settings"]["timing"] == "eager" and "each call eager" in md

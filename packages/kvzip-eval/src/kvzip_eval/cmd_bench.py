@@ -285,6 +285,15 @@ def tier(**kw) -> None:
 @click.option("--iters", type=click.IntRange(1), default=25, show_default=True)
 @click.option("--warmup", type=click.IntRange(0), default=5, show_default=True)
 @click.option(
+    "--timing",
+    type=click.Choice(["eager", "graph"]),
+    default="eager",
+    show_default=True,
+    help="eager: each call timed as run (the host's per-call work shows where it exceeds the "
+    "kernels'); graph: each call captured in a CUDA graph and its replay timed (the device's "
+    "time alone; CUDA only).",
+)
+@click.option(
     "--peak-tbps",
     type=float,
     default=None,
@@ -326,6 +335,15 @@ def kernels(**kw) -> None:
             f"{', '.join(VARIANTS)}",
             param_hint="--cuda-variants",
         )
+    if kw["timing"] == "graph":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.BadParameter(
+                "graph timing captures CUDA graphs: this machine has no CUDA device "
+                "(eager timing runs anywhere)",
+                param_hint="--timing",
+            )
     bad = [s for s in kw["shapes"] if s not in bench.SHAPES]
     bad += [b for b in kw["baselines"] if b not in bench.BASELINES]
     if bad or any(c % kw["block_size"] for c in kw["contexts"]):

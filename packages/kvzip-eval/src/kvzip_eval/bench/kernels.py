@@ -56,8 +56,11 @@ def kernel_keys(backends, fname: str, cuda_variants=("v6",)) -> list[tuple[str, 
     return keys
 
 
-def timer(torch, device):
-    """``bench(fn, iters, warmup)`` -> median seconds."""
+def timer(torch, device, graph: bool = False):
+    """``bench(fn, iters, warmup)`` -> median seconds. ``graph`` (CUDA): ``fn`` captured once
+    in a CUDA graph and each replay timed: the device's time alone, without the host's per-call
+    work (Python, launches), which otherwise shows through wherever it exceeds the kernels'
+    (eager: each call timed as a server that runs it outside a graph sees it)."""
 
     def bench(fn, iters, warmup):
         for _ in range(warmup):
@@ -69,12 +72,24 @@ def timer(torch, device):
                 fn()
                 ts.append(time.perf_counter() - t)
             return statistics.median(ts)
+        call = fn
+        if graph:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                fn()  # (a call on a side stream first, as torch.cuda.graphs asks)
+            torch.cuda.current_stream(device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            call = g.replay
+            call()
         torch.cuda.synchronize()
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]  # fmt: skip
         for s, e in ev:
             s.record()
-            fn()
+            call()
             e.record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in ev) / 1e3
@@ -191,7 +206,10 @@ def run(o) -> dict:
         if build:
             backends = [b for b in backends if b != "cuda"]
     cuda_variants = list(getattr(o, "cuda_variants", None) or ["v6"])
-    bench = timer(torch, device)
+    graph = getattr(o, "timing", "eager") == "graph"
+    if graph and device.type != "cuda":
+        raise ValueError("--timing graph needs a CUDA device (CUDA graphs): this run has none")
+    bench = timer(torch, device, graph)
     gen = torch.Generator(device=device).manual_seed(1234)
     ps = o.block_size
     ws = {}
@@ -244,7 +262,11 @@ def run(o) -> dict:
                 if isinstance(got, str):
                     skipped[bname] = got
                     continue
-                res[bname] = bench(got[0], o.iters, o.warmup)
+                try:
+                    res[bname] = bench(got[0], o.iters, o.warmup)
+                except RuntimeError as e:  # e.g. a kernel that cannot be captured in a graph
+                    skipped[bname] = f"{type(e).__name__}: {e}"[:300]
+                    continue
                 outs[bname], nbytes[bname] = got[1], B * ctx * hkv * 2 * d
             for fname, (fmt, tok_bytes, (kp, vp)) in pools.items():
                 if fname not in o.formats and res:
@@ -302,6 +324,7 @@ def run(o) -> dict:
             "iters": o.iters,
             "warmup": o.warmup,
             "peak_tbps": peak,
+            "timing": "graph" if graph else "eager",
         },  # fmt: skip
         cuda_build_failure=build,
         skipped=skipped,
@@ -314,9 +337,12 @@ def run(o) -> dict:
 def _markdown(doc: dict) -> list[str]:
     s = doc["settings"]
     peak = f"{s['peak_tbps']} TB/s" if s["peak_tbps"] else "unknown (no share reported)"
+    how = ("each call a CUDA graph's replay (the device's time)"
+           if s.get("timing") == "graph" else "each call eager (the host's per-call work shows "
+           "where it exceeds the kernels')")  # fmt: skip
     lines = [f"Page size {s['block_size']}; median of {s['iters']} timings after {s['warmup']} "
-             f"warm-up calls; HBM peak {peak}. Baseline: the fastest fp8 kernel of each "
-             "configuration (`baseline` column).", ""]  # fmt: skip
+             f"warm-up calls, {how}; HBM peak {peak}. Baseline: the fastest fp8 kernel of "
+             "each configuration (`baseline` column).", ""]  # fmt: skip
     lines += output.table(
         doc["rows"],
         [
