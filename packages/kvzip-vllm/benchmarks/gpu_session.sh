@@ -11,12 +11,17 @@
 #   gpu_session.sh serve     # kvzip bench serve: `vllm serve` with vLLM's defaults per connector (kvzip, offload, none), the same `vllm bench serve` (SERVE_ARGS)
 #   gpu_session.sh kernels   # kvzip bench kernels: the paged decode beside XQA / FlashInfer / vLLM's FA3 fp8 (.carry/flashinfer if carried; KERNELS_VARIANTS=v6,v7,v7s4: the CUDA designs)
 #   gpu_session.sh v7        # the CUDA decode's research designs' GPU tests (v7, v7s4 against the reference and v6)
+#   gpu_session.sh restore   # kvzip bench restore: the tier core's restore beside a raw copy, no vLLM (RESTORE_ARGS)
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
 #   gpu_session.sh faults    # tests/test_gpu_faults.py: damaged shared-prefix block, eviction race, pending loads
 #   gpu_session.sh quality   # tests/test_vllm_quality_gpu.py: SmolLM2 through vLLM against kvzip eval (.carry/smollm2 carried)
 #   gpu_session.sh codec     # the GPU codec's tests
 #   gpu_session.sh window    # the residual window's GPU tests
 #   gpu_session.sh compacttier  # the tier core's CUDA pipeline, both scatters, compact pages in the tier
+#
+# kernels, v7, restore (and the fp8 design's benchmarks/fp8mma/gpu.sh) need no vLLM: they run on
+# the machine's own torch in the call that carries bundle part 1, with the wheels of click and
+# tqdm on PYTHONPATH (not pytest: the machine's is newer and a carried one shadows it).
 set -uo pipefail
 stage=${1:?stage}
 # KVZIP_TREE: a snapshot of the checkout to run (the working tree may be edited meanwhile)
@@ -106,6 +111,7 @@ kernels)
   env -u KVZIP_KERNELS_BACKEND timeout ${KERNELS_LIMIT_S:-560} python3 -m kvzip_eval bench kernels --out $RES $fi \
     --formats ${KERNELS_FORMATS:-fp8,int4,4bit,3.5bit,3bit} --shapes ${KERNELS_SHAPES:-8b,70b-tp8} \
     --batches ${KERNELS_BATCHES:-8,32} --cuda-variants ${KERNELS_VARIANTS:-v6} --time-budget-s ${KERNELS_BUDGET_S:-480} \
+    --timing ${KERNELS_TIMING:-eager} \
     2>&1 | tee $RES/kernels.log | tail -30
   ;;
 v7)
@@ -113,6 +119,11 @@ v7)
   # the CUDA decode's research designs (kvzip-kernels NOTES "v7") against the reference and v6
   PYTHONPATH=$PYTHONPATH:$R/kvzip-kernels/tests timeout ${V7_LIMIT_S:-300} python3 -m pytest -q -m gpu \
     $R/kvzip-kernels/tests/test_cuda_decode.py -k "v7" 2>&1 | tee $RES/gpu_tests_v7.log | tail -5
+  ;;
+restore)
+  env_line
+  timeout ${RESTORE_LIMIT_S:-300} python3 -m kvzip_eval bench restore --shape 8b --out $RES ${RESTORE_ARGS:-} \
+    2>&1 | tee $RES/restore.log | tail -8
   ;;
 e2e)
   env_line
