@@ -192,6 +192,9 @@ def test_restore_into_other_blocks_bit_exact(
     assert 0 < st.bytes_stored and st.restore_seconds > 0 and st.load_errors == 0
     assert 0 < st.load_host_seconds and 0 < st.load_wait_seconds
     assert st.load_host_seconds + st.load_wait_seconds <= st.restore_seconds
+    # the thread's CPU time in the host part: no more than its wall time (a little slack: the
+    # two clocks' resolutions differ)
+    assert 0 < st.load_host_cpu_seconds <= st.load_host_seconds + 0.002
     # the host part's split: each piece timed, none overlapping another
     parts = [st.load_lookup_seconds, st.load_plan_seconds, st.load_alloc_seconds,
              st.load_prepare_seconds, st.load_launch_seconds]  # fmt: skip

@@ -61,12 +61,14 @@ DEFAULT_GROUPS = (1, 1)
 TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jobs_merged",
              "store_busy_seconds", "store_encode_seconds", "store_copy_seconds",
              "store_wait_seconds", "idle_waits", "idle_wait_seconds")  # fmt: skip
-#: ... and where the host's part of those went: the restores' lookups, offsets, device
-#: buffers, decode preparation and launches; the stores' bringing back of spilled chunks and
-#: their last synchronisation; the device allocations retried after freeing torch's cache
-#: (each synchronises the device)
-HOST_KEYS = ("load_lookup_seconds", "load_plan_seconds", "load_alloc_seconds",
-             "load_prepare_seconds", "load_launch_seconds", "store_unspill_seconds",
+#: ... and where the host's part of those went: the load thread's CPU time in it (far below
+#: load_host_seconds: the thread waited, for the GIL or a lock, rather than worked), the
+#: restores' lookups, offsets, device buffers, decode preparation and launches; the stores'
+#: bringing back of spilled chunks and their last synchronisation; the device allocations
+#: retried after freeing torch's cache (each synchronises the device)
+HOST_KEYS = ("load_host_cpu_seconds", "load_lookup_seconds", "load_plan_seconds",
+             "load_alloc_seconds", "load_prepare_seconds", "load_launch_seconds",
+             "store_unspill_seconds",
              "store_sync_seconds", "cuda_alloc_retries")  # fmt: skip
 #: prompts of each context that return once more alone after the passes (``ttft_alone_s``)
 ALONE = 2

@@ -146,6 +146,7 @@ class _LoadRing:
 @dataclass
 class _Load:
     t0: float
+    cpu0: float = 0.0  # the thread's CPU time at the start (time.thread_time)
     failed: set[int] = field(default_factory=set)
     dropped: list[bytes] = field(default_factory=list)
     # decoded chunks: (req, key, block ids, skip)
@@ -277,7 +278,7 @@ class CudaTierPipeline(StorePath):
         """Begin restoring ``(req_id, key, block_ids, skip)`` chunks into the paged cache
         (asynchronous): the chunk's blocks after the first ``skip`` are written."""
         self._carry = self.wait_loads()  # a previous step's loads, if never waited for
-        load = self._load = _Load(time.perf_counter())
+        load = self._load = _Load(time.perf_counter(), time.thread_time())
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
         good, plans, records = [], [], []
@@ -324,6 +325,7 @@ class CudaTierPipeline(StorePath):
             self._start_batched(load, good, plans, records)
         load.host_s = time.perf_counter() - load.t0
         self.store.stats.load_host_seconds += load.host_s
+        self.store.stats.load_host_cpu_seconds += time.thread_time() - load.cpu0
 
     def _wait_for_store(self, key: bytes, deadline: list[float]) -> bool:
         """Wait for ``key`` to be stored: a chunk stored by an earlier step and still coded in

@@ -247,6 +247,10 @@ class TierStats:
     # ``wait_loads`` (the step's one sync and the scatter into the cache)
     load_submit_seconds: float = 0.0
     load_host_seconds: float = 0.0
+    # ... of it, the CPU time of the thread that ran it (time.thread_time): where the host part
+    # is much longer than this, the thread waited (for the GIL, a lock, a synchronisation),
+    # not worked
+    load_host_cpu_seconds: float = 0.0
     load_wait_seconds: float = 0.0
     # ... of the host part: looking the chunks up (leases, plan checks, waits for stores in
     # flight), the step's offsets, allocating its device buffers, preparing the decodes, and
