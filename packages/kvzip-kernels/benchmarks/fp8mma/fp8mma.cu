@@ -55,12 +55,26 @@ constexpr int PS = 16;              // page size (tokens)
 constexpr int CODES = 2048;          // a page's K and V codes
 constexpr int NW = 4;               // warps per CTA
 constexpr int S = 2;                // ring stages per warp
-// A ring stage of U units (2U pages): page k's codes at pg_off(k) (K, then V at +1024; odd
-// pages 64 bytes further, so that a unit's two pages' 64-bit V loads of a half-warp fall in
-// different banks), then the scales: page k's K scales at scale_off(U) + 64 k, V at + 32.
-__host__ __device__ constexpr int pg_off(int k) { return k * CODES + 64 * (k & 1); }
-__host__ __device__ constexpr int scale_off(int U) { return 2 * U * CODES + 64; }
+// A ring stage of U units (2U pages): page k's codes at pg_off(k) (K, then V at +1024; each
+// odd page 64 bytes after the page before it, so that a unit's two pages' 64-bit V loads of a
+// half-warp fall in different banks), then the scales: page k's K scales at scale_off(U) +
+// 64 k, V at + 32. (The padding accumulates: a padding of 64 (k & 1) alone put page 2 inside
+// page 1's last 64 bytes, which only U = 2 has: its GPU checks failed, U = 1's passed.)
+__host__ __device__ constexpr int pg_off(int k) { return k * CODES + 64 * ((k + 1) / 2); }
+__host__ __device__ constexpr int scale_off(int U) { return pg_off(2 * U - 1) + CODES; }
 __host__ __device__ constexpr int stage_bytes(int U) { return scale_off(U) + 2 * U * 64; }
+// no page overlaps the next, nor the scales; a unit's odd page 64 bytes past the bank of its
+// even one; every offset 16-byte aligned (cp.async)
+template <int U>
+constexpr bool stage_ok() {
+  for (int k = 0; k + 1 < 2 * U; ++k)
+    if (pg_off(k) + CODES > pg_off(k + 1) || pg_off(k) % 16) return false;
+  for (int e = 0; e < U; ++e)
+    if (pg_off(2 * e + 1) - pg_off(2 * e) != CODES + 64) return false;
+  return pg_off(2 * U - 1) + CODES <= scale_off(U) && scale_off(U) % 16 == 0 &&
+         stage_bytes(U) % 16 == 0;
+}
+static_assert(stage_ok<1>() && stage_ok<2>(), "a ring stage's pages overlap or are misaligned");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 

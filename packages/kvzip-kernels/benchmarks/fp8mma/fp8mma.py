@@ -834,7 +834,7 @@ def sass_counts(arch: str = "90a") -> list[dict]:
                 tile_tokens=TILE * key[1],
                 arch=f"sm_{arch}",
                 **res.get(key, {}),
-                dynamic_smem_bytes=4 * 2 * (2 * key[1] * (CODES + 64) + 64),
+                dynamic_smem_bytes=4 * 2 * (2 * key[1] * (CODES + 64) + 64 * key[1]),
                 loop_instr=len(body),
                 per_token_head=round(len(body) / (TILE * key[1]), 2),
                 by_class=dict(sorted(by.items())),
