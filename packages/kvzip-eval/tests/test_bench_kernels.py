@@ -82,16 +82,18 @@ def test_graph_timing_times_the_replays_of_the_same_call(tmp_path):
 
 def test_kernel_keys_per_cuda_design():
     """One row per backend; the CUDA kernel once per design, the design in the key when more
-    than the shipped v6 is timed (the key of the v6-only runs is kept)."""
+    than the shipped choice (auto) is timed."""
     from kvzip_eval.bench.kernels import kernel_keys
 
     assert kernel_keys(["triton", "cuda"], "4bit") == [
-        ("kvzip-triton-4bit", "triton", "v6"), ("kvzip-cuda-4bit", "cuda", "v6")]  # fmt: skip
+        ("kvzip-triton-4bit", "triton", "auto"), ("kvzip-cuda-4bit", "cuda", "auto")]  # fmt: skip
     assert kernel_keys(["triton", "cuda"], "3.5bit", ["v6", "v7"]) == [
-        ("kvzip-triton-3.5bit", "triton", "v6"), ("kvzip-cuda-v6-3.5bit", "cuda", "v6"),
+        ("kvzip-triton-3.5bit", "triton", "auto"), ("kvzip-cuda-v6-3.5bit", "cuda", "v6"),
         ("kvzip-cuda-v7-3.5bit", "cuda", "v7")]  # fmt: skip
     assert kernel_keys(["cuda"], "int4", ["v7s4"]) == [("kvzip-cuda-v7s4-int4", "cuda", "v7s4")]
-    assert kernel_keys(["triton"], "int4", ["v6", "v7"]) == [("kvzip-triton-int4", "triton", "v6")]
+    assert kernel_keys(["triton"], "int4", ["v6", "v7"]) == [
+        ("kvzip-triton-int4", "triton", "auto")
+    ]
 
 
 def test_bench_kernels_on_the_cpu(tmp_path):

@@ -21,8 +21,8 @@ from test_paged_decode import _rel, make_case
 
 from kvzip_formats import FormatError, get_format
 from kvzip_formats.ops import paged_decode as ref_paged_decode
-from kvzip_kernels import DecodeConfig, _cuda, paged_decode
-from kvzip_kernels._formats import kernel_spec
+from kvzip_kernels import DecodeConfig, _cuda, paged_decode, plan
+from kvzip_kernels._formats import kernel_spec, resolve
 
 HAS_SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 needs_sm80 = pytest.mark.skipif(
@@ -395,16 +395,45 @@ def test_kernel_compiles_for_sm90a(tmp_path):
 
 def test_cuda_variant_is_checked():
     """An unknown design of the CUDA split kernel is refused by name when the config is made,
-    before any plan or launch; the known ones are accepted, v6 is the default."""
-    assert DecodeConfig().cuda_variant == "v6"
+    before any plan or launch; the known ones are accepted, auto is the default."""
+    assert DecodeConfig().cuda_variant == "auto"
     assert set(_cuda.VARIANTS) == {"v6", "v7", "v7s4"}
     for v in _cuda.VARIANTS:
         assert DecodeConfig(cuda_variant=v).cuda_variant == v
     with pytest.raises(
-        ValueError, match="cuda_variant must be one of 'v6', 'v7', 'v7s4', got 'v8'"
+        ValueError, match="cuda_variant must be one of 'auto', 'v6', 'v7', 'v7s4', got 'v8'"
     ):
         DecodeConfig(cuda_variant="v8")
     with pytest.raises(ValueError, match="cuda_variant must be one of"):
         dataclasses.replace(DecodeConfig(), cuda_variant="v5")
     with pytest.raises(ValueError, match="cuda_variant must be one of"):
         _cuda.check_variant("V7")
+    with pytest.raises(ValueError, match="cuda_variant must be one of 'v6', 'v7', 'v7s4', got"):
+        _cuda.check_variant("auto")  # a launch takes a design, not the choice
+
+
+def test_auto_variant_resolves_per_format():
+    """``auto`` runs v7 for 3.5bit and 3bit and v6 for int4 and 4bit, and v6 where v7 cannot
+    address the cache (block strides of 2**31 bytes or more); a named design is kept as is;
+    a plan records the design it runs."""
+    assert _cuda.SHIPPED == {"3.5bit": "v7", "3bit": "v7"}
+    want = {"int4": "v6", "int4-rot": "v6", "4bit": "v6", "3.5bit": "v7", "3bit": "v7"}
+    for fmt, v in want.items():
+        assert _cuda.resolve_variant("auto", fmt, 4096, 4096) == v
+        assert _cuda.resolve_variant("auto", fmt, 1 << 31, 4096) == "v6"
+        assert _cuda.resolve_variant("v7s4", fmt, 4096, 4096) == "v7s4"
+    with pytest.raises(ValueError, match="got 'v9'"):
+        _cuda.resolve_variant("v9", "4bit")
+    for fmt, v in (("4bit", "v6"), ("3bit", "v7")):
+        f = resolve(fmt)
+        lay = kernel_spec(f, 64, 16).layout
+        kc = torch.zeros(4, 2, lay.page_bytes, dtype=torch.uint8)
+        vc = torch.zeros(4, 2, kernel_spec(f, 64, 16).vlay.page_bytes, dtype=torch.uint8)
+        p = plan(f, num_q_heads=4, head_dim=64, block_table=torch.zeros(1, 4, dtype=torch.int32),
+                 seq_lens=torch.full((1,), 40, dtype=torch.int32), k_cache=kc, v_cache=vc,
+                 block_size=16, backend="triton")  # fmt: skip
+        assert p.cuda_variant == v
+        assert plan(f, num_q_heads=4, head_dim=64, block_table=torch.zeros(1, 4, dtype=torch.int32),
+                    seq_lens=torch.full((1,), 40, dtype=torch.int32), k_cache=kc, v_cache=vc,
+                    block_size=16, backend="triton",
+                    config=DecodeConfig(cuda_variant="v6")).cuda_variant == "v6"  # fmt: skip

@@ -270,10 +270,10 @@ def tier(**kw) -> None:
 )
 @click.option(
     "--cuda-variants",
-    default="v6",
+    default="auto",
     show_default=True,
-    help="Designs of the CUDA split kernel timed (v6, v7, v7s4), each keyed "
-    "kvzip-cuda-<design>-<fmt> when more than v6 is named.",
+    help="Designs of the CUDA split kernel timed (auto: each format's shipped one; v6, v7, "
+    "v7s4), each keyed kvzip-cuda-<design>-<fmt> unless auto alone is named.",
 )
 @click.option(
     "--baselines",
@@ -328,10 +328,10 @@ def kernels(**kw) -> None:
     kw["cuda_variants"] = _names(kw["cuda_variants"])
     from kvzip_kernels._cuda import VARIANTS
 
-    unknown = [v for v in kw["cuda_variants"] if v not in VARIANTS]
+    unknown = [v for v in kw["cuda_variants"] if v not in VARIANTS and v != "auto"]
     if unknown or not kw["cuda_variants"]:
         raise click.BadParameter(
-            f"{unknown or kw['cuda_variants']}: the CUDA kernel's designs are "
+            f"{unknown or kw['cuda_variants']}: the CUDA kernel's designs are auto, "
             f"{', '.join(VARIANTS)}",
             param_hint="--cuda-variants",
         )

@@ -19,10 +19,10 @@ chosen over v5 by measurement (NOTES.md:
 ``results/kernels/paged_decode/bench_paged_decode_v6.md``, H200, full grid, same run:
 geometric-mean speedup over the best fp8 int4 1.61x (v5 1.49x), 4bit 1.37x (1.15x), 3.5bit
 1.30x (0.97x), 3bit 1.29x (0.90x)); v5's and v4a's sources are in git history (NOTES.md says
-where). ``DecodeConfig(cuda_variant=)`` picks a design (:data:`VARIANTS`): ``v6`` (the default)
-or the research design v7 (NOTES.md "v7": v6's layout, bytes and values; 64-token softmax tiles
-and branch-free copies) with 2 (``v7``) or 4 (``v7s4``) ring slots of 32 tokens per warp, until
-a GPU run decides.
+where). ``DecodeConfig(cuda_variant=)`` picks a design (:data:`VARIANTS`): ``v6`` or v7 (NOTES.md
+"v7": v6's layout, bytes and values; 64-token softmax tiles and branch-free copies) with 2
+(``v7``) or 4 (``v7s4``) ring slots of 32 tokens per warp; ``auto`` (the default) takes each
+format's measured best (:data:`SHIPPED`).
 ``KVZIP_KERNELS_CUDA_SO`` names a prebuilt library (skips the build); ``KVZIP_NVCC`` an nvcc.
 """
 
@@ -53,14 +53,37 @@ BACKENDS = KERNELS_BACKEND.choices  # ("auto", "cuda", "triton")
 #: 32 tokens per warp). ``v6`` is the shipped one; ``v7``/``v7s4`` the research design v7 (same
 #: bytes and decoded values, 64-token softmax tiles, branch-free copies; NOTES.md "v7").
 VARIANTS = {"v6": (6, 2), "v7": (7, 2), "v7s4": (7, 4)}
+#: ``cuda_variant="auto"``: the design each format runs (v6 for the others). v7 for ``3.5bit``
+#: and ``3bit``: on an H100 beside v6 in one run (``results/kernels/paged_decode/h100_v7/``,
+#: 8B and 70B-TP8, batch 8-64, 32k and 128k) it was as fast or faster in 15 of 16
+#: configurations each, by up to 8% where v6 is bound by instruction issue (8B, 128k); for
+#: int4 and ``4bit`` (bytes-bound there) the two were within noise, and v6 stays.
+SHIPPED = {"3.5bit": "v7", "3bit": "v7"}
 
 
-def check_variant(variant: str) -> None:
-    """ValueError naming the designs unless ``variant`` is one of :data:`VARIANTS`."""
-    if variant not in VARIANTS:
+def check_variant(variant: str, *, auto: bool = False) -> None:
+    """ValueError naming the designs unless ``variant`` is one of :data:`VARIANTS` (or
+    ``auto`` where ``auto`` is allowed)."""
+    if variant not in VARIANTS and not (auto and variant == "auto"):
+        names = (["auto"] if auto else []) + list(VARIANTS)
         raise ValueError(
-            f"cuda_variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}"
+            f"cuda_variant must be one of {', '.join(map(repr, names))}, got {variant!r}"
         )
+
+
+def resolve_variant(
+    variant: str, fmt_name: str, k_blk_stride: int = 0, v_blk_stride: int = 0
+) -> str:
+    """The design a plan runs: ``variant`` itself, or for ``auto`` the format's shipped one
+    (:data:`SHIPPED`, v6 otherwise), v6 where v7 cannot address the cache (a block stride of
+    2**31 bytes or more)."""
+    check_variant(variant, auto=True)
+    if variant != "auto":
+        return variant
+    v = SHIPPED.get(fmt_name, "v6")
+    if VARIANTS[v][0] == 7 and max(k_blk_stride, v_blk_stride) >= 1 << 31:
+        return "v6"
+    return v
 
 
 def expected_groups(fmt_name: str, d: int) -> tuple[tuple, tuple] | None:

@@ -60,14 +60,15 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int | None = None  # split-KV factor; None: see _num_splits
     split_tokens: int = 2048  # target tokens per split (halved down to 512 to fill the GPU)
-    #: the CUDA split kernel's design (``_cuda.VARIANTS``): ``v6`` (shipped) or the research
-    #: design ``v7`` / ``v7s4`` (NOTES.md "v7"); a ValueError names them for anything else
-    cuda_variant: str = "v6"
+    #: the CUDA split kernel's design (``_cuda.VARIANTS``: ``v6``, ``v7``, ``v7s4``; NOTES.md
+    #: "v7"), or ``auto``: each format's measured best (``_cuda.SHIPPED``); a ValueError names
+    #: them for anything else
+    cuda_variant: str = "auto"
 
     def __post_init__(self):
         from kvzip_kernels._cuda import check_variant
 
-        check_variant(self.cuda_variant)
+        check_variant(self.cuda_variant, auto=True)
 
 
 #: A CTA's fixed cost in tokens streamed, for :func:`_splits_by_rounds`: 70B-TP8 at 32k on the
@@ -320,11 +321,13 @@ class DecodePlan:
         self.v_sig = (tuple(v_cache.shape), v_cache.stride(), v_cache.dtype, v_cache.device)
         self.k_stride, self.v_stride = k_stride, v_stride
         self.scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        from kvzip_kernels import _cuda
+
+        #: the CUDA design this plan runs (``config.cuda_variant`` with ``auto`` resolved)
+        self.cuda_variant = _cuda.resolve_variant(cfg.cuda_variant, f.name, k_stride, v_stride)
         ctas = 0
         if use_cuda and cfg.num_splits is None:
-            from kvzip_kernels import _cuda
-
-            ctas = _cuda.ctas_per_sm(f.name, d, dev, cfg.cuda_variant)
+            ctas = _cuda.ctas_per_sm(f.name, d, dev, self.cuda_variant)
         step = max(cfg.block_n, block_size)
         splits = cfg.num_splits or _num_splits(b, hkv, max_seq_len, cfg, dev, ctas, step)
         per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), step) * step
@@ -485,7 +488,7 @@ class DecodePlan:
             q = q.contiguous()
             _cuda.split(
                 self.fmt.name, q, None, None, k_cache, v_cache, self.block_table, self.seq_lens,
-                self.o_part, self.lse, scale2, variant=self.config.cuda_variant,
+                self.o_part, self.lse, scale2, variant=self.cuda_variant,
                 **self.geometry,
             )  # fmt: skip
         elif self.spec.family == "int4":
@@ -547,7 +550,7 @@ class DecodePlan:
             _cuda.split(
                 f.name, q16, qs, self.lut16, k_cache, v_cache, self.block_table, self.row_lens,
                 self.o_part, self.lse, scale2, skip=self.n_sink,
-                variant=self.config.cuda_variant, **self.geometry,
+                variant=self.cuda_variant, **self.geometry,
             )  # fmt: skip
         else:
             _codebook_split_kernel[self.grid](

@@ -40,16 +40,16 @@ PEAK_TBPS = {"H200": 4.3, "H100": 3.35}
 BASELINES = ("xqa", "flashinfer-fp8", "vllm-fa3-fp8")
 
 
-def kernel_keys(backends, fname: str, cuda_variants=("v6",)) -> list[tuple[str, str, str]]:
+def kernel_keys(backends, fname: str, cuda_variants=("auto",)) -> list[tuple[str, str, str]]:
     """(row key, backend, CUDA design) of each kvzip kernel timed for format ``fname``: one per
     backend, the CUDA one once per design in ``cuda_variants``; the design is named in the key
-    (``kvzip-cuda-v7-4bit``) unless only the shipped one, ``v6``, is timed (``kvzip-cuda-4bit``,
-    the key of the runs before designs were compared)."""
-    named = list(cuda_variants) != ["v6"]
+    (``kvzip-cuda-v7-4bit``) unless only the shipped choice, ``auto`` (each format's design,
+    ``kvzip_kernels._cuda.SHIPPED``), is timed (``kvzip-cuda-4bit``)."""
+    named = list(cuda_variants) != ["auto"]
     keys = []
     for backend in backends:
         if backend != "cuda":
-            keys.append((f"kvzip-{backend}-{fname}", backend, "v6"))
+            keys.append((f"kvzip-{backend}-{fname}", backend, "auto"))
             continue
         for v in cuda_variants:
             keys.append((f"kvzip-cuda-{v}-{fname}" if named else f"kvzip-cuda-{fname}", "cuda", v))
@@ -205,7 +205,7 @@ def run(o) -> dict:
             build = f"{type(e).__name__}: {e}"[:300]
         if build:
             backends = [b for b in backends if b != "cuda"]
-    cuda_variants = list(getattr(o, "cuda_variants", None) or ["v6"])
+    cuda_variants = list(getattr(o, "cuda_variants", None) or ["auto"])
     graph = getattr(o, "timing", "eager") == "graph"
     if graph and device.type != "cuda":
         raise ValueError("--timing graph needs a CUDA device (CUDA graphs): this run has none")
