@@ -9,7 +9,7 @@
 #   gpu_session.sh tier      # kvzip bench tier: the tier beside vLLM's OffloadingConnector and recompute (TIER_WORKLOADS)
 #   gpu_session.sh tierdecode  # kvzip bench tier-decode: decoders' ITL while long prompts return, the store path's waits
 #   gpu_session.sh serve     # kvzip bench serve: `vllm serve` with vLLM's defaults per connector (kvzip, offload, none), the same `vllm bench serve` (SERVE_ARGS)
-#   gpu_session.sh kernels   # kvzip bench kernels: the paged decode beside XQA / FlashInfer / vLLM's FA3 fp8 (.carry/flashinfer if carried; KERNELS_VARIANTS=v6,v7,v7s4: the CUDA designs)
+#   gpu_session.sh kernels   # kvzip bench kernels: the paged decode beside XQA / FlashInfer / vLLM's FA3 fp8 (.carry/flashinfer if carried; KERNELS_VARIANTS=v6,v7,v7s4: the CUDA designs; default auto, each format's shipped one)
 #   gpu_session.sh v7        # the CUDA decode's research designs' GPU tests (v7, v7s4 against the reference and v6)
 #   gpu_session.sh restore   # kvzip bench restore: the tier core's restore beside a raw copy, no vLLM (RESTORE_ARGS)
 #   gpu_session.sh e2e       # tests/test_vllm_gpu.py: the tier at 32k (E2E_TESTS=compact: the compact backend)
@@ -110,7 +110,7 @@ kernels)
   fi=""; [ -d .carry/flashinfer ] && fi="--flashinfer-bundle .carry/flashinfer"
   env -u KVZIP_KERNELS_BACKEND timeout ${KERNELS_LIMIT_S:-560} python3 -m kvzip_eval bench kernels --out $RES $fi \
     --formats ${KERNELS_FORMATS:-fp8,int4,4bit,3.5bit,3bit} --shapes ${KERNELS_SHAPES:-8b,70b-tp8} \
-    --batches ${KERNELS_BATCHES:-8,32} --cuda-variants ${KERNELS_VARIANTS:-v6} --time-budget-s ${KERNELS_BUDGET_S:-480} \
+    --batches ${KERNELS_BATCHES:-8,32} --cuda-variants ${KERNELS_VARIANTS:-auto} --time-budget-s ${KERNELS_BUDGET_S:-480} \
     --timing ${KERNELS_TIMING:-eager} \
     2>&1 | tee $RES/kernels.log | tail -30
   ;;
