@@ -126,6 +126,17 @@ def test_runs_of_different_fills_are_not_one_figure_and_repeats_continue():
         (32768, 3), (131072, 3), (32768, 4), (131072, 4)]  # fmt: skip
 
 
+def test_kvzip_layers_host_time_per_step():
+    """A run's kvzip layer host time per engine step from the counters' difference; none for
+    vLLM's formats (no counters) or a run without steps."""
+    from collections import Counter
+
+    d = Counter(attend_s=0.064, write_s=0.032, attend_calls=640, write_calls=640)
+    assert serving.host_per_step(d, 20) == {"ms": 4.8, "attend_ms": 3.2, "calls": 64.0}
+    assert serving.host_per_step(Counter(), 20) is None
+    assert serving.host_per_step(d, 0) is None
+
+
 def test_calls_merge_with_their_own_fp8_and_fp8_pools_every_call():
     c0 = {
         "runs": [_run("fp8", 1, i, d, sessions=13) for i, d in enumerate((260, 266, 270))]
@@ -149,7 +160,8 @@ def _serving_doc(tmp_path):
     for rep, (f, k) in enumerate(((266.0, 392.0), (270.0, 464.0), (250.0, 450.0))):
         step = {"step_ms": {"n": 62, "skipped": 2, "p10": 50.0, "p50": 51.0, "p90": 60.0},
                 "decode_calls": {"4bit:cuda": 2080}, "fill": {"running_min": 25,
-                                                               "running_max": 25}}  # fmt: skip
+                                                               "running_max": 25},
+                "kvzip_host_per_step": {"ms": 3.25, "attend_ms": 2.0, "calls": 64.0}}  # fmt: skip
         runs.append(_run("fp8", 131072, rep, f, sessions=13))
         runs.append(_run("4bit", 131072, rep, k, sessions=25, **step))
     rows = st.add_ratios(st.aggregate(runs))
@@ -173,7 +185,8 @@ def test_serving_result_files_name_the_rows_the_engines_and_the_plot(tmp_path):
     md = paths["md"].read_text()
     # per user: 450 / 25 = 18 (runs 15.68-18.56), 1.761x fp8's 266 / 13
     assert "| 4bit | 131,072 | 25,000 | 25 | 1.923 | 18 | 15.68-18.56 (16.0%) | 0.88 | 450 |" in md
-    assert "| 4bit | 131,072 | - | 2 | 450 | 55.56 | 50.0/51.0/60.0 | 25-25 |" in md
+    assert "| 4bit | 131,072 | - | 2 | 450 | 55.56 | 50.0/51.0/60.0 | 3.25 | 25-25 |" in md
+    assert "| fp8 | 131,072 | - | 2 | 250 | 52 | - | - | - |" in md
     assert "| 1.692 | 1.47368-1.8 (19.0%) | 55.56 |" in md and "| cuda | 3 |" in md
     assert "- fp8: vLLM 0.26.0, async_scheduling True, block_size 16" in md
 

@@ -62,6 +62,12 @@ def test_bench_serving_on_the_cpu(tmp_path):
     for run in doc["runs"]:  # every session resident and decoding, every token generated
         assert run["all_generated"] and run["fill"]["blocks_filled"] > 0
         assert run["fill"]["running_max"] == run["sessions"]
+        # kvzip's layers' host time per step: each of the model's 30 layers at least once
+        host = run["kvzip_host_per_step"]
+        if run["format"] == "fp8":
+            assert host is None
+        else:
+            assert host["ms"] >= host["attend_ms"] > 0 and host["calls"] >= 30
     assert "| int4 | 256 |" in doc["md"]
 
 

@@ -32,6 +32,8 @@ ride on the step's metadata, and every layer only launches.
 from __future__ import annotations
 
 import re
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
@@ -52,6 +54,12 @@ from kvzip_kernels.sinks import SinkPool, StepSinks, plan_step, sink_plan
 from kvzip_kernels.window import StepWindow, WindowPool, plan_window
 from kvzip_vllm import compat, support
 from kvzip_vllm.settings import backend_settings, load_format
+
+#: Host time in this process's kvzip attention layers, in seconds (``attend_s``: the step's
+#: plans and the attention's launches; ``write_s``: the cache write's) and calls: the Python
+#: these layers run between vLLM's CUDA graphs (``PIECEWISE``) in every step, which a
+#: benchmark sets beside the engine's step time (``kvzip bench serving``).
+HOST_TIME: Counter[str] = Counter()
 
 #: vLLM's decoder layer names: ``model.layers.<index>.self_attn.attn`` (the index picks the
 #: layer's calibration).
@@ -422,6 +430,7 @@ class KvzipAttentionImpl(AttentionImpl):
         return plan
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        t0 = time.perf_counter()
         idx = self._layer(layer)
         meta = compat.step_metadata(layer.layer_name)
         if meta is None:  # a dummy run: nothing is read back
@@ -429,6 +438,8 @@ class KvzipAttentionImpl(AttentionImpl):
         self.paged.write(
             key, value, kv_cache, slot_mapping, layer=idx, sinks=self._sinks(meta, kv_cache)
         )
+        HOST_TIME["write_s"] += time.perf_counter() - t0
+        HOST_TIME["write_calls"] += 1
 
     def forward(
         self,
@@ -446,6 +457,7 @@ class KvzipAttentionImpl(AttentionImpl):
             raise NotImplementedError("kvzip-vllm: fused output quantization is not supported")
         if attn_metadata is None:  # profiling / warm-up run
             return output
+        t0 = time.perf_counter()
         m: KvzipAttentionMetadata = attn_metadata
         n = m.num_actual_tokens
         sinks, window = self._sinks(m, kv_cache), self._window(m, kv_cache)
@@ -464,4 +476,6 @@ class KvzipAttentionImpl(AttentionImpl):
             value=value[:n] if value is not None else None,
             plan=self._plan(m, kv_cache, sinks, window),
         )
+        HOST_TIME["attend_s"] += time.perf_counter() - t0
+        HOST_TIME["attend_calls"] += 1
         return output

@@ -186,6 +186,30 @@ def _decode_calls():
     return Counter(CALLS)
 
 
+def _backend_host(kvzip: bool):
+    """kvzip's attention layers' host time so far in this process (``kvzip_vllm.backend.
+    HOST_TIME``; empty for vLLM's formats)."""
+    from collections import Counter
+
+    if not kvzip:
+        return Counter()
+    from kvzip_vllm.backend import HOST_TIME
+
+    return Counter(HOST_TIME)
+
+
+def host_per_step(delta, steps: int) -> dict | None:
+    """A run's kvzip layer host time per engine step: ``ms`` (the plans, launches and cache
+    writes of every layer, the Python between vLLM's CUDA graphs) and the layer calls."""
+    if not delta or steps < 1:
+        return None
+    return {
+        "ms": round(1000 * (delta["attend_s"] + delta["write_s"]) / steps, 3),
+        "attend_ms": round(1000 * delta["attend_s"] / steps, 3),
+        "calls": round((delta["attend_calls"] + delta["write_calls"]) / steps, 1),
+    }
+
+
 def child(spec: dict) -> None:
     """One format in this process: start vLLM, warm each context, then ``runs`` rounds of a
     decode run at every context, then the prefill runs; each result a record (``emit``)."""
@@ -250,11 +274,12 @@ def child(spec: dict) -> None:
         for ctx, (sessions, ps) in plan.items():
             before = probe.snapshot() if probe else None
             t1, _ = timed(ps, 1)  # the fill and the first token: subtracted
-            calls, filled = _decode_calls(), fill.FILLED_BLOCKS
+            calls, filled, host = _decode_calls(), fill.FILLED_BLOCKS, _backend_host(kvzip)
             ins.start()
             with probe.sampling() if probe else contextlib.nullcontext([]) as samples:
                 tg, outs = timed(ps, gen + 1)
             step_s, sched = ins.stop()
+            host = _backend_host(kvzip) - host
             dec = tg - t1
             steps = summarize_steps(step_s)
             engines.emit(
@@ -273,6 +298,7 @@ def child(spec: dict) -> None:
                 all_generated=all(len(o.outputs[0].token_ids) == gen + 1 for o in outs),
                 decode_calls=dict(_decode_calls() - calls),
                 step_ms=steps,
+                kvzip_host_per_step=host_per_step(host, len(step_s)),
                 decode_tok_s_at_p50_step=round(sessions * 1000 / steps["p50"], 2)
                 if steps
                 else None,
@@ -447,21 +473,24 @@ def _markdown(doc: dict) -> list[str]:
     for r in rows:
         for k in ("_user", "_dec", "_paired", "_kernel"):
             r.pop(k)
-    lines += ["", "Per run (step ms: engine steps after the fill, p10/p50/p90; running: "
-              "requests running during the decode steps; SM MHz while decoding):", ""]  # fmt: skip
+    lines += ["", "Per run (step ms: engine steps after the fill, p10/p50/p90; kvzip layers' "
+              "host ms/step: the Python of kvzip's attention layers (plans, launches, cache "
+              "writes) per engine step, run between vLLM's CUDA graphs; running: requests "
+              "running during the decode steps; SM MHz while decoding):", ""]  # fmt: skip
     for x in doc["runs"]:
         st, g = x.get("step_ms") or {}, (x.get("gpu") or {}).get("during") or {}
         fl = x.get("fill") or {}
         x["_step"] = f"{st.get('p10')}/{st.get('p50')}/{st.get('p90')}" if st else None
         x["_run"] = f"{fl['running_min']}-{fl['running_max']}" if "running_min" in fl else None
         x["_sm"] = f"{g.get('sm_mhz_min')}-{g.get('sm_mhz_max')}" if g else None
+        x["_host"] = (x.get("kvzip_host_per_step") or {}).get("ms")
     lines += output.table(doc["runs"], [
         ("format", "format"), ("context", "context"), ("call", "call"), ("rep", "run"),
         ("decode_tok_s", "decode tok/s"), ("ms_per_step", "ms/step"),
-        ("_step", "step ms p10/p50/p90"), ("_run", "running"), ("_sm", "SM MHz"),
-        ("prefill_tok_s", "prefill tok/s")])  # fmt: skip
+        ("_step", "step ms p10/p50/p90"), ("_host", "kvzip layers' host ms/step"),
+        ("_run", "running"), ("_sm", "SM MHz"), ("prefill_tok_s", "prefill tok/s")])  # fmt: skip
     for x in doc["runs"]:
-        for k in ("_step", "_run", "_sm"):
+        for k in ("_step", "_run", "_sm", "_host"):
             x.pop(k)
     lines += output.engines_md(doc["engines"])
     if doc["failures"]:
