@@ -8,7 +8,8 @@ Per shape (``8b``: Llama-3.1-8B's 32 query / 8 KV heads; ``70b-tp8``: 70B per GP
   (``triton``) and the CUDA ones (``cuda``, built for this GPU first): planned once
   (``decode_plan.plan``), the plan's ``run`` timed, as the baselines are timed after their
   plans and workspaces are made (a server plans a step once and runs it per layer); with
-  ``--cuda-variants`` naming more than the shipped design (``v6``), the CUDA kernel is timed
+  ``--cuda-variants`` naming more than the shipped choice (``auto``: each format's design,
+  ``kvzip_kernels._cuda.SHIPPED``), the CUDA kernel is timed
   once per design (``DecodeConfig(cuda_variant=)``), keyed ``kvzip-cuda-<design>-<fmt>``
   (``kvzip-cuda-v6-4bit``, ``kvzip-cuda-v7-4bit``; the default keeps ``kvzip-cuda-<fmt>``);
 - the fp8 baselines, on an fp8 e4m3 cache holding the same values as kvzip's fp8 cache (copied
