@@ -265,13 +265,15 @@ def _fp8_split_kernel(
     tl.store(lse_ptr + rows * num_splits + split, lse, mask=m < G)
 
 
-@triton.jit
+# One compiled kernel for every split count: the splits are read in chunks of CH (the split
+# count is neither a block size nor specialised on), so a server whose steps change their split
+# count never compiles it again mid-serving (vLLM's JIT monitor: "a latency spike").
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     o_ptr,
     lse_ptr,
     out_ptr,
     num_splits,
-    S_P: tl.constexpr,
     CH: tl.constexpr,
     D: tl.constexpr,
     OUT_BF16: tl.constexpr,
@@ -279,14 +281,21 @@ def _merge_kernel(
 ):
     """out[row] = sum_s 2**(lse_s - lse) o_s over the splits of one (batch, q head) row."""
     row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, S_P)
-    lse = tl.load(lse_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    den = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0), 0)
-    d = tl.arange(0, D)
     c = tl.arange(0, CH)
+    # the splits' max and sum of 2**(lse - max), chunk by chunk (online)
+    mx = tl.max(tl.full([CH], float("-inf"), tl.float32), 0)
+    den = tl.sum(tl.zeros([CH], tl.float32), 0)
+    for s0 in range(0, num_splits, CH):
+        sc = s0 + c
+        lc = tl.load(lse_ptr + row * num_splits + sc, mask=sc < num_splits, other=float("-inf"))
+        m_new = tl.maximum(mx, tl.max(lc, 0))
+        live = m_new > float("-inf")
+        den = tl.where(live, den * tl.exp2(mx - m_new), 0.0)
+        den += tl.sum(tl.where(lc > float("-inf"), tl.exp2(lc - m_new), 0.0), 0)
+        mx = m_new
+    d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, num_splits, CH):  # chunks: a [S_P, D] tile would spill at 256 splits
+    for s0 in range(0, num_splits, CH):  # chunks: a [splits, D] tile would spill at 256 splits
         sc = s0 + c
         lc = tl.load(lse_ptr + row * num_splits + sc, mask=sc < num_splits, other=float("-inf"))
         w = tl.where(lc > float("-inf"), tl.exp2(lc - mx), 0.0)

@@ -121,7 +121,7 @@ def _ring_write_kernel(
 # n_sink and n_win stay runtime values: specialized to 1 (one sink, no window), ptxas built a
 # kernel of 32 registers and a 7 KB stack (sm_90, Triton 3.6): 830 us a call in serving on the
 # H200 (batch 103, 32k) against 268 us for the same kernel with a window
-@triton.jit(do_not_specialize=["n_sink", "n_win"])
+@triton.jit(do_not_specialize=["num_splits", "n_sink", "n_win"])
 def _merge_extra_kernel(
     y_ptr,  # [b * hq, D] float32: the rows' merged output, transformed domain
     lse_ptr,  # [b * hq, num_splits] float32, base 2, without q . mean_k
@@ -168,7 +168,6 @@ def _merge_extra_kernel(
     BLOCK_M: tl.constexpr,
     D: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    S_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     RING: tl.constexpr,
@@ -191,17 +190,25 @@ def _merge_extra_kernel(
         bc = tl.load(bmat + (k0 + k)[:, None] * D + d[None, :])
         o = tl.dot(yc, bc, o, input_precision="ieee")
     o += tl.load(mean_v_ptr + h * D + d)[None, :]
-    # the rows' log-sum-exp over the splits, plus q . mean_k
-    s = tl.arange(0, S_P)
-    ls = tl.load(
-        lse_ptr + rows[:, None] * num_splits + s[None, :],
-        mask=mm[:, None] & (s < num_splits)[None, :],
-        other=float("-inf"),
-    )
-    mx = tl.max(ls, 1)
+    # the rows' log-sum-exp over the splits, plus q . mean_k: the splits read 16 at a time with
+    # a running max (one compiled kernel for every split count, as _merge_kernel)
+    s = tl.arange(0, 16)
+    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    for s0 in range(0, num_splits, 16):
+        sc = s0 + s
+        ls = tl.load(
+            lse_ptr + rows[:, None] * num_splits + sc[None, :],
+            mask=mm[:, None] & (sc < num_splits)[None, :],
+            other=float("-inf"),
+        )
+        m_new = tl.maximum(mx, tl.max(ls, 1))
+        live = m_new > float("-inf")
+        den = tl.where(live, den * tl.exp2(mx - m_new), 0.0)
+        den += tl.sum(tl.where(ls > float("-inf"), tl.exp2(ls - m_new[:, None]), 0.0), 1)
+        mx = m_new
     fin = mx > float("-inf")  # a sequence whose every token is a bf16 one has no rows
     mx0 = tl.where(fin, mx, 0.0)
-    den = tl.sum(tl.where(ls > float("-inf"), tl.exp2(ls - mx0[:, None]), 0.0), 1)
     qf = tl.load(
         q_ptr + bi * q_sb + (h * G + m)[:, None] * q_sh + d[None, :], mask=mm[:, None], other=0.0
     ).to(tl.float32)
@@ -429,7 +436,6 @@ def merge_extra(
         BLOCK_M=max(16, triton.next_power_of_2(g)),
         D=d,
         BLOCK_K=32,
-        S_P=max(16, triton.next_power_of_2(num_splits)),
         BLOCK_N=32,
         HAS_WINDOW=window is not None,
         RING=ring is not None,

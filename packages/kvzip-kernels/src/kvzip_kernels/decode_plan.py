@@ -519,7 +519,6 @@ class DecodePlan:
             self.lse,
             target,
             self.splits,
-            S_P=triton.next_power_of_2(self.splits),
             CH=16,
             D=self.head_dim,
             OUT_BF16=out_bf16,
