@@ -91,7 +91,8 @@ tierdecode)
   ;;
 serve)
   env_line
-  # the bundle has no API server: its missing wheels travel as .whl (carried with the tree)
+  # the bundle has no API server: its missing wheels travel as .whl (carried with the tree;
+  # made here by benchmarks/serve_wheels.sh)
   if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
