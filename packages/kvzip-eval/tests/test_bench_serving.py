@@ -137,6 +137,25 @@ def test_kvzip_layers_host_time_per_step():
     assert serving.host_per_step(d, 0) is None
 
 
+def test_gc_pauses_count_collections_per_generation_since_a_mark():
+    """The process's garbage collections since a mark: counts per generation, total and
+    longest time; a collection before the mark is not counted."""
+    import gc
+
+    pauses = serving.GcPauses()
+    try:
+        gc.collect(2)
+        mark = pauses.mark()
+        gc.collect(0)
+        gc.collect(2)
+        got = pauses.since(mark)
+        assert got["collections"][0] >= 1 and got["collections"][2] >= 1
+        assert got["ms"] >= got["max_ms"] >= 0
+        assert pauses.since(pauses.mark())["collections"] == [0, 0, 0]
+    finally:
+        gc.callbacks.remove(pauses._cb)
+
+
 def test_calls_merge_with_their_own_fp8_and_fp8_pools_every_call():
     c0 = {
         "runs": [_run("fp8", 1, i, d, sessions=13) for i, d in enumerate((260, 266, 270))]
@@ -161,7 +180,8 @@ def _serving_doc(tmp_path):
         step = {"step_ms": {"n": 62, "skipped": 2, "p10": 50.0, "p50": 51.0, "p90": 60.0},
                 "decode_calls": {"4bit:cuda": 2080}, "fill": {"running_min": 25,
                                                                "running_max": 25},
-                "kvzip_host_per_step": {"ms": 3.25, "attend_ms": 2.0, "calls": 64.0}}  # fmt: skip
+                "kvzip_host_per_step": {"ms": 3.25, "attend_ms": 2.0, "calls": 64.0},
+                "gc": {"collections": [40, 3, 1], "ms": 12.5, "max_ms": 9.0}}  # fmt: skip
         runs.append(_run("fp8", 131072, rep, f, sessions=13))
         runs.append(_run("4bit", 131072, rep, k, sessions=25, **step))
     rows = st.add_ratios(st.aggregate(runs))
@@ -185,8 +205,9 @@ def test_serving_result_files_name_the_rows_the_engines_and_the_plot(tmp_path):
     md = paths["md"].read_text()
     # per user: 450 / 25 = 18 (runs 15.68-18.56), 1.761x fp8's 266 / 13
     assert "| 4bit | 131,072 | 25,000 | 25 | 1.923 | 18 | 15.68-18.56 (16.0%) | 0.88 | 450 |" in md
-    assert "| 4bit | 131,072 | - | 2 | 450 | 55.56 | 50.0/51.0/60.0 | 3.25 | 25-25 |" in md
-    assert "| fp8 | 131,072 | - | 2 | 250 | 52 | - | - | - |" in md
+    assert ("| 4bit | 131,072 | - | 2 | 450 | 55.56 | 50.0/51.0/60.0 | 3.25 | 12.5 (1, max 9.0) "
+            "| 25-25 |") in md  # fmt: skip
+    assert "| fp8 | 131,072 | - | 2 | 250 | 52 | - | - | - | - |" in md
     assert "| 1.692 | 1.47368-1.8 (19.0%) | 55.56 |" in md and "| cuda | 3 |" in md
     assert "- fp8: vLLM 0.26.0, async_scheduling True, block_size 16" in md
 

@@ -63,6 +63,7 @@ def test_bench_serving_on_the_cpu(tmp_path):
         assert run["all_generated"] and run["fill"]["blocks_filled"] > 0
         assert run["fill"]["running_max"] == run["sessions"]
         # kvzip's layers' host time per step: each of the model's 30 layers at least once
+        assert len(run["gc"]["collections"]) == 3 and run["gc"]["ms"] >= 0
         host = run["kvzip_host_per_step"]
         if run["format"] == "fp8":
             assert host is None

@@ -210,6 +210,43 @@ def host_per_step(delta, steps: int) -> dict | None:
     }
 
 
+class GcPauses:
+    """Python's garbage collections in this process (``gc.callbacks``): per generation the
+    collections and their wall time, so that a run can tell a slow engine step from a
+    collection of the engine's process (in-process engine: the bench's process)."""
+
+    def __init__(self):
+        import gc
+
+        self.n = [0, 0, 0]
+        self.s = [0.0, 0.0, 0.0]
+        self.max_s = 0.0
+        self._t = None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            dt, g = time.perf_counter() - self._t, int(info.get("generation", 0))
+            self.n[g] += 1
+            self.s[g] += dt
+            self.max_s = max(self.max_s, dt)
+            self._t = None
+
+    def mark(self) -> tuple:
+        self.max_s = 0.0
+        return tuple(self.n), tuple(self.s)
+
+    def since(self, mark: tuple) -> dict:
+        n0, s0 = mark
+        return {
+            "collections": [a - b for a, b in zip(self.n, n0, strict=True)],
+            "ms": round(1000 * (sum(self.s) - sum(s0)), 3),
+            "max_ms": round(1000 * self.max_s, 3),
+        }
+
+
 def child(spec: dict) -> None:
     """One format in this process: start vLLM, warm each context, then ``runs`` rounds of a
     decode run at every context, then the prefill runs; each result a record (``emit``)."""
@@ -247,7 +284,7 @@ def child(spec: dict) -> None:
     )
     settings = rec["settings"]
     blocks, bs = settings["num_gpu_blocks"], settings["block_size"]
-    ins, probe = Instruments(llm), GpuProbe() if cuda else None
+    ins, probe, gcp = Instruments(llm), GpuProbe() if cuda else None, GcPauses()
 
     def timed(ps, n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -275,11 +312,12 @@ def child(spec: dict) -> None:
             before = probe.snapshot() if probe else None
             t1, _ = timed(ps, 1)  # the fill and the first token: subtracted
             calls, filled, host = _decode_calls(), fill.FILLED_BLOCKS, _backend_host(kvzip)
+            gc_mark = gcp.mark()
             ins.start()
             with probe.sampling() if probe else contextlib.nullcontext([]) as samples:
                 tg, outs = timed(ps, gen + 1)
             step_s, sched = ins.stop()
-            host = _backend_host(kvzip) - host
+            host, gc_run = _backend_host(kvzip) - host, gcp.since(gc_mark)
             dec = tg - t1
             steps = summarize_steps(step_s)
             engines.emit(
@@ -299,6 +337,7 @@ def child(spec: dict) -> None:
                 decode_calls=dict(_decode_calls() - calls),
                 step_ms=steps,
                 kvzip_host_per_step=host_per_step(host, len(step_s)),
+                gc=gc_run,
                 decode_tok_s_at_p50_step=round(sessions * 1000 / steps["p50"], 2)
                 if steps
                 else None,
@@ -475,8 +514,10 @@ def _markdown(doc: dict) -> list[str]:
             r.pop(k)
     lines += ["", "Per run (step ms: engine steps after the fill, p10/p50/p90; kvzip layers' "
               "host ms/step: the Python of kvzip's attention layers (plans, launches, cache "
-              "writes) per engine step, run between vLLM's CUDA graphs; running: requests "
-              "running during the decode steps; SM MHz while decoding):", ""]  # fmt: skip
+              "writes) per engine step, run between vLLM's CUDA graphs; GC: the run's Python "
+              "garbage collections in the engine's process, their total ms, gen-2 count and "
+              "longest; running: requests running during the decode steps; SM MHz while "
+              "decoding):", ""]  # fmt: skip
     for x in doc["runs"]:
         st, g = x.get("step_ms") or {}, (x.get("gpu") or {}).get("during") or {}
         fl = x.get("fill") or {}
@@ -484,13 +525,17 @@ def _markdown(doc: dict) -> list[str]:
         x["_run"] = f"{fl['running_min']}-{fl['running_max']}" if "running_min" in fl else None
         x["_sm"] = f"{g.get('sm_mhz_min')}-{g.get('sm_mhz_max')}" if g else None
         x["_host"] = (x.get("kvzip_host_per_step") or {}).get("ms")
+        gcr = x.get("gc") or {}
+        x["_gc"] = (f"{gcr['ms']} ({gcr['collections'][2]}, max {gcr['max_ms']})"
+                    if gcr else None)  # fmt: skip
     lines += output.table(doc["runs"], [
         ("format", "format"), ("context", "context"), ("call", "call"), ("rep", "run"),
         ("decode_tok_s", "decode tok/s"), ("ms_per_step", "ms/step"),
         ("_step", "step ms p10/p50/p90"), ("_host", "kvzip layers' host ms/step"),
-        ("_run", "running"), ("_sm", "SM MHz"), ("prefill_tok_s", "prefill tok/s")])  # fmt: skip
+        ("_gc", "GC ms (gen 2, max)"), ("_run", "running"), ("_sm", "SM MHz"),
+        ("prefill_tok_s", "prefill tok/s")])  # fmt: skip
     for x in doc["runs"]:
-        for k in ("_step", "_run", "_sm", "_host"):
+        for k in ("_step", "_run", "_sm", "_host", "_gc"):
             x.pop(k)
     lines += output.engines_md(doc["engines"])
     if doc["failures"]:
