@@ -60,7 +60,8 @@ DEFAULT_GROUPS = (1, 1)
 #: steps with nothing to compute that rested in vLLM's poll while restores ran (idle_wait_s)
 TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jobs_merged",
              "store_busy_seconds", "store_encode_seconds", "store_copy_seconds",
-             "store_wait_seconds", "idle_waits", "idle_wait_seconds")  # fmt: skip
+             "store_wait_seconds", "idle_waits", "idle_waits_ended_by_load",
+             "idle_wait_seconds")  # fmt: skip
 #: ... and where the host's part of those went: the load thread's CPU time in it (far below
 #: load_host_seconds: the thread waited, for the GIL or a lock, rather than worked), the
 #: restores' lookups, offsets, device buffers, decode preparation and launches; the stores'
