@@ -162,3 +162,29 @@ def test_gpu_quotient_and_codes_are_the_references(bits):
     want = torch.bucketize(y / s0, edges, right=False)
     got = _gpu_codes(y, s0, bits)
     assert torch.equal(got, want), f"{int((got != want).sum())} codes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for a CUDA device")
+def test_compact_write_compiles_once_for_every_token_count():
+    """A step's token count (1 for a decode of one sequence, 16, a prefill chunk's) does not
+    compile the write again (vLLM's JIT monitor counts that as a latency spike mid-serving);
+    each write is still the quantizer of its y."""
+    from kvzip_kernels._write_compact import _compact_write_kernel
+
+    def compiled():
+        return sum(len(c[0]) for c in _compact_write_kernel.device_caches.values())
+
+    fmt = get_format("4bit", calibration=synthetic_calibration(2, 128))
+    g = torch.Generator().manual_seed(5)
+
+    def write(tokens):
+        x = (torch.randn(tokens, 2, 128, generator=g) * 3).to(torch.bfloat16)
+        slots = torch.randperm(8 * 16, generator=g)[:tokens]
+        _check(fmt, x, slots, "k", 2, 128, "cuda", block_t=32)
+
+    write(5)
+    before = compiled()
+    for tokens in (1, 16, 17, 32, 100):
+        write(tokens)
+    assert compiled() == before

@@ -174,7 +174,10 @@ def _quantize(y, s0, r, BITS: tl.constexpr, E: tl.constexpr, LB: tl.constexpr,
     return c, tl.sum(y * slv, 1), tl.sum(lvf * lvf, 1)
 
 
-@triton.jit
+# ``n`` (the step's tokens: 1 to a prefill chunk's) is not specialised on: one compiled kernel
+# per format, kind and input dtype, not one more for each of n == 1 and n % 16 == 0 reached
+# mid-serving (the split merges, _decode_kernels._merge_kernel, likewise)
+@triton.jit(do_not_specialize=["n"])
 def _compact_write_kernel(
     x_ptr, at_ptr, bias_ptr, cache_ptr, cache16_ptr, slot_ptr, status_ptr, y_out_ptr,
     n, stride_xt, stride_xh, num_kv_heads, page_bytes, blk_stride,
