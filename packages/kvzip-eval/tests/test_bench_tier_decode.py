@@ -30,7 +30,7 @@ BPT_8B = 131072  # Llama-3.1-8B's bf16 KV bytes per token
 H200_HOST = 133 * 10**9  # the H200 host's MemAvailable (125 GiB of RAM)
 
 
-def _opts(long_prompts=2, long_context=131072, cpu_bytes=None):
+def _opts(long_prompts=1, long_context=131072, cpu_bytes=None):
     return SimpleNamespace(long_prompts=long_prompts, long_context=long_context,
                            cpu_bytes=cpu_bytes)  # fmt: skip
 
@@ -40,20 +40,23 @@ def test_the_default_cpu_bytes_hold_the_long_and_flush_prompts_and_fit_the_host(
     cpu = itf.cpu_bytes_for(_opts(), BPT_8B, H200_HOST)
     # the raw pages of the long prompts and the flush prompts are 0.9x the bytes: both tiers
     # hold the returning prompts; the decoders' prompts (stored first) are not counted
-    assert 0.9 * cpu == pytest.approx((2 + itf.FLUSH) * long_n * BPT_8B, rel=1e-9)
+    assert 0.9 * cpu == pytest.approx((1 + itf.FLUSH) * long_n * BPT_8B, rel=1e-9)
     assert cpu <= itf.HOST_FRACTION * H200_HOST
     # an explicit value within the host's share is taken as it is
     assert itf.cpu_bytes_for(_opts(cpu_bytes=10**9), BPT_8B, H200_HOST) == 10**9
 
 
 def test_cpu_bytes_beyond_the_hosts_share_are_refused_with_the_numbers():
-    # the old default (4 long prompts of 128k) asks for 114 GB: more than 0.6 of 133 GB
+    # 4 long prompts of 128k ask for 114 GB: more than 0.45 of 133 GB
     with pytest.raises(ValueError) as e:
         itf.cpu_bytes_for(_opts(long_prompts=4), BPT_8B, H200_HOST)
     msg = str(e.value)
     assert "114.3 GB" in msg and "133.0 GB" in msg and "4 long prompts" in msg
     assert "--long-prompts" in msg and "--long-context" in msg
-    assert f"at most {int(0.6 * H200_HOST)}" in msg
+    assert f"at most {int(0.45 * H200_HOST)}" in msg
+    # two long prompts (76 GB): the OffloadingConnector's engine killed on an H100 host
+    with pytest.raises(ValueError, match=r"76\.2 GB"):
+        itf.cpu_bytes_for(_opts(long_prompts=2), BPT_8B, H200_HOST)
     # the OffloadingConnector's engine killed at 105 GB: refused before any engine starts
     with pytest.raises(ValueError, match=r"105\.0 GB \(--cpu-bytes 105000000000\)"):
         itf.cpu_bytes_for(_opts(cpu_bytes=105 * 10**9), BPT_8B, H200_HOST)

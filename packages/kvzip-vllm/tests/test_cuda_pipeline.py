@@ -254,6 +254,30 @@ def test_groups_past_the_ring_reuse_its_buffers_bit_exact(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device_scatter", SCATTERS, ids=["device-scatter", "torch-scatter"])
+@pytest.mark.parametrize("group", [2, 16])
+def test_one_chunk_loaded_twice_in_a_step_restores_both_copies_bit_exact(
+    make, monkeypatch, device, device_scatter, group
+):
+    """Two requests sharing a prefix return in one step (their loads one job): the shared
+    chunks are loaded twice, into each request's blocks, and both copies equal the stored
+    chunk (the H100 tier run of 2026-12-07 counted 1,536 restored blocks differing from their
+    stored blocks, as many as the shared prefixes of the pairs that could return together)."""
+    monkeypatch.setattr(cuda_pipeline, "BLOCKS_PER_GROUP", group)
+    buf, caches, store, pipe = make(device, device_scatter=device_scatter)
+    fill(caches, seed=3)
+    want = [c.clone() for c in caches]
+    stored, _ = store_blocks(pipe, [(key(i), i) for i in (1, 3, 4)])
+    assert sorted(stored) == sorted(key(i) for i in (1, 3, 4))
+    buf.view(torch.int16).fill_(-1)
+    pairs = [(1, 0), (3, 2), (1, 9), (3, 10), (4, 11)]
+    pipe.start_loads([("r1" if d < 9 else "r2", key(s), d) for s, d in pairs])
+    assert pipe.wait_loads() == set()
+    for s, d in pairs:
+        assert_block_equal(caches, d, want, s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_staged_stores_take_extents_of_the_reserved_queue_and_give_them_back(make, device):
     # two steps' stores staged in the queue reserved at start-up (no allocation per step),
     # every extent free again once coded, the chunks restored bit-exact
@@ -373,17 +397,68 @@ def test_budget_evicts_lru_and_reports_dropped(make, device):
     assert pipe.wait_loads() == {5}  # evicted: never served
 
 
-def test_the_default_store_queue_is_half_the_free_device_memory_capped(monkeypatch):
-    """``store_queue_bytes=None``: half the GPU memory free once vLLM holds its KV cache, at
-    most 16 GiB; off CUDA a fixed 2 GiB."""
+def test_the_default_store_queue_is_half_the_free_device_memory_less_the_coders(monkeypatch):
+    """``store_queue_bytes=None``: half the GPU memory free once vLLM holds its KV cache, less
+    the coder's working memory for one call (twice its bytes), at most 16 GiB, at least one
+    call; off CUDA a fixed 2 GiB."""
     from kvzip_vllm.core import cuda_pipeline as cp
 
     assert cp.default_queue_bytes(torch.device("cpu")) == 2 << 30
     free = {"bytes": 10 << 30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 0))
-    assert cp.default_queue_bytes(torch.device("cuda", 0)) == 5 << 30
+    gpu = torch.device("cuda", 0)
+    assert cp.default_queue_bytes(gpu, 512 << 20) == (5 << 30) - (1 << 30)
+    assert cp.default_queue_bytes(gpu, 1 << 30) == 3 << 30
     free["bytes"] = 100 << 30
-    assert cp.default_queue_bytes(torch.device("cuda", 0)) == 16 << 30
+    assert cp.default_queue_bytes(gpu, 512 << 20) == 16 << 30
+    free["bytes"] = 1 << 30  # nothing left beside the coder: one call's bytes
+    assert cp.default_queue_bytes(gpu, 512 << 20) == 512 << 20
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_call", [1, 2, 3])
+def test_a_step_is_coded_in_calls_of_at_most_encode_bytes_bit_exact(
+    make, monkeypatch, device, per_call
+):
+    """A step's chunks are coded in ``encode_batch`` calls of at most ``encode_bytes`` (whole
+    chunks, at least one), so the coder's working memory is bounded; a chunk held already is
+    not coded again; every chunk restores bit for bit."""
+    import kvzip_lossless
+
+    buf, caches, store, pipe = make(device)
+    chunk = sum(c[0].numel() * c.element_size() for c in caches)  # a block's K and V, all layers
+    pipe.encode_bytes = per_call * chunk + chunk // 2  # (a part of a chunk more: not a chunk)
+    calls = []
+    real = kvzip_lossless.encode_batch
+
+    def counting(tensors, **kw):
+        calls.append(len(tensors) // (2 * len(caches)))
+        return real(tensors, **kw)
+
+    monkeypatch.setattr(kvzip_lossless, "encode_batch", counting)
+    fill(caches, seed=4)
+    want = [c.clone() for c in caches]
+    src = [0, 2, 3, 5, 6, 8, 9]
+    stored, dropped = store_blocks(pipe, [(key(i), i) for i in src[:2]])
+    assert sorted(stored) == sorted(key(i) for i in src[:2]) and dropped == []
+    calls.clear()
+    stored, dropped = store_blocks(pipe, [(key(i), i) for i in src])  # two of them held
+    assert sorted(stored) == sorted(key(i) for i in src) and dropped == []
+    new = len(src) - 2
+    assert calls == [min(per_call, new - i) for i in range(0, new, per_call)]
+    buf.view(torch.int16).fill_(-1)
+    dst = [11, 10, 1, 4, 7, 0, 3]
+    pipe.start_loads([("r", key(s), d) for s, d in zip(src, dst, strict=True)])
+    assert pipe.wait_loads() == set()
+    for s, d in zip(src, dst, strict=True):
+        assert_block_equal(caches, d, want, s)
+
+
+def test_encode_bytes_must_be_positive():
+    with pytest.raises(ValueError, match="encode_bytes must be > 0"):
+        layers, heads, n, d = SHAPES["cpu"]
+        _, caches = paged_caches(layers, heads, n, d, "cpu", "LBNHC")
+        CudaTierPipeline(BlockStore(1 << 20), caches, n, encode_bytes=0)
 
 
 class HeldStoreThread:

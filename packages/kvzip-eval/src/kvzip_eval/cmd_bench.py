@@ -425,9 +425,9 @@ def restore(**kw) -> None:
               "kvzip:KEY=VALUE;... a variant of the tier with those settings.")  # fmt: skip
 @click.option("--long-context", type=int, default=131072, show_default=True,
               help="Length of the prompts stored and returning (multiple of 256).")  # fmt: skip
-@click.option("--long-prompts", type=click.IntRange(1), default=2, show_default=True,
+@click.option("--long-prompts", type=click.IntRange(1), default=1, show_default=True,
               help="Long prompts: stored one at a time beside the decoders, then each "
-              "returns once.")  # fmt: skip
+              "returns once (1: both tiers' CPU bytes fit a host of 128 GiB).")  # fmt: skip
 @click.option("--decode-context", type=int, default=32768, show_default=True)
 @click.option("--decoders", type=click.IntRange(1), default=16, show_default=True,
               help="Requests decoding throughout.")  # fmt: skip

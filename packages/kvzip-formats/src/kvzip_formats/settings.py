@@ -242,6 +242,21 @@ LOAD_GROUP_CHUNKS = Setting(
     check=_positive,
     rule="a positive integer",
 )
+STORE_ENCODE_BYTES = Setting(
+    "KVZIP_STORE_ENCODE_BYTES",
+    int,
+    512 << 20,
+    ("kvzip_vllm.core.cuda_pipeline",),
+    "bf16 bytes of chunks the tier's store thread codes in one call (a step's chunks are coded "
+    "in calls of at most this many bytes, at least one chunk each): the coder's device working "
+    "memory, about twice the bytes of its call, stays bounded and is kept out of the store "
+    "queue's share of the free device memory",
+    package=_VLLM,
+    scope="bench",
+    default_doc="512 MiB",
+    check=_positive,
+    rule="a positive integer (bytes)",
+)
 TIER_BYTES = Setting(
     "KVZIP_TIER_BYTES",
     int,

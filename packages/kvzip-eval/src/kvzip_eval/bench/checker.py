@@ -90,6 +90,10 @@ class Checker:
         self._c_differ: torch.Tensor | None = None
         self._c_checked = 0
         self._c_unchecked = 0  # restored blocks of chunks never seen stored here
+        #: per comparison: where its blocks were restored (request, the chunk's place in its
+        #: load job, the block's place in its chunk, the key's loads in that job) and which of
+        #: them differ in which layer (``[blocks, layers]`` on the device until read)
+        self._c_where: list[tuple[list, torch.Tensor]] = []
 
     def register_kv_caches(self, kv_caches) -> None:
         super().register_kv_caches(kv_caches)
@@ -158,12 +162,16 @@ class Checker:
         """Compare the blocks the finished load jobs restored with the bank's copies."""
         ids: list[int] = []
         rows: list[int] = []
+        where: list[tuple] = []
         for res in results:
             loads = self._c_jobs.pop(res.job_id, None)
             if not loads:
                 continue  # a store job
             failed = {(f.req_id, f.key) for f in res.failed}
+            times: dict[bytes, int] = {}
             for ld in loads:
+                times[ld.key] = times.get(ld.key, 0) + 1
+            for pos, ld in enumerate(loads):
                 if (ld.req_id, ld.key) in failed:
                     continue
                 base = self._c_refs.get(ld.key)
@@ -175,6 +183,7 @@ class Checker:
                     else:
                         ids.append(int(block_id))
                         rows.append(base + i)
+                        where.append((str(ld.req_id), pos, len(loads), i, times[ld.key]))
         for seg, (got_ids, offs) in self._by_segment(ids, rows).items():
             got_idx, want_idx = self._index(got_ids), self._index(offs)
             got = torch.stack(
@@ -182,8 +191,42 @@ class Checker:
             )
             want = self._c_bank[seg].index_select(0, want_idx)
             # (the bytes' fingerprints, not the values: a NaN equals its copy here)
-            self._c_differ += (got != want).flatten(1).any(1).sum()
+            bad = (got != want).any(-1)  # [blocks, layers]
+            self._c_differ += bad.any(1).sum()
+            self._c_where.append(([where[j] for j in self._by_segment_order(rows, seg)], bad))
         self._c_checked += len(ids)
+
+    def _by_segment_order(self, rows: list[int], seg: int) -> list[int]:
+        """The indices into ``rows`` of those in bank segment ``seg``, in order (the order
+        :meth:`_by_segment` lists them in)."""
+        return [j for j, r in enumerate(rows) if r // self.SEGMENT_ROWS == seg]
+
+    def differ_where(self, examples: int = 8) -> dict:
+        """Where the restored blocks that differ were (one synchronisation): their count per
+        request, per number of loads of their key in their load job, per layer, and the
+        first ``examples`` as (request, the chunk's place / the job's chunks, the block's
+        place in its chunk, the key's loads in the job, layers differing)."""
+        by_req: dict[str, int] = {}
+        by_times: dict[int, int] = {}
+        by_layer: dict[int, int] = {}
+        first: list = []
+        for meta, bad in self._c_where:
+            bad = bad.cpu()
+            for j in bad.any(1).nonzero().flatten().tolist():
+                req, pos, n, i, times = meta[j]
+                layers = bad[j].nonzero().flatten().tolist()
+                by_req[req] = by_req.get(req, 0) + 1
+                by_times[times] = by_times.get(times, 0) + 1
+                for layer in layers:
+                    by_layer[layer] = by_layer.get(layer, 0) + 1
+                if len(first) < examples:
+                    first.append([req, f"{pos}/{n}", i, times, len(layers)])
+        return {
+            "by_request": by_req,
+            "by_loads_of_key_in_job": by_times,
+            "layers_differing": len(by_layer),
+            "examples": first,
+        }
 
     def shutdown(self) -> None:
         try:
@@ -201,13 +244,16 @@ class Checker:
     def counts(self) -> dict:
         """Blocks checked and differing (one synchronisation), chunks copied."""
         differ = int(self._c_differ.item()) if self._c_differ is not None else 0
-        return {
+        out = {
             "blocks_checked": self._c_checked,
             "blocks_differ": differ,
             "blocks_equal": self._c_checked - differ,
             "restored_blocks_without_copy": self._c_unchecked,
             "chunks_copied": len(self._c_refs),
         }
+        if differ:
+            out["differ_where"] = self.differ_where()
+        return out
 
 
 def worker_class() -> type:

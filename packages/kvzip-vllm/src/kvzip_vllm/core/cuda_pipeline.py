@@ -43,6 +43,8 @@ from kvzip_formats import settings as table
 from kvzip_vllm.core import scatter
 from kvzip_vllm.core.blocks import as_ids
 from kvzip_vllm.core.cuda_stores import (  # noqa: F401  (the store path's settings, here too)
+    ENCODE_BYTES,
+    ENCODE_WORKSPACE,
     QUEUE_CAP_BYTES,
     QUEUE_CPU_BYTES,
     SPILL_FRACTION,
@@ -192,6 +194,7 @@ class CudaTierPipeline(StorePath):
         device_scatter: bool | None = None,
         switch_interval_s: float | None = None,
         queue_reserved: bool = False,
+        encode_bytes: int | None = None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
@@ -251,8 +254,13 @@ class CudaTierPipeline(StorePath):
         self._dropped: list[bytes] = []
         self._done: queue.Queue = queue.Queue()
         self._jobs: queue.Queue = queue.Queue()
+        if encode_bytes is None:
+            encode_bytes = ENCODE_BYTES
+        if encode_bytes <= 0:
+            raise ValueError(f"encode_bytes must be > 0, got {encode_bytes}")
+        self.encode_bytes = encode_bytes  # bf16 bytes coded per encode_batch call, at most
         if queue_bytes is None:
-            queue_bytes = default_queue_bytes(self.device)
+            queue_bytes = default_queue_bytes(self.device, encode_bytes)
             logger.info("kvzip tier: store queue %.2f GB (store_queue_bytes)", queue_bytes / 1e9)
         if queue_bytes <= 0:
             raise ValueError(f"queue_bytes must be > 0, got {queue_bytes}")

@@ -84,15 +84,27 @@ class _Job:
     extent: tuple[int, int] | None = None
 
 
-def default_queue_bytes(device: torch.device) -> int:
-    """Half the device memory free now (after vLLM allocated its KV cache), at most
-    ``QUEUE_CAP_BYTES``; ``QUEUE_CPU_BYTES`` off CUDA. A 32k-token prompt of an 8B-shaped model
-    stages 4.3 GB while the first chunks are coded (and the table set fitted): a queue of 2 GiB
-    dropped half of such a prompt's stores on the H200."""
+#: the coder's device working memory over the bf16 bytes of one call (its tiles' scratch and
+#: the coded output; the H100 run of 2026-12-07 asked 960 MiB more for a call of 960 MiB)
+ENCODE_WORKSPACE = 2
+#: bf16 bytes coded per call of the store thread, at most (at least one chunk a call)
+ENCODE_BYTES = table.STORE_ENCODE_BYTES.get()
+
+
+def default_queue_bytes(device: torch.device, encode_bytes: int = ENCODE_BYTES) -> int:
+    """The tier's share of the device memory free now (half of it, after vLLM allocated its
+    KV cache) less the coder's working memory for one call of ``encode_bytes``
+    (``ENCODE_WORKSPACE`` times it), at most ``QUEUE_CAP_BYTES``, at least one call's bytes;
+    ``QUEUE_CPU_BYTES`` off CUDA. A 32k-token prompt of an 8B-shaped model stages 4.3 GB while
+    the first chunks are coded (and the table set fitted): a queue of 2 GiB dropped half of
+    such a prompt's stores on the H200. The coder's memory was outside the share before: on
+    an 80 GB H100 with vLLM at 0.9 of the device, a queue of half the free memory plus the
+    coder's memory for a whole step's chunks ran out of memory (every store failed)."""
     if device.type != "cuda":
         return QUEUE_CPU_BYTES
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(QUEUE_CAP_BYTES, free // 2))
+    share = free // 2 - ENCODE_WORKSPACE * encode_bytes
+    return max(encode_bytes, min(QUEUE_CAP_BYTES, share))
 
 
 class StorePath:
@@ -430,12 +442,18 @@ class StorePath:
                 nbytes, evicted = 0, []
             self._done.put((key, nbytes, evicted))
 
+    def encode_chunks(self, staged) -> int:
+        """Chunks coded per ``encode_batch`` call: as many as ``encode_bytes`` holds, at
+        least one (the coder's working memory grows with its call)."""
+        chunk = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+                    for k, v in staged)  # fmt: skip
+        return max(1, self.encode_bytes // max(chunk, 1))
+
     def _store_batched(self, keys: list[bytes], staged) -> None:
-        """Code a store job's chunks with one ``kvzip_lossless.encode_batch`` call (every
-        layer's K and V of every chunk), copy each chunk's blobs from the device into its
-        arena extent (page-locked: asynchronous), one synchronisation for the job."""
-        t0 = time.perf_counter()
-        S = 2 * len(staged)
+        """Code a store job's chunks: those not held yet, in ``encode_batch`` calls of at
+        most :meth:`encode_chunks` chunks (every layer's K and V of each), each call's blobs
+        copied from the device into their arena extents (page-locked: asynchronous), one
+        synchronisation per call."""
         todo = []
         for j, key in enumerate(keys):
             if key in self.store:  # held already (another request stored it)
@@ -443,8 +461,14 @@ class StorePath:
                 self._done.put((key, nbytes, []))
             else:
                 todo.append(j)
-        if not todo:
-            return
+        step = self.encode_chunks(staged)
+        for i in range(0, len(todo), step):
+            self._encode_piece(keys, staged, todo[i : i + step])
+
+    def _encode_piece(self, keys: list[bytes], staged, todo: list[int]) -> None:
+        """One ``encode_batch`` call for the job's chunks ``todo`` (indices into ``keys``)."""
+        t0 = time.perf_counter()
+        S = 2 * len(staged)
         tensors, slots = [], []
         for j in todo:
             for layer, (k, v) in enumerate(staged):

@@ -1,0 +1,77 @@
+"""The tier benchmark's checker: a restored block that differs from the block stored is
+counted, and the count says where it was (request, place in its load job, layers)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from kvzip_eval.bench.checker import Checker, fingerprints, form_weights
+
+LAYERS, BLOCKS = 3, 10
+
+
+def checker(caches):
+    c = Checker()
+    c._c_init()
+    c._c_caches = caches
+    c._c_differ = torch.zeros((), dtype=torch.int64)
+    c._c_weights = form_weights(caches[0][0].numel() * caches[0].element_size() // 2, "cpu")
+    return c
+
+
+def caches(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn((BLOCKS, 2, 16, 8), generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def load(req, key, blocks, skip=0):
+    return SimpleNamespace(req_id=req, key=key, block_ids=blocks, skip=skip)
+
+
+def done(job_id):
+    return SimpleNamespace(job_id=job_id, failed=[], failed_blocks=set())
+
+
+def test_fingerprints_tell_one_flipped_bit():
+    cs = caches()
+    w = form_weights(cs[0][0].numel() * 2 // 2, "cpu")
+    a = fingerprints(cs[0], torch.tensor([3]), w)
+    cs[0].view(torch.int16)[3, 1, 5, 2] ^= 1
+    assert not torch.equal(a, fingerprints(cs[0], torch.tensor([3]), w))
+
+
+def test_restored_blocks_equal_pass_and_a_differing_one_is_counted_where_it_was():
+    cs = caches()
+    c = checker(cs)
+    stores = [
+        SimpleNamespace(key=b"a", block_ids=[0, 1]),
+        SimpleNamespace(key=b"b", block_ids=[2, 3]),
+    ]
+    c._c_copy(stores)
+    # restored: "a" twice in one job (two requests sharing it) into 4, 5 and 6, 7; "b" into 8, 9
+    for dst, src in ((4, 0), (5, 1), (6, 0), (7, 1), (8, 2), (9, 3)):
+        for x in cs:
+            x[dst] = x[src]
+    cs[2].view(torch.int16)[7, 0, 0, 0] ^= 1  # request r2's copy of "a", its second block, layer 2
+    c._c_jobs[5] = [load("r1", b"a", [4, 5]), load("r2", b"a", [6, 7]), load("r2", b"b", [8, 9])]
+    c._c_check([done(5)])
+    counts = {k: v for k, v in c.counts().items() if k != "differ_where"}
+    assert counts == {"blocks_checked": 6, "blocks_differ": 1, "blocks_equal": 5,
+                      "restored_blocks_without_copy": 0, "chunks_copied": 2}  # fmt: skip
+    where = c.counts()["differ_where"]
+    assert where["by_request"] == {"r2": 1}
+    assert where["by_loads_of_key_in_job"] == {2: 1}
+    assert where["layers_differing"] == 1
+    assert where["examples"] == [["r2", "1/3", 1, 2, 1]]
+
+
+def test_nothing_differing_reports_no_where():
+    cs = caches(1)
+    c = checker(cs)
+    c._c_copy([SimpleNamespace(key=b"a", block_ids=[0])])
+    for x in cs:
+        x[5] = x[0]
+    c._c_jobs[1] = [load("r", b"a", [5]), load("r", b"missing", [6])]
+    c._c_check([done(1)])
+    assert c.counts() == {"blocks_checked": 1, "blocks_differ": 0, "blocks_equal": 1,
+                          "restored_blocks_without_copy": 1, "chunks_copied": 1}  # fmt: skip
