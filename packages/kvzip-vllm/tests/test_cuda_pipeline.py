@@ -518,9 +518,9 @@ def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
     assert sorted(stored) == [key(i) for i in range(5)] and dropped == []
     assert st.spill_bytes_held == 0 and st.spill_peak_bytes == 4 * one
     assert st.blocks_stored == 5 and st.stores_waited_queue_full == 0
-    # the last spilled job's copy back to the device began while the job before it was coded
-    # (the first one's could not: the thread was already coding chunk 0 when it was queued)
-    assert st.stores_unspilled_ahead == 1
+    # no spilled job came back ahead of its turn: the queue (1.5 chunks) had no room for it
+    # beside the job being coded (test_a_spilled_job_comes_back_ahead_where_the_queue_has_room)
+    assert st.stores_unspilled_ahead == 0
     # the reserved queue (1.5 chunks) held chunk 0's copies and chunk 4's brought back; the
     # 3-chunk job's did not fit it and were allocated; every extent is free again
     assert st.stores_stage_allocated == 1 and pipe._queue_arena.used == 0
@@ -533,6 +533,37 @@ def test_a_full_store_queue_spills_to_the_host_and_every_chunk_is_stored(
     for i in range(5):
         for b in range(bpc):
             assert_block_equal(caches, dest[i][b], want, blocks[i][b])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_spilled_job_comes_back_ahead_where_the_queue_has_room(make, device):
+    """A spilled job's copy back to the device starts while the job before it is coded only
+    where the store queue has room for both; the queue's bytes are never exceeded."""
+    one = one_block_bytes(device)
+    buf, caches, store, pipe = make(device, budget=64 * one, queue_bytes=2 * one)
+    fill(caches, seed=8)
+    want = [c.clone() for c in caches]
+    held = HeldStoreThread(pipe)
+    pipe.start_stores([(key(0), 0)])  # staged: the thread holds it
+    assert held.started.wait(60)
+    pipe.start_stores([(key(1), 1)])  # staged: the queue is full (2 chunks)
+    pipe.start_stores([(key(2), 2)])  # spilled
+    pipe.start_stores([(key(3), 3)])  # spilled
+    st = store.stats
+    assert st.stores_spilled_host == 2
+    held.release()
+    pipe.drain()
+    stored, dropped = pipe.collect()
+    assert sorted(stored) == [key(i) for i in range(4)] and dropped == []
+    # chunk 2 came back while chunk 1 was coded, chunk 3 while chunk 2 was: one chunk each
+    # beside one being coded
+    assert st.stores_unspilled_ahead == 2
+    assert st.store_queue_peak_bytes == 2 * one
+    buf.view(torch.int16).fill_(-1)
+    pipe.start_loads([("r", key(i), 8 + i) for i in range(4)])
+    assert pipe.wait_loads() == set()
+    for i in range(4):
+        assert_block_equal(caches, 8 + i, want, i)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -304,16 +304,20 @@ class StorePath:
             self._spilled -= sum(n for _, n in job.spill)
         job.spill = None
 
-    def _start_unspill(self, job: _Job) -> None:
+    def _start_unspill(self, job: _Job, ahead: bool = False) -> None:
         """Begin bringing a spilled job's chunks back to the device: page-locked host to
-        device copies on the unspill stream (asynchronous), an event after them. Called for
-        the job queued next while the current one is coded, so the copy of one and the coding
-        of the other overlap (``stores_unspilled_ahead``)."""
+        device copies on the unspill stream (asynchronous), an event after them. ``ahead``:
+        for the job queued next while the current one is coded, so the copy of one and the
+        coding of the other overlap (``stores_unspilled_ahead``), only where the store queue
+        has room for it beside what it holds (else it comes back at its turn: the device
+        memory of staged and brought-back copies stays within the queue's)."""
         if job.unspill is not None or job.spill is None:
             return
         m = len(job.keys)
         nbytes = sum(n for _, n in job.spill)
         with self._queued_lock:  # device memory the job takes while it is coded
+            if ahead and self._queued + nbytes > self.queue_bytes:
+                return
             self._queued += nbytes
         job.nbytes = nbytes
         cuda = self.unspill_stream is not None
@@ -369,7 +373,7 @@ class StorePath:
                         self._unspill(job)
                     nxt = self._next_job()
                     if nxt is not None and nxt.spill is not None:
-                        self._start_unspill(nxt)  # its copies overlap this job's coding
+                        self._start_unspill(nxt, ahead=True)  # overlaps this job's coding
                     st.store_unspill_seconds += time.perf_counter() - t0
                     for job_keys, job_staged in self._ready(job.keys, job.staged):
                         if self.store.tables is not None:
