@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -199,6 +200,34 @@ def test_a_server_that_dies_at_start_is_an_error_quoting_its_log(tmp_path):
         hang.wait_ready(2)
     hang.stop(timeout_s=10)
     assert hang.proc.poll() is not None
+
+
+def test_stop_waits_for_the_engine_core_that_outlives_the_api_server(tmp_path):
+    """At SIGINT vLLM's API server may exit before its engine core has torn down (the tier's
+    stats, the checker's counts written then): stop() lets the rest of the session finish
+    within its timeout before it kills what is left."""
+    done = tmp_path / "counts.json"
+    # the engine core: ignores SIGINT's default, tears down for 1.5 s after it, then writes
+    core = (f"import signal, time, pathlib\n"
+            f"def down(*_):\n    time.sleep(1.5); pathlib.Path({str(done)!r}).write_text('{{}}')"
+            f"; raise SystemExit(0)\n"
+            f"signal.signal(signal.SIGINT, down)\n"
+            f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text('')\n"
+            f"time.sleep(60)\n")  # fmt: skip
+    api = (f"import subprocess, sys, time, pathlib\n"
+           f"subprocess.Popen([sys.executable, '-c', {core!r}])\n"
+           f"while not pathlib.Path({str(tmp_path / 'ready')!r}).exists(): time.sleep(0.05)\n"
+           f"print('ready', flush=True)\n"
+           f"try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    sys.exit(0)\n")  # fmt: skip
+    srv = sv.Server([sys.executable, "-c", api], dict(os.environ), tmp_path / "a.log", 1)
+    deadline = time.monotonic() + 30
+    while "ready" not in (tmp_path / "a.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    assert srv.stop(timeout_s=20) == 0  # the API server went at once
+    assert done.exists(), "the engine core was killed before it wrote its counts"
+    assert 1.0 < time.monotonic() - t0 < 15
+    assert not sv._session_alive(srv.proc.pid)
 
 
 def test_bench_serve_help_says_what_it_measures():

@@ -127,6 +127,28 @@ def server_env(root: Path) -> dict:
     return env
 
 
+def _session_alive(pgid: int) -> bool:
+    """Whether a process of the process group ``pgid`` is still running (not a zombie)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...: the fields after the command's closing paren
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 class Server:
     """One ``vllm serve`` in a session of its own, its output in ``log``."""
 
@@ -186,7 +208,11 @@ class Server:
     def stop(self, timeout_s: float = 60) -> object:
         """SIGINT to the session (vLLM shuts its engine and workers down: the checker writes
         its counts), SIGTERM after ``timeout_s`` (a server still starting may miss SIGINT),
-        SIGKILL 15 s later. Returns the exit status or what happened."""
+        SIGKILL 15 s later. After SIGINT the rest of the session (the engine core, which
+        may outlive the API server while it tears down: the tier writes its stats, the checker
+        its counts) gets what is left of ``timeout_s`` to exit before the SIGKILL. Returns the
+        exit status or what happened."""
+        t0 = time.monotonic()
         rc: object = self.proc.poll()
         if rc is not None:
             rc = f"had exited with {rc}"
@@ -198,6 +224,9 @@ class Server:
                     rc = rc if sig == signal.SIGINT else f"{rc} after SIGTERM (SIGINT ignored)"
                 except subprocess.TimeoutExpired:
                     pass
+        if isinstance(rc, int):  # (the API server went at SIGINT: its engine core may not have)
+            while _session_alive(self.proc.pid) and time.monotonic() - t0 < timeout_s:
+                time.sleep(0.2)
         try:  # whatever it left in its session (engine core, workers)
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
