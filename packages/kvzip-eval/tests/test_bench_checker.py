@@ -75,3 +75,25 @@ def test_nothing_differing_reports_no_where():
     c._c_check([done(1)])
     assert c.counts() == {"blocks_checked": 1, "blocks_differ": 0, "blocks_equal": 1,
                           "restored_blocks_without_copy": 1, "chunks_copied": 1}  # fmt: skip
+
+
+def test_paused_restores_are_counted_not_checked(monkeypatch):
+    from kvzip_eval.bench import checker as ck
+
+    cs = caches(2)
+    c = checker(cs)
+    monkeypatch.setattr(ck, "INSTANCES", [c])
+    c._c_copy([SimpleNamespace(key=b"a", block_ids=[0, 1])])
+    for x in cs:
+        x[4], x[5] = x[0], x[1]
+    cs[0].view(torch.int16)[5, 0, 0, 0] ^= 1  # a differing block, restored while paused
+    ck.pause(True)
+    c._c_jobs[1] = [load("r", b"a", [4, 5])]
+    c._c_check([done(1)])
+    ck.pause(False)
+    assert c.counts() == {"blocks_checked": 0, "blocks_differ": 0, "blocks_equal": 0,
+                          "restored_blocks_without_copy": 0, "chunks_copied": 1,
+                          "restored_blocks_while_paused": 2}  # fmt: skip
+    c._c_jobs[2] = [load("r", b"a", [4, 5])]  # checked again once resumed
+    c._c_check([done(2)])
+    assert (c.counts()["blocks_checked"], c.counts()["blocks_differ"]) == (2, 1)
