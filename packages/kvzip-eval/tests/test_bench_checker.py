@@ -13,9 +13,7 @@ LAYERS, BLOCKS = 3, 10
 def checker(caches):
     c = Checker()
     c._c_init()
-    c._c_caches = caches
-    c._c_differ = torch.zeros((), dtype=torch.int64)
-    c._c_weights = form_weights(caches[0][0].numel() * caches[0].element_size() // 2, "cpu")
+    c._c_start(caches)
     return c
 
 
@@ -97,3 +95,28 @@ def test_paused_restores_are_counted_not_checked(monkeypatch):
     c._c_jobs[2] = [load("r", b"a", [4, 5])]  # checked again once resumed
     c._c_check([done(2)])
     assert (c.counts()["blocks_checked"], c.counts()["blocks_differ"]) == (2, 1)
+
+
+def test_a_restored_block_equal_to_a_later_copy_of_its_key_is_told_apart():
+    """Two requests computed the same chunk (other batches: other bits) and both stored it:
+    a restore of the later copy differs from the reference (the first) and is counted as
+    equal to another copy stored; a block equal to neither is not."""
+    cs = caches(3)
+    c = checker(cs)
+    c._c_copy([SimpleNamespace(key=b"a", block_ids=[0, 1])])  # request 1's copy: reference
+    for x in cs:  # request 2's copy of the same chunk, one bit apart in its first block
+        x[2], x[3] = x[0], x[1]
+    cs[1].view(torch.int16)[2, 0, 0, 0] ^= 4
+    c._c_copy([SimpleNamespace(key=b"a", block_ids=[2, 3])])
+    assert c._c_alts == {b"a": [2]}
+    for x in cs:  # restored: request 2's copy into 4, 5; into 6, 7 a copy with another bit
+        x[4], x[5], x[6], x[7] = x[2], x[3], x[2], x[3]
+    cs[0].view(torch.int16)[6, 1, 1, 1] ^= 1
+    c._c_jobs[3] = [load("r", b"a", [4, 5]), load("s", b"a", [6, 7])]
+    c._c_check([done(3)])
+    got = c.counts()
+    assert (got["blocks_checked"], got["blocks_differ"]) == (4, 2)
+    where = got["differ_where"]
+    assert where["equal_to_another_copy_stored"] == 1
+    assert where["keys_stored_more_than_once"] == 1
+    assert where["by_request"] == {"r": 1, "s": 1}

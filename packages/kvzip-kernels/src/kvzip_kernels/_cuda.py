@@ -71,6 +71,12 @@ def check_variant(variant: str, *, auto: bool = False) -> None:
         )
 
 
+def addresses(variant: str, k_blk_stride: int, v_blk_stride: int) -> bool:
+    """Whether design ``variant`` (a key of :data:`VARIANTS`) can address a cache of these
+    block strides (bytes): v7 and its kin index blocks in 32 bits (below 2**31 bytes)."""
+    return VARIANTS[variant][0] != 7 or max(k_blk_stride, v_blk_stride) < 1 << 31
+
+
 def resolve_variant(
     variant: str, fmt_name: str, k_blk_stride: int = 0, v_blk_stride: int = 0
 ) -> str:
@@ -81,9 +87,7 @@ def resolve_variant(
     if variant != "auto":
         return variant
     v = SHIPPED.get(fmt_name, "v6")
-    if VARIANTS[v][0] == 7 and max(k_blk_stride, v_blk_stride) >= 1 << 31:
-        return "v6"
-    return v
+    return v if addresses(v, k_blk_stride, v_blk_stride) else "v6"
 
 
 def expected_groups(fmt_name: str, d: int) -> tuple[tuple, tuple] | None:
@@ -290,7 +294,7 @@ def split(
     level table ``lut16`` (:func:`level_table`)); ``variant``: a key of :data:`VARIANTS`."""
     check_variant(variant)
     design, slots = VARIANTS[variant]
-    if design == 7 and max(k_blk_stride, v_blk_stride) >= 1 << 31:
+    if not addresses(variant, k_blk_stride, v_blk_stride):
         raise FormatError(
             f"cuda_variant {variant!r} takes block strides below 2**31 bytes, got "
             f"{k_blk_stride} and {v_blk_stride}; use cuda_variant='v6'"

@@ -44,6 +44,8 @@ COUNTS_ENV = "KVZIP_CHECKER_COUNTS"
 
 #: independent random linear forms per block and layer
 LANES = 3
+#: later copies of a chunk (stored again by another request) fingerprinted beside the first
+ALTERNATES = 4
 #: blocks fingerprinted at once (a float64 copy of their words: 64 MB at the 8B shape)
 PIECE_BLOCKS = 256
 
@@ -86,6 +88,8 @@ class Checker:
         self._c_weights: torch.Tensor | None = None
         self._c_rows = 0
         self._c_refs: dict[bytes, int] = {}
+        self._c_alts: dict[bytes, list[int]] = {}  # later copies of a key: their first rows
+        self._c_alt_equal: torch.Tensor | None = None  # differing blocks equal to another copy
         self._c_jobs: dict[int, list] = {}  # load job -> its ChunkLoads
         self._c_differ: torch.Tensor | None = None
         self._c_checked = 0
@@ -99,12 +103,18 @@ class Checker:
         #: them differ in which layer (``[blocks, layers]`` on the device until read)
         self._c_where: list[tuple[list, torch.Tensor]] = []
 
+    def _c_start(self, caches: list[torch.Tensor]) -> None:
+        """Check the blocks of ``caches`` (one paged cache per layer): the device counters
+        and the fingerprints' weights."""
+        c0 = caches[0]
+        self._c_caches = caches
+        self._c_differ = torch.zeros((), dtype=torch.int64, device=c0.device)
+        self._c_alt_equal = torch.zeros((), dtype=torch.int64, device=c0.device)
+        self._c_weights = form_weights(c0[0].numel() * c0.element_size() // 2, c0.device)
+
     def register_kv_caches(self, kv_caches) -> None:
         super().register_kv_caches(kv_caches)
-        self._c_caches = [c for _, c in self.layers]
-        c0 = self._c_caches[0]
-        self._c_differ = torch.zeros((), dtype=torch.int64, device=c0.device)
-        self._c_weights = form_weights(c0[0].numel() * c0.element_size() // 2, c0.device)
+        self._c_start([c for _, c in self.layers])
         tier, load, store = self.tier, self.tier.submit_load, self.tier.submit_store
 
         def submit_load(job_id, loads, *args, **kwargs):
@@ -142,11 +152,20 @@ class Checker:
         return out
 
     def _c_copy(self, stores) -> None:
-        """Fingerprint the blocks of the chunks not seen yet into the bank."""
-        new = [st for st in stores if st.key not in self._c_refs]
-        if not new or not self._c_caches:
+        """Fingerprint the stored chunks' blocks into the bank: a key's first copy is its
+        reference; a later copy (another request computed the same chunk, perhaps in another
+        batch: its bits may differ) is kept as one of the key's alternates (at most
+        ``ALTERNATES``), so that a restored block differing from the reference can be told
+        to equal another copy stored (:meth:`differ_where`)."""
+        if not self._c_caches:
             return
-        ids = [int(b) for st in new for b in st.block_ids]
+        take = []
+        for st in stores:
+            if st.key not in self._c_refs or len(self._c_alts.get(st.key, ())) < ALTERNATES:
+                take.append(st)
+        if not take:
+            return
+        ids = [int(b) for st in take for b in st.block_ids]
         first = self._c_rows
         need, c0 = first + len(ids), self._c_caches[0]
         while len(self._c_bank) * self.SEGMENT_ROWS < need:
@@ -158,15 +177,29 @@ class Checker:
             for layer, c in enumerate(self._c_caches):
                 rows[:, layer].copy_(fingerprints(c, idx, self._c_weights))
         self._c_rows = need
-        for st in new:
-            self._c_refs[st.key] = first
+        for st in take:
+            if st.key in self._c_refs:
+                self._c_alts.setdefault(st.key, []).append(first)
+            else:
+                self._c_refs[st.key] = first
             first += len(st.block_ids)
+
+    def _bank_rows(self, rows: list[int]) -> torch.Tensor:
+        """The bank's ``rows`` (any segments), in their order: ``[len(rows), layers, LANES]``."""
+        out = torch.empty((len(rows), len(self._c_caches), LANES), dtype=torch.float64,
+                          device=self._c_caches[0].device)  # fmt: skip
+        for seg, (pos, offs) in self._by_segment(list(range(len(rows))), rows).items():
+            out[self._index(pos)] = self._c_bank[seg].index_select(0, self._index(offs))
+        return out
 
     def _c_check(self, results) -> None:
         """Compare the blocks the finished load jobs restored with the bank's copies."""
         ids: list[int] = []
         rows: list[int] = []
         where: list[tuple] = []
+        alt_ids: list[int] = []  # restored blocks of keys stored more than once ...
+        alt_rows: list[tuple[int, int]] = []  # ... (their reference's row, an alternate's)
+        alt_of: list[int] = []  # ... and which of the checked blocks each is
         for res in results:
             loads = self._c_jobs.pop(res.job_id, None)
             if not loads:
@@ -191,6 +224,10 @@ class Checker:
                         ids.append(int(block_id))
                         rows.append(base + i)
                         where.append((str(ld.req_id), pos, len(loads), i, times[ld.key]))
+                        for alt in self._c_alts.get(ld.key, ()):
+                            alt_ids.append(int(block_id))
+                            alt_rows.append((base + i, alt + i))
+                            alt_of.append(len(ids) - 1)
         for seg, (got_ids, offs) in self._by_segment(ids, rows).items():
             got_idx, want_idx = self._index(got_ids), self._index(offs)
             got = torch.stack(
@@ -202,6 +239,16 @@ class Checker:
             self._c_differ += bad.any(1).sum()
             self._c_where.append(([where[j] for j in self._by_segment_order(rows, seg)], bad))
         self._c_checked += len(ids)
+        if alt_ids:  # a block differing from its reference but equal to a later copy
+            idx = self._index(alt_ids)
+            got = torch.stack([fingerprints(c, idx, self._c_weights) for c in self._c_caches], 1)
+            ref = self._bank_rows([r for r, _ in alt_rows])
+            alt = self._bank_rows([a for _, a in alt_rows])
+            hit = (got != ref).flatten(1).any(1) & (got == alt).flatten(1).all(1)
+            # (a block with several alternates counted once)
+            per = torch.zeros(len(ids), dtype=torch.int64, device=hit.device)
+            per.index_add_(0, self._index(alt_of), hit.to(torch.int64))
+            self._c_alt_equal += (per > 0).sum()
 
     def _by_segment_order(self, rows: list[int], seg: int) -> list[int]:
         """The indices into ``rows`` of those in bank segment ``seg``, in order (the order
@@ -228,7 +275,10 @@ class Checker:
                     by_layer[layer] = by_layer.get(layer, 0) + 1
                 if len(first) < examples:
                     first.append([req, f"{pos}/{n}", i, times, len(layers)])
+        alt_equal = int(self._c_alt_equal.item()) if self._c_alt_equal is not None else 0
         return {
+            "equal_to_another_copy_stored": alt_equal,
+            "keys_stored_more_than_once": len(self._c_alts),
             "by_request": by_req,
             "by_loads_of_key_in_job": by_times,
             "layers_differing": len(by_layer),
