@@ -120,8 +120,8 @@ class ConnectorSettings(BaseModel):
     """GPU memory the stores waiting to be coded may take (their staged bf16 copies, made on
     the device so vLLM can reuse the blocks at once, and outside vLLM's KV-cache accounting).
     None (the default): half the device memory still free once vLLM has allocated its KV
-    cache, at most 16 GiB (at least one 8,192-token prefill step of an 8B-shaped model fits
-    in 1 GiB). A step's stores that would pass it are spilled raw to page-locked host
+    cache, less the coder's working memory (twice ``KVZIP_STORE_ENCODE_BYTES``: 1 GiB), at
+    most 16 GiB (at least one 8,192-token prefill step of an 8B-shaped model fits in 1 GiB). A step's stores that would pass it are spilled raw to page-locked host
     memory inside ``budget_bytes`` (``stores_spilled_host``) and coded later, or, with no
     room there either, the step waits for the queue (``stores_waited_queue_full``). An
     empty queue always takes one step's stores; the first ``fit_tokens`` tokens' copies are
