@@ -354,17 +354,22 @@ def child(spec: dict) -> None:
             })  # fmt: skip
         return rows
 
-    def tier_stats() -> dict:
-        try:
-            return json.loads(stats.read_text()) if conn == "kvzip" else {}
-        except (OSError, json.JSONDecodeError):
-            return {}
-
     worker = None
     if conn == "kvzip":  # the worker half, in this process
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker
+
+    def tier_stats() -> dict:
+        """kvzip's counters now: the worker's own where it runs in this process (its stats
+        file is rewritten only when a step reports a change, so it can lag the counters),
+        else its stats file."""
+        if worker is not None:
+            return json.loads(json.dumps(worker.stats()))
+        try:
+            return json.loads(stats.read_text()) if conn == "kvzip" else {}
+        except (OSError, json.JSONDecodeError):
+            return {}
 
     def drain(min_s: float) -> float:
         """The tier's stores in flight finished (the engine is idle between generates), then
