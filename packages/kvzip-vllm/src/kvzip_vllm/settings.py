@@ -121,13 +121,14 @@ class ConnectorSettings(BaseModel):
     the device so vLLM can reuse the blocks at once, and outside vLLM's KV-cache accounting).
     None (the default): half the device memory still free once vLLM has allocated its KV
     cache, less the coder's working memory (twice ``KVZIP_STORE_ENCODE_BYTES``: 1 GiB), at
-    most 16 GiB (at least one 8,192-token prefill step of an 8B-shaped model fits in 1 GiB). A step's stores that would pass it are spilled raw to page-locked host
-    memory inside ``budget_bytes`` (``stores_spilled_host``) and coded later, or, with no
-    room there either, the step waits for the queue (``stores_waited_queue_full``). An
-    empty queue always takes one step's stores; the first ``fit_tokens`` tokens' copies are
-    also kept until the table set is fitted from them. On the CPU: the host memory the copies
-    of chunks waiting for the coder thread may take (None: 1 GiB; past it the step waits for
-    room; ``kvzip_vllm.core.background``)."""
+    most 16 GiB (at least one 8,192-token prefill step of an 8B-shaped model fits in 1 GiB).
+    A step's stores that would pass it are spilled raw to page-locked host memory inside
+    ``budget_bytes`` (``stores_spilled_host``) and coded later, or, with no room there
+    either, the step waits for the queue (``stores_waited_queue_full``). An empty queue
+    always takes one step's stores; the first ``fit_tokens`` tokens' copies are also kept
+    until the table set is fitted from them. On the CPU: the host memory the copies of chunks
+    waiting for the coder thread may take (None: 1 GiB; past it the step waits for room;
+    ``kvzip_vllm.core.background``)."""
     store_queue_reserved: bool = False
     """CUDA: the store queue's device memory (``store_queue_bytes``) is allocated once, when
     the tier starts, and each step's staged copies take an extent of it (a step whose copies
