@@ -103,8 +103,10 @@ serve)
   # (the three servers of one comparison over two calls: SERVE_ARGS="--connectors kvzip", then
   # SERVE_ARGS="--connectors offload,none" SERVE_MERGE=/tmp/res/serve/serve_tier_defaults.json)
   merge=""; [ -n "${SERVE_MERGE:-}" ] && cp $SERVE_MERGE /tmp/serve_prev.json && merge="--merge /tmp/serve_prev.json"
+  # (SERVE_RESET: vLLM's own prefix cache emptied before the later passes, so that they come
+  # from the tiers: the default workload's prefixes fit vLLM's GPU cache; SERVE_RESET= : not)
   timeout ${SERVE_LIMIT_S:-570} python3 -m kvzip_eval bench serve --out $RES --deadline-s ${DEADLINE:-480} \
-    $merge ${SERVE_ARGS:-} 2>&1 | tee $RES/serve.log | tail -30
+    $merge ${SERVE_RESET---reset-prefix-cache} ${SERVE_ARGS:-} 2>&1 | tee $RES/serve.log | tail -30
   ;;
 kernels)
   env_line
