@@ -49,6 +49,42 @@ def test_masked_scatter_equals_the_torch_scatter_of_good_chunks(device, layout):
         assert all(torch.equal(bits(c[b]), bits(o[b])) for c, o in zip(caches, before, strict=True))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_warm_up_writes_nothing(device):
+    _, caches = paged_caches(3, 2, 4, 8, device, "LBNHC", blocks=6)
+    g = torch.Generator().manual_seed(1)
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=g).to(torch.bfloat16))
+    before = [c.clone() for c in caches]
+    scatter.warm_up(caches, scatter.layer_pointers(caches))
+    assert all(torch.equal(bits(c), bits(b)) for c, b in zip(caches, before, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for a CUDA device")
+def test_after_the_warm_up_no_row_count_compiles_again():
+    """vLLM's JIT monitor counts a compilation during serving as a latency spike: the kernel
+    the warm-up compiled serves every restore's row count."""
+    layers, heads, n, d, blocks = 2, 2, 16, 128, 64
+    _, caches = paged_caches(layers, heads, n, d, "cuda", "LBNHC", blocks=blocks)
+    bases = scatter.layer_pointers(caches)
+    scatter.warm_up(caches, bases)
+
+    def compiled():
+        return sum(len(c[0]) for c in scatter._masked_scatter_kernel.device_caches.values())
+
+    before = compiled()
+    for rows in (1, 5, 16, 17, 48):
+        out = torch.zeros((2 * layers, rows, n, heads, d), dtype=torch.bfloat16, device="cuda")
+        plan = torch.stack(
+            [torch.arange(rows), torch.arange(rows), torch.zeros(rows, dtype=torch.long)]
+        )
+        flags = torch.zeros(1, dtype=torch.int32, device="cuda")
+        scatter.masked_scatter(out, caches, bases, plan.cuda().contiguous(), flags)
+    torch.cuda.synchronize()
+    assert compiled() == before
+
+
 def test_masked_scatter_refuses_a_mismatched_buffer():
     _, caches = paged_caches(2, 2, 4, 8, "cpu", "LBNHC", blocks=4)
     out = torch.zeros((3, 1, 4, 2, 8), dtype=torch.bfloat16)  # 3 slots for 2 layers

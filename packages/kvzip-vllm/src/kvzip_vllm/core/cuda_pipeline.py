@@ -221,6 +221,8 @@ class CudaTierPipeline(StorePath):
             raise ValueError(f"device_scatter: not for these caches ({why})")
         self.device_scatter = device_scatter
         self._bases = scatter.layer_pointers(caches) if device_scatter else None
+        if device_scatter:  # its kernel compiled now, not at the first restore
+            scatter.warm_up(caches, self._bases)
         if cuda:  # builds kvzip-lossless's CUDA coder now (nvcc, ~10 s once), not mid-step
             logger.info("kvzip tier: GPU coder %s", kvzip_lossless.coder(self.device))
         new_stream = (lambda: torch.cuda.Stream(self.device)) if cuda else (lambda: None)

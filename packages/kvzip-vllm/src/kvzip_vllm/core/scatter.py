@@ -47,8 +47,10 @@ def layer_pointers(caches: list[torch.Tensor]) -> torch.Tensor:
 
 
 if triton is not None:
-
-    @triton.jit
+    # (not specialised on the row counts: a restore's R and the group buffer's rows vary from
+    # step to step, and each new specialisation would compile mid-serving, a pause that
+    # vLLM's JIT monitor reports; :func:`warm_up` compiles the one kernel at start-up)
+    @triton.jit(do_not_specialize=["R", "rows_out"])
     def _masked_scatter_kernel(
         out_ptr,  # bf16 [S, rows_out, T, H, D], contiguous
         bases_ptr,  # int64 [L]: each layer's cache base address
@@ -112,3 +114,14 @@ def masked_scatter(
         c.stride(0), c.stride(1), c.stride(2),
         T=T, D=D, BT=triton.next_power_of_2(T), BD=triton.next_power_of_2(D),
     )  # fmt: skip
+
+
+def warm_up(caches: list[torch.Tensor], bases: torch.Tensor) -> None:
+    """Compile :func:`masked_scatter`'s kernel for ``caches`` now (a tier's start-up), not at
+    its first restore: one launch over a one-row buffer whose chunk is flagged, so nothing is
+    written. Asynchronous on the current stream."""
+    c = caches[0]
+    _, h, t, d2 = c.shape
+    out = torch.zeros((2 * len(caches), 1, t, h, d2 // 2), dtype=torch.bfloat16, device=c.device)
+    plan = torch.zeros((3, 1), dtype=torch.int64, device=c.device)
+    masked_scatter(out, caches, bases, plan, torch.ones(1, dtype=torch.int32, device=c.device))
