@@ -1,5 +1,6 @@
-"""The tier benchmark's checker: a restored block that differs from the block stored is
-counted, and the count says where it was (request, place in its load job, layers)."""
+"""The tier benchmark's checker (``kvzip_eval.bench.checker``, over kvzip-vllm's worker): a
+restored block that differs from the block stored is counted, and the count says where it was
+(request, place in its load job, layers) and whether it equals another stored copy."""
 
 from types import SimpleNamespace
 
