@@ -197,9 +197,8 @@ class Checker:
         ids: list[int] = []
         rows: list[int] = []
         where: list[tuple] = []
-        alt_ids: list[int] = []  # restored blocks of keys stored more than once ...
-        alt_rows: list[tuple[int, int]] = []  # ... (their reference's row, an alternate's)
-        alt_of: list[int] = []  # ... and which of the checked blocks each is
+        alt_rows: list[int] = []  # rows of later copies of the restored blocks' keys ...
+        alt_of: list[int] = []  # ... and which of the checked blocks each is a copy of
         for res in results:
             loads = self._c_jobs.pop(res.job_id, None)
             if not loads:
@@ -225,35 +224,35 @@ class Checker:
                         rows.append(base + i)
                         where.append((str(ld.req_id), pos, len(loads), i, times[ld.key]))
                         for alt in self._c_alts.get(ld.key, ()):
-                            alt_ids.append(int(block_id))
-                            alt_rows.append((base + i, alt + i))
+                            alt_rows.append(alt + i)
                             alt_of.append(len(ids) - 1)
-        for seg, (got_ids, offs) in self._by_segment(ids, rows).items():
-            got_idx, want_idx = self._index(got_ids), self._index(offs)
+        got_all = None
+        if alt_of and ids:  # every checked block's fingerprints, for the alternates below
+            got_all = torch.empty((len(ids), len(self._c_caches), LANES), dtype=torch.float64,
+                                  device=self._c_caches[0].device)  # fmt: skip
+        for seg, (pos, offs) in self._by_segment(list(range(len(ids))), rows).items():
+            got_idx = self._index([ids[j] for j in pos])
             got = torch.stack(
                 [fingerprints(c, got_idx, self._c_weights) for c in self._c_caches], 1
             )
-            want = self._c_bank[seg].index_select(0, want_idx)
+            if got_all is not None:
+                got_all[self._index(pos)] = got
+            want = self._c_bank[seg].index_select(0, self._index(offs))
             # (the bytes' fingerprints, not the values: a NaN equals its copy here)
             bad = (got != want).any(-1)  # [blocks, layers]
             self._c_differ += bad.any(1).sum()
-            self._c_where.append(([where[j] for j in self._by_segment_order(rows, seg)], bad))
+            self._c_where.append(([where[j] for j in pos], bad))
         self._c_checked += len(ids)
-        if alt_ids:  # a block differing from its reference but equal to a later copy
-            idx = self._index(alt_ids)
-            got = torch.stack([fingerprints(c, idx, self._c_weights) for c in self._c_caches], 1)
-            ref = self._bank_rows([r for r, _ in alt_rows])
-            alt = self._bank_rows([a for _, a in alt_rows])
+        if got_all is not None:  # a block differing from its reference, equal to a later copy
+            of = self._index(alt_of)
+            got = got_all[of]
+            ref = self._bank_rows([rows[j] for j in alt_of])
+            alt = self._bank_rows(alt_rows)
             hit = (got != ref).flatten(1).any(1) & (got == alt).flatten(1).all(1)
             # (a block with several alternates counted once)
             per = torch.zeros(len(ids), dtype=torch.int64, device=hit.device)
-            per.index_add_(0, self._index(alt_of), hit.to(torch.int64))
+            per.index_add_(0, of, hit.to(torch.int64))
             self._c_alt_equal += (per > 0).sum()
-
-    def _by_segment_order(self, rows: list[int], seg: int) -> list[int]:
-        """The indices into ``rows`` of those in bank segment ``seg``, in order (the order
-        :meth:`_by_segment` lists them in)."""
-        return [j for j, r in enumerate(rows) if r // self.SEGMENT_ROWS == seg]
 
     def differ_where(self, examples: int = 8) -> dict:
         """Where the restored blocks that differ were (one synchronisation): their count per
