@@ -366,7 +366,7 @@ class StorePath:
             try:
                 if job.event is not None:
                     job.event.synchronize()  # the step's KV is computed (and copied)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 st = self.store.stats
                 with gil.busy(self.switch_interval_s), self._on(self.store_stream):
                     if job.spill is not None:
@@ -385,6 +385,7 @@ class StorePath:
                         self.store_stream.synchronize()  # staged is read there until now
                     st.store_sync_seconds += time.perf_counter() - t1
                 st.store_busy_seconds += time.perf_counter() - t0
+                st.store_thread_cpu_seconds += time.thread_time() - c0
             except Exception:  # noqa: BLE001 (the job's chunks reported not stored)
                 logger.exception("kvzip tier: storing %d chunks failed", len(job.keys))
                 self.store.stats.store_errors += len(job.keys)

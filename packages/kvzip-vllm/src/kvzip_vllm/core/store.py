@@ -310,6 +310,9 @@ class TierStats:
     # and the job's last synchronisation
     store_unspill_seconds: float = 0.0
     store_sync_seconds: float = 0.0
+    # ... of which the store thread ran on a CPU (Python, the driver's calls): the rest it
+    # waited, for the GIL (the engine loop holds it between switch intervals) or the device
+    store_thread_cpu_seconds: float = 0.0
     misses: int = field(default=0)
     table_bytes: int = 0  # the per-model table set (stored once), 0 until fitted/loaded
     table_fit_tokens: int = 0  # tokens the set was fitted on by the store (0: loaded)
