@@ -374,8 +374,11 @@ class StorePath:
                     nxt = self._next_job()
                     if nxt is not None and nxt.spill is not None:
                         self._start_unspill(nxt, ahead=True)  # overlaps this job's coding
-                    st.store_unspill_seconds += time.perf_counter() - t0
-                    for job_keys, job_staged in self._ready(job.keys, job.staged):
+                    t1 = time.perf_counter()
+                    st.store_unspill_seconds += t1 - t0
+                    ready = self._ready(job.keys, job.staged)
+                    st.store_fit_seconds += time.perf_counter() - t1
+                    for job_keys, job_staged in ready:
                         if self.store.tables is not None:
                             self._store_batched(job_keys, job_staged)
                         else:  # fit_tokens=0 and no tables_path: each blob embeds its table

@@ -310,6 +310,8 @@ class TierStats:
     # and the job's last synchronisation
     store_unspill_seconds: float = 0.0
     store_sync_seconds: float = 0.0
+    # ... and holding jobs for the table set's fit, then fitting it (``fit_tokens``)
+    store_fit_seconds: float = 0.0
     # ... of which the store thread ran on a CPU (Python, the driver's calls): the rest it
     # waited, for the GIL (the engine loop holds it between switch intervals) or the device
     store_thread_cpu_seconds: float = 0.0
