@@ -454,6 +454,37 @@ def test_a_step_is_coded_in_calls_of_at_most_encode_bytes_bit_exact(
         assert_block_equal(caches, d, want, s)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_chunk_stored_twice_in_a_step_is_coded_once_and_restores_the_first_copy(
+    make, monkeypatch, device
+):
+    """Two requests computed the same chunk in one step (their copies may differ in their
+    bits: another batch): the step's first copy is coded and held, the second is not coded,
+    and both are reported stored; a restore gives the first copy bit for bit."""
+    import kvzip_lossless
+
+    buf, caches, store, pipe = make(device)
+    coded = []
+    real = kvzip_lossless.encode_batch
+
+    def counting(tensors, **kw):
+        coded.append(len(tensors) // (2 * len(caches)))
+        return real(tensors, **kw)
+
+    monkeypatch.setattr(kvzip_lossless, "encode_batch", counting)
+    fill(caches, seed=6)
+    want = [c.clone() for c in caches]
+    stored, dropped = store_blocks(pipe, [(key(1), 2), (key(5), 3), (key(1), 4)])
+    assert sorted(stored) == sorted([key(1), key(1), key(5)]) and dropped == []
+    assert coded == [2] and len(store) == 2
+    assert store.touch(key(7)) == 0 and store.touch(key(1)) > 0
+    buf.view(torch.int16).fill_(-1)
+    pipe.start_loads([("r", key(1), 9), ("r", key(5), 10)])
+    assert pipe.wait_loads() == set()
+    assert_block_equal(caches, 9, want, 2)
+    assert_block_equal(caches, 10, want, 3)
+
+
 def test_encode_bytes_must_be_positive():
     with pytest.raises(ValueError, match="encode_bytes must be > 0"):
         layers, heads, n, d = SHAPES["cpu"]

@@ -462,16 +462,21 @@ class StorePath:
         most :meth:`encode_chunks` chunks (every layer's K and V of each), each call's blobs
         copied from the device into their arena extents (page-locked: asynchronous), one
         synchronisation per call."""
-        todo = []
+        todo, again, first = [], [], set()
         for j, key in enumerate(keys):
-            if key in self.store:  # held already (another request stored it)
-                nbytes, _ = self.store.put_blobs(key, (), 0)
-                self._done.put((key, nbytes, []))
+            held = self.store.touch(key)
+            if held:  # held already (another request stored it)
+                self._done.put((key, held, []))
+            elif key in first:  # two requests' copies of one chunk in this job: the first kept
+                again.append(j)
             else:
+                first.add(key)
                 todo.append(j)
         step = self.encode_chunks(staged)
         for i in range(0, len(todo), step):
             self._encode_piece(keys, staged, todo[i : i + step])
+        for j in again:  # held now, unless its first copy could not be stored
+            self._done.put((keys[j], self.store.touch(keys[j]), []))
 
     def _encode_piece(self, keys: list[bytes], staged, todo: list[int]) -> None:
         """One ``encode_batch`` call for the job's chunks ``todo`` (indices into ``keys``)."""

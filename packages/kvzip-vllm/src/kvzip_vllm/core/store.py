@@ -440,6 +440,16 @@ class BlockStore:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
+    def touch(self, key: bytes) -> int:
+        """The bytes held for ``key``, marking it most recently used; 0 if it is not held (a
+        store of a key held already: nothing is coded or written again)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return 0
+            self._entries.move_to_end(key)
+            return entry.nbytes
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -476,8 +486,9 @@ class BlockStore:
 
         Returns (bytes held for the entry, 0 if not stored; keys evicted to make room).
         """
-        if key in self._entries:
-            return self.put_blobs(key, (), 0)
+        held = self.touch(key)
+        if held:
+            return held, []
         t0 = time.perf_counter()
         blobs = self.encode(layers)
         raw = sum(t.numel() * t.element_size() for kv in layers for t in kv)
