@@ -353,7 +353,8 @@ def child(spec: dict) -> None:
                 "tokens_restored", "ratio", "raw_bytes_stored", "store_busy_seconds",
                 "store_encode_seconds", "store_copy_seconds", "spill_peak_bytes",
                 "load_host_seconds", "load_async_seconds", "store_unspill_seconds",
-                "store_sync_seconds", "store_fit_seconds", "store_thread_cpu_seconds",
+                "store_sync_seconds", "store_fit_seconds", "store_code_seconds",
+                "store_thread_cpu_seconds",
                 "load_lookup_seconds", "load_alloc_seconds",
                 "load_prepare_seconds", "load_launch_seconds", "cuda_alloc_retries",
                 "arena_pinned", "store_queue_peak_bytes")  # fmt: skip

@@ -70,6 +70,7 @@ TIME_KEYS = ("restore_seconds", "load_host_seconds", "load_jobs_async", "load_jo
 HOST_KEYS = ("load_host_cpu_seconds", "load_lookup_seconds", "load_plan_seconds",
              "load_alloc_seconds", "load_prepare_seconds", "load_launch_seconds",
              "store_unspill_seconds", "store_sync_seconds", "store_fit_seconds",
+             "store_code_seconds",
              "store_thread_cpu_seconds", "cuda_alloc_retries")  # fmt: skip
 #: prompts of each context that return once more alone after the passes (``ttft_alone_s``)
 ALONE = 2

@@ -377,13 +377,15 @@ class StorePath:
                     t1 = time.perf_counter()
                     st.store_unspill_seconds += t1 - t0
                     ready = self._ready(job.keys, job.staged)
-                    st.store_fit_seconds += time.perf_counter() - t1
+                    t2 = time.perf_counter()
+                    st.store_fit_seconds += t2 - t1
                     for job_keys, job_staged in ready:
                         if self.store.tables is not None:
                             self._store_batched(job_keys, job_staged)
                         else:  # fit_tokens=0 and no tables_path: each blob embeds its table
                             self._store_single(job_keys, job_staged)
                     t1 = time.perf_counter()
+                    st.store_code_seconds += t1 - t2
                     if self.store_stream is not None:
                         self.store_stream.synchronize()  # staged is read there until now
                     st.store_sync_seconds += time.perf_counter() - t1

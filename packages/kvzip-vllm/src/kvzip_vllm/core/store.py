@@ -310,8 +310,10 @@ class TierStats:
     # and the job's last synchronisation
     store_unspill_seconds: float = 0.0
     store_sync_seconds: float = 0.0
-    # ... and holding jobs for the table set's fit, then fitting it (``fit_tokens``)
+    # ... and holding jobs for the table set's fit, then fitting it (``fit_tokens``); and
+    # coding the jobs (store_encode_seconds and store_copy_seconds are its calls' part)
     store_fit_seconds: float = 0.0
+    store_code_seconds: float = 0.0
     # ... of which the store thread ran on a CPU (Python, the driver's calls): the rest it
     # waited, for the GIL (the engine loop holds it between switch intervals) or the device
     store_thread_cpu_seconds: float = 0.0
