@@ -121,3 +121,43 @@ def test_a_restored_block_equal_to_a_later_copy_of_its_key_is_told_apart():
     assert where["equal_to_another_copy_stored"] == 1
     assert where["keys_stored_more_than_once"] == 1
     assert where["by_request"] == {"r": 1, "s": 1}
+
+
+def test_the_counts_file_is_written_from_the_steps_poll_not_only_at_shutdown(monkeypatch, tmp_path):
+    """``vllm serve``'s engine core may exit without shutting its connector down: the counts
+    reach the file from vLLM's once-a-step poll after a check, at most every COUNTS_EVERY_S."""
+    import json
+
+    from kvzip_eval.bench import checker as ck
+
+    class Base:
+        def get_finished(self, finished_req_ids):
+            return None, set(finished_req_ids)
+
+    class Worker(ck.Checker, Base):
+        pass
+
+    path = tmp_path / "counts.json"
+    monkeypatch.setenv(ck.COUNTS_ENV, str(path))
+    cs = caches(2)
+    c = Worker()
+    c._c_init()
+    c._c_start(cs)
+    c._c_copy([SimpleNamespace(key=b"a", block_ids=[0])])
+    assert c.get_finished({"x"}) == (None, {"x"}) and not path.exists()  # nothing checked yet
+    for x in cs:
+        x[4] = x[0]
+    cs[1].view(torch.int16)[4, 0, 0, 0] ^= 1
+    c._c_jobs[1] = [load("r", b"a", [4])]
+    c._c_check([done(1)])
+    c.get_finished(set())
+    counts = json.loads(path.read_text())
+    assert counts["blocks_checked"] == 1 and counts["blocks_differ"] == 1
+    path.unlink()
+    monkeypatch.setattr(ck, "COUNTS_EVERY_S", 3600.0)
+    c._c_jobs[2] = [load("r", b"a", [4])]
+    c._c_check([done(2)])
+    c.get_finished(set())  # within the interval: not rewritten
+    assert not path.exists()
+    c._c_write()
+    assert json.loads(path.read_text())["blocks_checked"] == 2

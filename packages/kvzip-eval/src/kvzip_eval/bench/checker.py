@@ -23,13 +23,17 @@ The worker is hooked where the tier reports finished loads: ``KvzipWorker._loads
 the worker hands them to the tier core (``submit_load`` / ``submit_store``). The engine runs in the
 benchmark's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank): :data:`INSTANCES`. Where
 it runs in a process of its own (``vllm serve``), :data:`COUNTS_ENV` names a file the worker
-writes its counts to (JSON) when it shuts down.
+writes its counts to (JSON): at most every :data:`COUNTS_EVERY_S` while checks come in (from
+vLLM's once-a-step poll, ``get_finished``), and when it shuts down. vLLM 0.26's engine core can
+exit without shutting its connector down (``vllm serve`` stopped by SIGINT), so the counts of
+the last checks reach the file without it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -40,6 +44,9 @@ INSTANCES: list = []
 #: the environment variable naming the file of the counts, written at the worker's shutdown
 #: (rank r of a tensor-parallel world: ``counts.json`` -> ``counts.rank{r}.json``)
 COUNTS_ENV = "KVZIP_CHECKER_COUNTS"
+#: at most this often the counts file is rewritten while checks come in (each write reads the
+#: device's counters: one synchronisation)
+COUNTS_EVERY_S = 1.0
 
 
 #: independent random linear forms per block and layer
@@ -98,6 +105,8 @@ class Checker:
         #: timed restore without the checker's work in its time
         self.c_paused = False
         self._c_paused_blocks = 0  # restored blocks not checked: restored while paused
+        self._c_unwritten = False  # checks since the counts file was last written
+        self._c_written_at = float("-inf")
         #: per comparison: where its blocks were restored (request, the chunk's place in its
         #: load job, the block's place in its chunk, the key's loads in that job) and which of
         #: them differ in which layer (``[blocks, layers]`` on the device until read)
@@ -135,6 +144,25 @@ class Checker:
     def _loads_finished(self, results) -> None:
         super()._loads_finished(results)  # asynchronous loads: written, not read yet
         self._c_check(results)
+
+    def get_finished(self, finished_req_ids):
+        out = super().get_finished(finished_req_ids)
+        if self._c_unwritten and time.monotonic() - self._c_written_at >= COUNTS_EVERY_S:
+            self._c_write()
+        return out
+
+    def _c_write(self) -> None:
+        """The counts to :data:`COUNTS_ENV`'s file, if it names one (whole or not at all)."""
+        path = os.environ.get(COUNTS_ENV)
+        self._c_unwritten, self._c_written_at = False, time.monotonic()
+        if not path or not self._c_caches:
+            return
+        if getattr(self, "world", 1) > 1:
+            root, ext = os.path.splitext(path)
+            path = f"{root}.rank{self.rank}{ext}"
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(self.counts(), f)
+        os.replace(f"{path}.tmp", path)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         """``ids`` on the caches' device, through page-locked memory on CUDA (no sync)."""
@@ -243,6 +271,7 @@ class Checker:
             self._c_differ += bad.any(1).sum()
             self._c_where.append(([where[j] for j in pos], bad))
         self._c_checked += len(ids)
+        self._c_unwritten = True
         if got_all is not None:  # a block differing from its reference, equal to a later copy
             of = self._index(alt_of)
             got = got_all[of]
@@ -288,14 +317,7 @@ class Checker:
         try:
             super().shutdown()
         finally:
-            path = os.environ.get(COUNTS_ENV)
-            if path and self._c_caches:
-                if getattr(self, "world", 1) > 1:
-                    root, ext = os.path.splitext(path)
-                    path = f"{root}.rank{self.rank}{ext}"
-                with open(f"{path}.tmp", "w") as f:
-                    json.dump(self.counts(), f)
-                os.replace(f"{path}.tmp", path)
+            self._c_write()
 
     def counts(self) -> dict:
         """Blocks checked and differing (one synchronisation), chunks copied."""
