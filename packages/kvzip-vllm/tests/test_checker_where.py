@@ -60,8 +60,9 @@ def test_restored_blocks_equal_pass_and_a_differing_one_is_counted_where_it_was(
     where = c.counts()["differ_where"]
     assert where["by_request"] == {"r2": 1}
     assert where["by_loads_of_key_in_job"] == {2: 1}
-    assert where["layers_differing"] == 1
-    assert where["examples"] == [["r2", "1/3", 1, 2, 1]]
+    assert where["layers_differing"] == 1 and where["by_layer"] == {2: 1}
+    assert where["chunk_places_by_request"] == {"r2": [1, 1]}
+    assert where["examples"] == [["r2", "1/3", 1, 2, 1, None]]  # (no tier here to ask)
 
 
 def test_nothing_differing_reports_no_where():
@@ -161,3 +162,37 @@ def test_the_counts_file_is_written_from_the_steps_poll_not_only_at_shutdown(mon
     assert not path.exists()
     c._c_write()
     assert json.loads(path.read_text())["blocks_checked"] == 2
+
+
+def test_a_differing_block_is_told_apart_by_the_tiers_stored_copy():
+    """For a differing block, the tier's stored copy (decoded again) is compared with the
+    reference: equal when the block changed after it was stored (the restore or a later
+    write), unequal when the tier holds other bits than the forward computed."""
+    from kvzip_vllm.core.pages import Bf16Pages
+
+    cs = caches(3)
+    layout = Bf16Pages(kv_heads=2, block_size=16, head_size=4)
+    held = {}
+
+    def stored(key, device):  # the tier's copy: what it was given, token-major K, V per layer
+        return [t.clone() for t in held[key]]
+
+    c = checker(cs)
+    c.tier = SimpleNamespace(layout=layout, drain=lambda: None)
+    c.read_block = stored
+    c._c_copy([SimpleNamespace(key=b"a", block_ids=[0]), SimpleNamespace(key=b"b", block_ids=[1])])
+    for key, block in ((b"a", 0), (b"b", 1)):
+        held[key] = [x for cache in cs for x in layout.gather(cache, [block])]
+        held[key] = [x.reshape(16, 2, 4) for x in held[key]]
+    held[b"b"][1].view(torch.int16)[3, 1, 2] ^= 4  # the tier holds other bits for "b"
+    for dst, src in ((4, 0), (5, 1)):
+        for x in cs:
+            x[dst] = x[src]
+    cs[0].view(torch.int16)[4, 1, 0, 0] ^= 1  # "a" changed after its restore
+    cs[0].view(torch.int16)[5, 0, 0, 0] ^= 1  # "b" restored from its (other) stored copy
+    c._c_jobs[1] = [load("r", b"a", [4]), load("r", b"b", [5])]
+    c._c_check([done(1)])
+    where = c.counts()["differ_where"]
+    assert [e[-1] for e in where["examples"]] == [True, False]
+    held.clear()  # no longer held
+    assert c.differ_where()["examples"][0][-1] is None

@@ -250,7 +250,7 @@ class Checker:
                     else:
                         ids.append(int(block_id))
                         rows.append(base + i)
-                        where.append((str(ld.req_id), pos, len(loads), i, times[ld.key]))
+                        where.append((str(ld.req_id), pos, len(loads), i, times[ld.key], ld.key))
                         for alt in self._c_alts.get(ld.key, ()):
                             alt_rows.append(alt + i)
                             alt_of.append(len(ids) - 1)
@@ -285,33 +285,67 @@ class Checker:
 
     def differ_where(self, examples: int = 8) -> dict:
         """Where the restored blocks that differ were (one synchronisation): their count per
-        request, per number of loads of their key in their load job, per layer, and the
-        first ``examples`` as (request, the chunk's place / the job's chunks, the block's
-        place in its chunk, the key's loads in the job, layers differing)."""
+        request, the places of their chunks in their load jobs per request (first, last), per
+        number of loads of their key in their load job, the layers that differ (each with its
+        count), and the first ``examples`` as (request, the chunk's place / the job's chunks,
+        the block's place in its chunk, the key's loads in the job, layers differing, whether
+        the tier's stored copy of the block, decoded again on the CPU now, equals the
+        reference: True says the restore or a later write changed the block, False that the
+        tier holds other bits than the forward computed, None that it no longer holds it)."""
         by_req: dict[str, int] = {}
+        places: dict[str, list[int]] = {}
         by_times: dict[int, int] = {}
         by_layer: dict[int, int] = {}
         first: list = []
         for meta, bad in self._c_where:
             bad = bad.cpu()
             for j in bad.any(1).nonzero().flatten().tolist():
-                req, pos, n, i, times = meta[j]
+                req, pos, n, i, times, key = meta[j]
                 layers = bad[j].nonzero().flatten().tolist()
                 by_req[req] = by_req.get(req, 0) + 1
+                lo_hi = places.setdefault(req, [pos, pos])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], pos), max(lo_hi[1], pos)
                 by_times[times] = by_times.get(times, 0) + 1
                 for layer in layers:
                     by_layer[layer] = by_layer.get(layer, 0) + 1
                 if len(first) < examples:
-                    first.append([req, f"{pos}/{n}", i, times, len(layers)])
+                    stored = self._c_stored_equals_reference(key, i)
+                    first.append([req, f"{pos}/{n}", i, times, len(layers), stored])
         alt_equal = int(self._c_alt_equal.item()) if self._c_alt_equal is not None else 0
         return {
             "equal_to_another_copy_stored": alt_equal,
             "keys_stored_more_than_once": len(self._c_alts),
             "by_request": by_req,
+            "chunk_places_by_request": places,
             "by_loads_of_key_in_job": by_times,
             "layers_differing": len(by_layer),
+            "by_layer": dict(sorted(by_layer.items())),
             "examples": first,
         }
+
+    def _c_stored_equals_reference(self, key: bytes, i: int) -> bool | None:
+        """Block ``i`` of the tier's stored copy of ``key`` (decoded on the CPU, apart from
+        the GPU restore path, laid out as the cache lays it out) against the reference's
+        fingerprints; None where the tier no longer holds it or cannot say."""
+        tier = getattr(self, "tier", None)
+        if tier is None or not hasattr(tier.layout, "block_size"):
+            return None
+        try:
+            tier.drain()  # (no store in flight while the store is read)
+            outs = self.read_block(key, "cpu")
+        except Exception:  # noqa: BLE001 (a diagnosis only: it cannot say)
+            return None
+        if outs is None:
+            return None
+        bs, ref = tier.layout.block_size, self._bank_rows([self._c_refs[key] + i])[0]
+        zero = torch.zeros(1, dtype=torch.long, device=self._c_caches[0].device)
+        for layer, c in enumerate(self._c_caches):
+            k, v = (outs[2 * layer + h][i * bs : (i + 1) * bs].to(c.device) for h in (0, 1))
+            block = torch.zeros((1, *c.shape[1:]), dtype=c.dtype, device=c.device)
+            tier.layout.scatter(block, zero, k, v)
+            if not torch.equal(fingerprints(block, zero, self._c_weights)[0], ref[layer]):
+                return False
+        return True
 
     def shutdown(self) -> None:
         try:
