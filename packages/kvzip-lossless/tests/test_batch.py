@@ -176,6 +176,119 @@ def test_fit_table_torch_equals_numpy():
         assert T.fit_table_torch([a, a[:100]], b).to_bytes() == ref.to_bytes()
 
 
+def fit_cases(seed):
+    """Tables' samples (int16 ``[rows, columns]``) and bucket maps for the batched fit: KV-like
+    windows of several lengths (one row, none), a table whose values are all equal, one of
+    every bit pattern (escapes, NaN, inf: many distinct values), columns of another count,
+    and a bucket map that puts symbol 0 (a sample's first row's context) in bucket 1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def kv(rows, cols):
+        return kv_like(rows, 1, cols, int(torch.randint(1 << 30, (1,), generator=g)))
+
+    def bits(x):
+        return x.view(torch.int16).flatten(1)
+
+    odd = tuple((31 - s) % 5 for s in range(T.NSYM))
+    slots = [
+        [bits(kv(64, 48)), bits(kv(1, 48)), bits(kv(0, 48)), bits(kv(64, 48))],
+        [bits(kv(64, 48)), bits(kv(17, 48))],
+        [torch.full((40, 48), -0.75, dtype=torch.bfloat16).view(torch.int16)],
+        [torch.randint(-(1 << 15), 1 << 15, (300, 48), dtype=torch.int16, generator=g)],
+        [bits(kv(64, 20)), bits(kv(5, 20))],
+        [bits(kv(64, 48)), bits(kv(3, 48))],
+    ]
+    buckets = [T.BUCKETS_K, T.BUCKETS_V, T.BUCKETS_K, T.BUCKETS_K, T.BUCKETS_V, odd]
+    return slots, buckets
+
+
+@pytest.mark.parametrize("stack_values", [1 << 20, 1000])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_tables_torch_equals_numpy_table_by_table(seed, stack_values, monkeypatch):
+    """The batched fit (one stack of like samples, or many: a small stack size) gives each
+    table's bytes as numpy's fit_table, and fit_table_torch the same."""
+    monkeypatch.setitem(T._STACK_VALUES, "cpu", stack_values)
+    slots, buckets = fit_cases(seed)
+    ref = [
+        T.fit_table([x.numpy().view(np.uint16) for x in s], b)
+        for s, b in zip(slots, buckets, strict=True)
+    ]
+    got = T.fit_tables_torch(slots, buckets)
+    assert [t.to_bytes() for t in got] == [t.to_bytes() for t in ref]
+    assert T.fit_table_torch(slots[5], buckets[5]).to_bytes() == ref[5].to_bytes()
+    # all equal: per column one symbol, in two contexts (first row, the rest), takes all but 31
+    assert (got[2].freq == T.PROB_SCALE - T.NSYM + 1).sum() == 2 * 48
+
+
+def test_normalize_counts_torch_equals_numpy():
+    g = torch.Generator().manual_seed(4)
+    c = torch.randint(0, 1000, (200, T.NSYM), generator=g) * (
+        torch.rand(200, T.NSYM, generator=g) < 0.3
+    )
+    c[:3] = 0
+    c[3, :2] = 7  # ties: the first maximum takes the rest
+    c[4, 5] = 1 << 40
+    assert np.array_equal(T._normalize_counts_torch(c).numpy(), T.normalize_counts(c.numpy()))
+
+
+def test_build_kv_tables_equals_numpy_fit_table():
+    """An 8B-like set in miniature (windows of 3 layers, one of one token): build_kv_tables'
+    TableSet (counted by torch) is numpy's fit_table's, slot by slot, byte for byte."""
+    windows = [
+        [
+            (kv_like(t, 2, 16, 10 * w + 2 * k), kv_like(t, 2, 16, 10 * w + 2 * k + 1))
+            for k in range(3)
+        ]
+        for w, t in enumerate((40, 1, 33))
+    ]
+    ref = T.TableSet(
+        [
+            T.fit_table(
+                [
+                    w[s // 2][s % 2].view(torch.int16).flatten(1).numpy().view(np.uint16)
+                    for w in windows
+                ],
+                T.BUCKETS_K if s % 2 == 0 else T.BUCKETS_V,
+            )
+            for s in range(6)
+        ]
+    )
+    assert kl.build_kv_tables(windows).to_bytes() == ref.to_bytes()
+
+
+def test_fit_tables_torch_reads_the_device_once(monkeypatch):
+    """On the meta device (shapes, no data: any read of device data on the host fails) the fit
+    runs through with one copy to the host: on a GPU one synchronisation for the whole set,
+    where table by table CUDA's bincount alone took four per sample."""
+    copies = []
+
+    def cpu(t):
+        copies.append(tuple(t.shape))
+        return torch.zeros(t.shape, dtype=t.dtype)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    slots = [[torch.empty(r, 8, dtype=torch.int16, device="meta") for r in (9, 1)]] * 3
+    tables = T.fit_tables_torch(slots, [T.BUCKETS_K, T.BUCKETS_V, T.BUCKETS_K])
+    assert len(copies) == 1
+    assert [t.freq.shape for t in tables] == [(8, 8, 32), (8, 1, 32), (8, 8, 32)]
+
+
+def test_fit_tables_torch_refuses_bad_input():
+    a = torch.zeros(4, 8, dtype=torch.int16)
+    with pytest.raises(ValueError, match="at least one sample"):
+        T.fit_tables_torch([[a], []], [T.BUCKETS_K, T.BUCKETS_V])
+    with pytest.raises(ValueError, match="at least one sample"):
+        T.fit_tables_torch([[a]], [T.BUCKETS_K, T.BUCKETS_V])
+    with pytest.raises(ValueError, match="32 entries"):
+        T.fit_tables_torch([[a]], [(0,) * 31])
+    with pytest.raises(ValueError, match=r"int16 \[rows, 8\]"):
+        T.fit_tables_torch([[a, a[:, :4]]], [T.BUCKETS_K])
+    with pytest.raises(ValueError, match="int16"):
+        T.fit_table_torch([a.float()])
+    with pytest.raises(ValueError, match="torch tensors"):
+        T.fit_tables_torch([[a, a.numpy()]], [T.BUCKETS_K])
+
+
 needs_triton = pytest.mark.skipif(not gpu.available(), reason="needs Triton (interpreter or CUDA)")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -242,9 +242,11 @@ def kv_slot(layer: int, kind: str) -> int:
     return 2 * int(layer) + (kind == "v")
 
 
-#: Values per stack of samples counted at once by :func:`fit_tables_torch`: bounds its
-#: temporaries (a few int32 copies of the stack, 16 MB each) with few kernel launches.
-_STACK_VALUES = 1 << 22
+#: Values per stack of samples counted at once by :func:`fit_tables_torch`. On a device:
+#: few kernel launches (an 8B model's 2,048-token set in 16 stacks, ~40 ms of launches) with
+#: temporaries of 32 MB (a few int32 copies of a stack). On the CPU: counts that stay in
+#: cache (that set in 1.1 s on 2 cores; 1.6 s in stacks 8x larger).
+_STACK_VALUES = {"cpu": 1 << 20, "device": 1 << 23}
 
 
 def fit_table_torch(samples, buckets=BUCKETS_NONE) -> Table:
@@ -275,6 +277,8 @@ def fit_tables_torch(slots, buckets) -> list[Table]:
     cols = [int(s[0].shape[-1]) for s in slots]
     for s, c in zip(slots, cols, strict=True):
         for x in s:
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"samples must be torch tensors, got {type(x).__name__}")
             if x.dim() != 2 or x.shape[1] != c or x.dtype != torch.int16 or x.device != dev:
                 raise ValueError(
                     f"samples must be int16 [rows, {c}] on {dev}, "
@@ -292,58 +296,56 @@ def fit_tables_torch(slots, buckets) -> list[Table]:
         for x in s:
             groups.setdefault(tuple(x.shape), []).append((i, x))
     stacks = []
+    limit = _STACK_VALUES["cpu" if dev.type == "cpu" else "device"]
     for (rows, c), members in groups.items():
-        step = max(1, _STACK_VALUES // max(1, rows * c))
+        step = max(1, limit // max(1, rows * c))
         for j in range(0, len(members), step):
             stacks.append(tuple(zip(*members[j : j + step], strict=True)))
-    # Per table its offsets, its bucket map (x 32: a symbol count row's offset), then each
-    # stacked sample's table: one asynchronous copy to the device, from page-locked memory.
-    nt = len(slots)
-    meta = torch.tensor(
-        col0[:-1]
-        + [32 * o for o in ctx0[:-1]]
-        + [32 * nb for nb in nbs]
-        + [32 * b for bm in buckets for b in bm]
-        + [i for ids, _ in stacks for i in ids],
-        dtype=torch.int32,
-    )
+    # The bucket maps (x 32: a symbol count row's offset), then per stacked sample: its table's
+    # exponent and symbol counts' offsets in its stack's bins, 32 x its buckets, its bucket
+    # map's offset. One asynchronous copy to the device, from page-locked memory.
+    meta = [32 * b for bm in buckets for b in bm]
+    for ids, _ in stacks:
+        for i in ids:
+            meta += [col0[i] - col0[ids[0]], 32 * (ctx0[i] - ctx0[ids[0]]), 32 * nbs[i], NSYM * i]
+    meta = torch.tensor(meta, dtype=torch.int32)
     if dev.type == "cuda":
         meta = meta.pin_memory()
     meta = meta.to(dev, non_blocking=True)
-    col0_d, ctx32_d, nb32_d = meta[:nt], meta[nt : 2 * nt], meta[2 * nt : 3 * nt]
-    bm32_d = meta[3 * nt : 3 * nt + NSYM * nt]
+    bm32 = meta[: NSYM * len(slots)]
     colidx = torch.arange(max(cols), dtype=torch.int32, device=dev)
 
     def each_stack():
-        """Per stack: its samples ``[n, rows, c]``, their tables (device), columns, and the
-        first and last table (to count into their bins only)."""
-        at = 3 * nt + NSYM * nt
+        """Per stack: its samples ``[n, rows, c]``, their metadata ``[n, 4]``, its columns,
+        its first table and one past its last (its counts fall in those tables' bins)."""
+        at = NSYM * len(slots)
         for ids, xs in stacks:
-            sid = meta[at : at + len(ids)]
-            at += len(ids)
-            yield torch.stack(xs), sid, colidx[: xs[0].shape[1]], ids[0], ids[-1]
+            m = meta[at : at + 4 * len(ids)].view(-1, 4)
+            at += 4 * len(ids)
+            yield torch.stack(xs), m, colidx[: xs[0].shape[1]], ids[0], ids[-1] + 1
 
     ecount = torch.zeros(col0[-1] * 256, dtype=torch.int32, device=dev)
-    for x, sid, col, first, last in each_stack():
-        at = (col0_d[sid, None] + col - col0[first]) * 256  # [n, c]
+    for x, m, col, first, end in each_stack():
         e = x.to(torch.int32).bitwise_right_shift_(7).bitwise_and_(255)
-        _count(ecount[col0[first] * 256 : col0[last + 1] * 256], e.add_(at[:, None]))
+        e += ((m[:, :1] + col) * 256)[:, None]
+        _count(ecount[col0[first] * 256 : col0[end] * 256], e)
     # the first maximum, as numpy's argmax
     base = torch.argmax(ecount.view(-1, 256), 1).to(torch.int32)
     counts = torch.zeros(ctx0[-1] * NSYM, dtype=torch.int32, device=dev)
-    for x, sid, col, first, last in each_stack():
+    for x, m, col, first, end in each_stack():
         # symbolize(): sign x 16 + exponent slot (0: escape)
         v = x.to(torch.int32).bitwise_right_shift_(7)  # sign-extended: < 0 for a negative
-        es = v.bitwise_and(255).sub_((base[col0_d[sid, None] + col] - MODE_SLOT)[:, None])
+        b = base[col0[first] : col0[end]][m[:, :1] + col] - MODE_SLOT
+        es = v.bitwise_and(255).sub_(b[:, None])
         sym = es.masked_fill_((es < 1) | (es > 15), 0).add_(v.lt_(0), alpha=16)
         # row = table offset + column x nb + bucket of the previous row's symbol (of symbol 0
         # for a sample's first row); x 32, + this symbol
-        idx = sym + (ctx32_d[sid, None] - 32 * ctx0[first] + col * nb32_d[sid, None])[:, None]
-        idx[:, 1:] += bm32_d[(sid * NSYM)[:, None, None] + sym[:, :-1]]
-        idx[:, :1] += bm32_d[sid * NSYM][:, None, None]
-        _count(counts[32 * ctx0[first] : 32 * ctx0[last + 1]], idx)
+        idx = sym + (m[:, 1:2] + col * m[:, 2:3])[:, None]
+        idx[:, 1:] += bm32[m[:, 3, None, None] + sym[:, :-1]]
+        idx[:, :1] += bm32[m[:, 3]][:, None, None]
+        _count(counts[NSYM * ctx0[first] : NSYM * ctx0[end]], idx)
     freq = _normalize_counts_torch(counts.view(-1, NSYM))
-    host = torch.cat([freq.view(-1), base]).to(torch.int16).cpu().numpy()
+    host = torch.cat([freq.view(-1).to(torch.int16), base.to(torch.int16)]).cpu().numpy()
     freq_h, base_h = host[: freq.numel()].view(np.uint16), host[freq.numel() :].astype(np.uint8)
     return [
         Table(
@@ -351,20 +353,21 @@ def fit_tables_torch(slots, buckets) -> list[Table]:
             tuple(int(b) for b in buckets[i]),
             freq_h[NSYM * ctx0[i] : NSYM * ctx0[i + 1]].reshape(cols[i], nbs[i], NSYM),
         )
-        for i in range(nt)
+        for i in range(len(slots))
     ]
 
 
 def _count(acc, idx) -> None:
-    """``acc += bincount(idx)`` (idx: int32, in range). On CUDA by atomic adds: its
-    ``bincount`` reads the maximum index on the host, a synchronisation per call."""
+    """``acc += bincount(idx)`` (idx: int32, each in range): ``bincount`` on the CPU, atomic
+    adds on a device, where ``bincount`` reads its input's minimum and maximum on the host
+    (two synchronisations a call)."""
     import torch
 
     idx = idx.reshape(-1)
-    if acc.is_cuda:
-        acc.index_add_(0, idx, torch.ones(1, dtype=acc.dtype, device=acc.device).expand(len(idx)))
-    else:
+    if acc.device.type == "cpu":
         acc += torch.bincount(idx, minlength=acc.numel())
+    else:
+        acc.index_add_(0, idx, torch.ones(1, dtype=acc.dtype, device=acc.device).expand(len(idx)))
 
 
 def _normalize_counts_torch(counts):
@@ -373,8 +376,8 @@ def _normalize_counts_torch(counts):
 
     c = counts.to(torch.int64)
     tot = c.sum(-1, keepdim=True)
-    f = 1 + (c * (PROB_SCALE - NSYM)) // tot.clamp(min=1)
-    f = torch.where(tot == 0, PROB_SCALE // NSYM, f)
+    f = (c * (PROB_SCALE - NSYM)).floor_divide_(tot.clamp(min=1)).add_(1)
+    f.masked_fill_(tot == 0, PROB_SCALE // NSYM)
     rest = PROB_SCALE - f.sum(-1, keepdim=True)
     return f.scatter_add_(-1, torch.argmax(c, -1, keepdim=True), rest)
 
@@ -384,9 +387,10 @@ def build_kv_tables(windows) -> TableSet:
 
     windows: iterable of per-sequence captures, each a list (one per layer) of ``(K, V)``
     bf16 tensors ``[tokens, kv_heads, head_dim]`` (what ``kvzip_eval.model.capture_kv``
-    returns). Keys get :data:`BUCKETS_K` context, values :data:`BUCKETS_V`. CUDA tensors are
-    counted on their GPU (:func:`fit_table_torch`; the same table as on the CPU), so a tier can
-    fit a set from its first chunk of KV without a slow path.
+    returns). Keys get :data:`BUCKETS_K` context, values :data:`BUCKETS_V`. Counted by torch
+    on the tensors' device, every table at once (:func:`fit_tables_torch`: the same tables as
+    numpy's :func:`fit_table`), so a tier fits a set from its first chunks of CUDA KV without
+    a slow path.
     """
     import torch
 
@@ -397,18 +401,12 @@ def build_kv_tables(windows) -> TableSet:
                 if t.dtype != torch.bfloat16:
                     raise ValueError(f"layer {layer} {kind}: expected bf16, got {t.dtype}")
                 a = t.detach().contiguous().view(torch.int16)
-                a = a.reshape(a.shape[0], -1)
-                if not a.is_cuda:
-                    a = a.numpy().view(np.uint16)
-                per_slot.setdefault(kv_slot(layer, kind), []).append(a)
+                per_slot.setdefault(kv_slot(layer, kind), []).append(a.reshape(a.shape[0], -1))
     if not per_slot or sorted(per_slot) != list(range(len(per_slot))):
         raise ValueError("build_kv_tables needs at least one window with every layer's K and V")
-
-    def fit(samples, buckets):
-        if isinstance(samples[0], np.ndarray):
-            return fit_table(samples, buckets)
-        return fit_table_torch(samples, buckets)
-
+    slots = range(len(per_slot))
     return TableSet(
-        [fit(per_slot[s], BUCKETS_K if s % 2 == 0 else BUCKETS_V) for s in range(len(per_slot))]
+        fit_tables_torch(
+            [per_slot[s] for s in slots], [BUCKETS_K if s % 2 == 0 else BUCKETS_V for s in slots]
+        )
     )
