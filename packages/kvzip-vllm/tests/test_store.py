@@ -56,6 +56,7 @@ def test_roundtrip_bit_exact(fit_tokens):
     s = store.stats
     assert s.blocks_held == 4 and s.raw_bytes_held == 4 * 2 * LAYERS * N * H * D * 2
     assert s.bytes_saved == s.raw_bytes_held - s.bytes_held
+    assert store.table_sized(30)
     assert s.table_bytes == (store.tables.nbytes if fit_tokens else 0)
     assert s.table_fit_tokens == fit_tokens
 
@@ -71,7 +72,29 @@ def test_loaded_table_set_is_used_and_required():
     outs = _outs()
     assert store.get(key, outs)
     _assert_same(outs, block, key)
-    assert store.stats.table_bytes == tables.nbytes
+    assert store.table_sized(30) and store.stats.table_bytes == tables.nbytes
+
+
+def test_the_table_sets_stored_size_is_taken_off_the_caller(monkeypatch):
+    """Setting a fitted table set returns at once with its raw size counted; its stored
+    (LZMA) size, seconds of CPU for a large set, replaces it from a thread of its own."""
+    import threading
+
+    tables = kvzip_lossless.build_kv_tables([_block(10), _block(11)])
+    release = threading.Event()
+    real = type(tables).to_file_bytes
+
+    def slow(self):
+        release.wait(30)
+        return real(self)
+
+    monkeypatch.setattr(type(tables), "to_file_bytes", slow)
+    store = BlockStore(64 << 20, fit_tokens=0)
+    store.set_tables(tables, 256)
+    assert store.stats.table_bytes == len(tables.to_bytes()) and not store.table_sized(0)
+    release.set()
+    assert store.table_sized(30) and store.stats.table_bytes == len(real(tables))
+    assert store.stats.table_bytes < len(tables.to_bytes())
 
 
 def test_budget_and_lru_order():

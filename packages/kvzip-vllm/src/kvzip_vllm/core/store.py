@@ -393,8 +393,10 @@ class BlockStore:
         #: tier's fetches): set by the CUDA pipeline, so every entry holds its decode plan
         self.planner: Callable | None = None
         self._fit: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # chunks for the fit
+        self._sized = threading.Event()
+        self._sized.set()
         if tables is not None:
-            self.stats.table_bytes = tables.nbytes
+            self._size_tables(tables)
         if pin_memory:
             self.pin()
 
@@ -423,9 +425,31 @@ class BlockStore:
         """The per-model table set, fitted by the caller from the first ``fit_tokens``
         tokens stored (the GPU path fits it on the device)."""
         self.tables = tables
-        self.stats.table_bytes = tables.nbytes
+        self._size_tables(tables)
         self.stats.table_fit_tokens = fit_tokens
         self._fit = []
+
+    def _size_tables(self, tables: kvzip_lossless.TableSet) -> None:
+        """``stats.table_bytes``: the set's raw bytes now, its stored size (its file: LZMA,
+        seconds of CPU for an 8B model's set) once a thread of its own has it. The set is
+        fitted mid-serving on the store thread, which would otherwise code nothing meanwhile
+        (LZMA releases the GIL while it compresses)."""
+        self.stats.table_bytes = len(tables.to_bytes())
+        done = self._sized = threading.Event()
+
+        def size() -> None:
+            try:
+                nbytes = tables.nbytes
+                if self.tables is tables:
+                    self.stats.table_bytes = nbytes
+            finally:
+                done.set()
+
+        threading.Thread(target=size, name="kvzip-table-size", daemon=True).start()
+
+    def table_sized(self, timeout: float | None = None) -> bool:
+        """Wait until ``stats.table_bytes`` is the table set's stored size (tests)."""
+        return self._sized.wait(timeout)
 
     def _maybe_fit(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Collect chunks until ``fit_tokens`` tokens, then fit the table set from them."""
@@ -435,7 +459,7 @@ class BlockStore:
         tokens = sum(block[0][0].shape[0] for block in self._fit)
         if tokens >= self.fit_tokens:
             self.tables = kvzip_lossless.build_kv_tables(self._fit)
-            self.stats.table_bytes = self.tables.nbytes
+            self._size_tables(self.tables)
             self.stats.table_fit_tokens = tokens
             self._fit = []
 
