@@ -119,6 +119,21 @@ def key(i):
     return bytes([i]) * 32
 
 
+def count_coded(monkeypatch, caches) -> list[int]:
+    """The chunks of each ``encode_batch`` call from now on (a list the calls append to)."""
+    import kvzip_lossless
+
+    calls = []
+    real = kvzip_lossless.encode_batch
+
+    def counting(tensors, **kw):
+        calls.append(len(tensors) // (2 * len(caches)))
+        return real(tensors, **kw)
+
+    monkeypatch.setattr(kvzip_lossless, "encode_batch", counting)
+    return calls
+
+
 @pytest.fixture
 def make(request):
     pipes = []
@@ -423,19 +438,10 @@ def test_a_step_is_coded_in_calls_of_at_most_encode_bytes_bit_exact(
     """A step's chunks are coded in ``encode_batch`` calls of at most ``encode_bytes`` (whole
     chunks, at least one), so the coder's working memory is bounded; a chunk held already is
     not coded again; every chunk restores bit for bit."""
-    import kvzip_lossless
-
     buf, caches, store, pipe = make(device)
     chunk = sum(c[0].numel() * c.element_size() for c in caches)  # a block's K and V, all layers
     pipe.encode_bytes = per_call * chunk + chunk // 2  # (a part of a chunk more: not a chunk)
-    calls = []
-    real = kvzip_lossless.encode_batch
-
-    def counting(tensors, **kw):
-        calls.append(len(tensors) // (2 * len(caches)))
-        return real(tensors, **kw)
-
-    monkeypatch.setattr(kvzip_lossless, "encode_batch", counting)
+    calls = count_coded(monkeypatch, caches)
     fill(caches, seed=4)
     want = [c.clone() for c in caches]
     src = [0, 2, 3, 5, 6, 8, 9]
@@ -461,17 +467,8 @@ def test_one_chunk_stored_twice_in_a_step_is_coded_once_and_restores_the_first_c
     """Two requests computed the same chunk in one step (their copies may differ in their
     bits: another batch): the step's first copy is coded and held, the second is not coded,
     and both are reported stored; a restore gives the first copy bit for bit."""
-    import kvzip_lossless
-
     buf, caches, store, pipe = make(device)
-    coded = []
-    real = kvzip_lossless.encode_batch
-
-    def counting(tensors, **kw):
-        coded.append(len(tensors) // (2 * len(caches)))
-        return real(tensors, **kw)
-
-    monkeypatch.setattr(kvzip_lossless, "encode_batch", counting)
+    coded = count_coded(monkeypatch, caches)
     fill(caches, seed=6)
     want = [c.clone() for c in caches]
     stored, dropped = store_blocks(pipe, [(key(1), 2), (key(5), 3), (key(1), 4)])
