@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from types import SimpleNamespace
@@ -291,3 +292,20 @@ def test_results_are_written_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert json.loads(paths["json"].read_text())["plot"] is None
     assert "| a |" in paths["md"].read_text()
     assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_stop_reaches_a_server_started_where_sigint_is_ignored(tmp_path):
+    """A bench started in the background by a shell without job control ignores SIGINT, and a
+    process passes that on across exec: the server is started with SIGINT's default action, so
+    stop()'s SIGINT still shuts it down (vLLM's own shutdown), not the SIGTERM after it."""
+    api = ("import sys, time\nprint('ready', flush=True)\n"
+           "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    sys.exit(0)\n")  # fmt: skip
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        srv = sv.Server([sys.executable, "-c", api], dict(os.environ), tmp_path / "a.log", 1)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    deadline = time.monotonic() + 30
+    while "ready" not in (tmp_path / "a.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.stop(timeout_s=10) == 0

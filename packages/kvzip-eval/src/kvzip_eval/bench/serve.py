@@ -149,14 +149,23 @@ def _session_alive(pgid: int) -> bool:
     return False
 
 
+def _default_sigint() -> None:
+    """(In the server's process, before it runs vLLM.) SIGINT's default action back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Server:
     """One ``vllm serve`` in a session of its own, its output in ``log``."""
 
     def __init__(self, argv: list[str], env: dict, log: Path, port: int):
         self.log, self.url, self._f = log, f"http://127.0.0.1:{port}", open(log, "w")
         self.t0 = time.monotonic()
+        # (a process whose SIGINT is ignored, e.g. started in the background by a shell without
+        # job control, passes that on across exec: vLLM would then ignore stop()'s SIGINT)
+        ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         self.proc = subprocess.Popen(argv, env=env, stdout=self._f, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True,
+                                     preexec_fn=_default_sigint if ignored else None)  # fmt: skip
 
     def wait_ready(self, timeout_s: float, tick=None) -> float:
         """Seconds until ``/health`` answered; :class:`ServeError` quoting the log's tail if
