@@ -148,11 +148,12 @@ class Checker:
     def get_finished(self, finished_req_ids):
         out = super().get_finished(finished_req_ids)
         if self._c_unwritten and time.monotonic() - self._c_written_at >= COUNTS_EVERY_S:
-            self._c_write()
+            self._c_write(stored=False)  # (the step's thread: no decoding, no wait for stores)
         return out
 
-    def _c_write(self) -> None:
-        """The counts to :data:`COUNTS_ENV`'s file, if it names one (whole or not at all)."""
+    def _c_write(self, stored: bool = True) -> None:
+        """The counts to :data:`COUNTS_ENV`'s file, if it names one (whole or not at all);
+        ``stored``: with the stored-copy comparison of :meth:`differ_where`."""
         path = os.environ.get(COUNTS_ENV)
         self._c_unwritten, self._c_written_at = False, time.monotonic()
         if not path or not self._c_caches:
@@ -161,7 +162,7 @@ class Checker:
             root, ext = os.path.splitext(path)
             path = f"{root}.rank{self.rank}{ext}"
         with open(f"{path}.tmp", "w") as f:
-            json.dump(self.counts(), f)
+            json.dump(self.counts(stored), f)
         os.replace(f"{path}.tmp", path)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
@@ -283,15 +284,16 @@ class Checker:
             per.index_add_(0, of, hit.to(torch.int64))
             self._c_alt_equal += (per > 0).sum()
 
-    def differ_where(self, examples: int = 8) -> dict:
+    def differ_where(self, examples: int = 8, stored: bool = True) -> dict:
         """Where the restored blocks that differ were (one synchronisation): their count per
         request, the places of their chunks in their load jobs per request (first, last), per
         number of loads of their key in their load job, the layers that differ (each with its
         count), and the first ``examples`` as (request, the chunk's place / the job's chunks,
         the block's place in its chunk, the key's loads in the job, layers differing, whether
-        the tier's stored copy of the block, decoded again on the CPU now, equals the
-        reference: True says the restore or a later write changed the block, False that the
-        tier holds other bits than the forward computed, None that it no longer holds it)."""
+        the tier's stored copy of the block, decoded again on the CPU, equals the reference:
+        True says the restore or a later write changed the block, False that the tier holds
+        other bits than the forward computed, None that it no longer holds it or, without
+        ``stored``, that it was not asked)."""
         by_req: dict[str, int] = {}
         places: dict[str, list[int]] = {}
         by_times: dict[int, int] = {}
@@ -309,8 +311,8 @@ class Checker:
                 for layer in layers:
                     by_layer[layer] = by_layer.get(layer, 0) + 1
                 if len(first) < examples:
-                    stored = self._c_stored_equals_reference(key, i)
-                    first.append([req, f"{pos}/{n}", i, times, len(layers), stored])
+                    same = self._c_stored_equals_reference(key, i) if stored else None
+                    first.append([req, f"{pos}/{n}", i, times, len(layers), same])
         alt_equal = int(self._c_alt_equal.item()) if self._c_alt_equal is not None else 0
         return {
             "equal_to_another_copy_stored": alt_equal,
@@ -353,7 +355,7 @@ class Checker:
         finally:
             self._c_write()
 
-    def counts(self) -> dict:
+    def counts(self, stored: bool = True) -> dict:
         """Blocks checked and differing (one synchronisation), chunks copied."""
         differ = int(self._c_differ.item()) if self._c_differ is not None else 0
         out = {
@@ -366,7 +368,7 @@ class Checker:
         if self._c_paused_blocks:
             out["restored_blocks_while_paused"] = self._c_paused_blocks
         if differ:
-            out["differ_where"] = self.differ_where()
+            out["differ_where"] = self.differ_where(stored=stored)
         return out
 
 
