@@ -62,7 +62,7 @@ def test_restored_blocks_equal_pass_and_a_differing_one_is_counted_where_it_was(
     assert where["by_loads_of_key_in_job"] == {2: 1}
     assert where["layers_differing"] == 1 and where["by_layer"] == {2: 1}
     assert where["chunk_places_by_request"] == {"r2": [1, 1]}
-    assert where["examples"] == [["r2", "1/3", 1, 2, 1, None]]  # (no tier here to ask)
+    assert where["examples"] == [["r2", "1/3", 1, 2, 1, None, None, None]]  # (no tier, no probe)
 
 
 def test_nothing_differing_reports_no_where():
@@ -193,6 +193,68 @@ def test_a_differing_block_is_told_apart_by_the_tiers_stored_copy():
     c._c_jobs[1] = [load("r", b"a", [4]), load("r", b"b", [5])]
     c._c_check([done(1)])
     where = c.counts()["differ_where"]
-    assert [e[-1] for e in where["examples"]] == [True, False]
+    assert [e[5] for e in where["examples"]] == [True, False]
     held.clear()  # no longer held
-    assert c.differ_where()["examples"][0][-1] is None
+    assert c.differ_where()["examples"][0][5] is None
+
+
+def test_the_store_paths_staged_copies_are_fingerprinted_as_the_reference_is():
+    """The checker fingerprints each chunk's copy where the GPU pipeline (here on the CPU
+    device) stages it and where its store thread codes it, with the reference's forms laid out
+    token-major: equal to the reference for the blocks as the forward left them; a copy
+    changed between staging and coding shows in the layers it changed, at the coding only."""
+    import kvzip_lossless
+    from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline
+    from kvzip_vllm.core.store import BlockStore
+
+    heads, n, d = 2, 16, 8
+    g = torch.Generator().manual_seed(5)
+    cs = [torch.randn((BLOCKS, heads, n, 2 * d), generator=g).to(torch.bfloat16)
+          for _ in range(LAYERS)]  # fmt: skip
+    window = [(torch.randn(64, heads, d, generator=g).to(torch.bfloat16),) * 2
+              for _ in range(LAYERS)]  # fmt: skip
+    store = BlockStore(1 << 26, tables=kvzip_lossless.build_kv_tables([window]))
+    pipe = CudaTierPipeline(store, cs, n, bpc=2)
+    try:
+        c = checker(cs)
+        c.tier = SimpleNamespace(pipeline=pipe, layout=pipe.layout)
+        c._c_hook_store_path()
+        stage = pipe.on_stage
+
+        def stage_then_change(keys, staged):  # after the probe: chunk b's layer 1 K changes
+            stage(keys, staged)
+            if b"b" in keys:
+                staged[1][0][keys.index(b"b"), 20, 1, 3] += 1
+
+        pipe.on_stage = stage_then_change
+        stores = [SimpleNamespace(key=b"a", block_ids=[0, 1]),
+                  SimpleNamespace(key=b"b", block_ids=[2, 3])]  # fmt: skip
+        c._c_copy(stores)
+        pipe.start_stores([(st.key, st.block_ids) for st in stores])
+        pipe.drain()
+        assert sorted(pipe.collect()[0]) == [b"a", b"b"]
+        for key in (b"a", b"b"):
+            ref = c._bank_rows([c._c_refs[key] + i for i in range(2)])
+            assert torch.equal(c._c_at_stage[key], ref)
+            same = torch.equal(c._c_at_encode[key], ref)
+            assert same == (key == b"a")
+        # token 20 of the chunk is its second block's token 4: that block, one layer
+        assert [c._c_probes(b"b", i) for i in range(2)] == [[0, 0], [0, 1]]
+        assert c._c_probes(b"a", 1) == [0, 0]
+    finally:
+        pipe.close()
+
+
+def test_the_control_example_is_a_block_that_compared_equal():
+    cs = caches(4)
+    c = checker(cs)
+    c._c_copy([SimpleNamespace(key=b"a", block_ids=[0]), SimpleNamespace(key=b"b", block_ids=[1])])
+    for dst, src in ((4, 0), (5, 1)):
+        for x in cs:
+            x[dst] = x[src]
+    cs[2].view(torch.int16)[5, 0, 0, 0] ^= 1
+    c._c_jobs[1] = [load("r", b"a", [4]), load("r", b"b", [5])]
+    c._c_check([done(1)])
+    where = c.counts()["differ_where"]
+    assert where["examples"] == [["r", "1/2", 0, 1, 1, None, None, None]]
+    assert where["control"] == ["r", "0/2", 0, 1, 0, None, None, None]

@@ -55,6 +55,9 @@ LANES = 3
 ALTERNATES = 4
 #: blocks fingerprinted at once (a float64 copy of their words: 64 MB at the 8B shape)
 PIECE_BLOCKS = 256
+#: chunks whose staged copy is fingerprinted where the store path stages it and where it
+#: codes it (:meth:`Checker._c_probe`), at most: 12 KB a chunk on the device at the 8B shape
+PROBE_CHUNKS = 8192
 
 
 def form_weights(words: int, device, seed: int = 0) -> torch.Tensor:
@@ -76,6 +79,17 @@ def fingerprints(cache: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) 
         blocks = cache.index_select(0, idx[lo : lo + PIECE_BLOCKS])
         words = blocks.contiguous().view(torch.int16).flatten(1).to(torch.float64)
         out.append(words @ weights)
+    return torch.cat(out) if out else weights.new_zeros((0, LANES))
+
+
+def _token_major(x: torch.Tensor, block_size: int, weights: torch.Tensor) -> torch.Tensor:
+    """``[blocks, LANES]``: the blocks of token-major chunks ``x`` (``[chunks, tokens, ...]``)
+    times ``weights`` (a block's words in token-major order), exactly, in pieces."""
+    words = x.reshape(-1, block_size * x[0, 0].numel()).view(torch.int16)
+    out = [
+        words[lo : lo + PIECE_BLOCKS].to(torch.float64) @ weights
+        for lo in range(0, words.shape[0], PIECE_BLOCKS)
+    ]  # fmt: skip
     return torch.cat(out) if out else weights.new_zeros((0, LANES))
 
 
@@ -111,6 +125,11 @@ class Checker:
         #: load job, the block's place in its chunk, the key's loads in that job) and which of
         #: them differ in which layer (``[blocks, layers]`` on the device until read)
         self._c_where: list[tuple[list, torch.Tensor]] = []
+        #: the store path's staged copy of a chunk, fingerprinted as the reference is
+        #: (``[blocks, layers, LANES]``): where it was staged and where it was coded
+        self._c_at_stage: dict[bytes, torch.Tensor] = {}
+        self._c_at_encode: dict[bytes, torch.Tensor] = {}
+        self._c_tm: tuple[torch.Tensor, torch.Tensor] | None = None  # token-major weights
 
     def _c_start(self, caches: list[torch.Tensor]) -> None:
         """Check the blocks of ``caches`` (one paged cache per layer): the device counters
@@ -135,6 +154,50 @@ class Checker:
             return store(job_id, stores, *args, **kwargs)
 
         tier.submit_load, tier.submit_store = submit_load, submit_store
+        self._c_hook_store_path()
+
+    def _c_hook_store_path(self) -> None:
+        """Where the tier stages stores on the device (its GPU pipeline, vLLM's FlashAttention
+        page order), fingerprint each chunk's staged copy where it is staged (the step's
+        stream, right after the reference) and where the store thread codes it (the store
+        stream, right before ``encode_batch``): a block whose stored copy differs from the
+        reference is then placed between the forward, the staging, the coding and the tier
+        (:meth:`differ_where`)."""
+        pipeline = getattr(getattr(self, "tier", None), "pipeline", None)
+        layout = getattr(pipeline, "layout", None)
+        if pipeline is None or getattr(layout, "k_index", True) is not None:
+            return
+        c0 = self._c_caches[0]
+        _, h, t, d2 = c0.shape
+        w = self._c_weights.view(h, t, d2, LANES)  # the reference's weights, word by word
+        # a staged block is token-major [t, h, d] per K and V: the same forms over its words
+        self._c_tm = tuple(
+            w[:, :, part].permute(1, 0, 2, 3).reshape(-1, LANES).contiguous()
+            for part in (slice(0, d2 // 2), slice(d2 // 2, d2))
+        )
+        pipeline.on_stage = lambda keys, staged: self._c_probe(self._c_at_stage, keys, staged)
+        pipeline.on_encode = lambda keys, staged, todo: self._c_probe(
+            self._c_at_encode, keys, staged, todo
+        )
+
+    def _c_probe(self, into: dict, keys, staged, todo=None) -> None:
+        """Fingerprint the staged chunks ``todo`` (indices into ``keys``; all by default) of a
+        store job (``staged``: per layer (K, V) ``[chunks, chunk_tokens, kv_heads,
+        head_size]``) into ``into``, each key's first copy, at most ``PROBE_CHUNKS`` keys."""
+        want = [j for j in (range(len(keys)) if todo is None else todo) if keys[j] not in into]
+        want = want[: max(0, PROBE_CHUNKS - len(into))]
+        if not want or self._c_tm is None:
+            return
+        bs = self._c_caches[0].shape[2]
+        idx = self._index(want)  # (page-locked on CUDA: no wait for the stream)
+        wk, wv = self._c_tm
+        fp = torch.stack(
+            [_token_major(k.index_select(0, idx), bs, wk)
+             + _token_major(v.index_select(0, idx), bs, wv) for k, v in staged], 1,
+        )  # fmt: skip
+        bpc = fp.shape[0] // len(want)
+        for n, j in enumerate(want):
+            into[keys[j]] = fp[n * bpc : (n + 1) * bpc]
 
     def _take(self, res) -> None:
         super()._take(res)
@@ -293,7 +356,10 @@ class Checker:
         the tier's stored copy of the block, decoded again on the CPU, equals the reference:
         True says the restore or a later write changed the block, False that the tier holds
         other bits than the forward computed, None that it no longer holds it or, without
-        ``stored``, that it was not asked)."""
+        ``stored``, that it was not asked; then the layers in which the store path's staged
+        copy differed from the reference where it was staged, and where it was coded, None
+        where not fingerprinted). ``control``: the same for the first block that compared
+        equal (its stored copy should equal the reference: the comparison's own check)."""
         by_req: dict[str, int] = {}
         places: dict[str, list[int]] = {}
         by_times: dict[int, int] = {}
@@ -312,8 +378,17 @@ class Checker:
                     by_layer[layer] = by_layer.get(layer, 0) + 1
                 if len(first) < examples:
                     same = self._c_stored_equals_reference(key, i) if stored else None
-                    first.append([req, f"{pos}/{n}", i, times, len(layers), same])
+                    first.append([req, f"{pos}/{n}", i, times, len(layers), same,
+                                  *self._c_probes(key, i)])  # fmt: skip
         alt_equal = int(self._c_alt_equal.item()) if self._c_alt_equal is not None else 0
+        control = None
+        for meta, bad in self._c_where:
+            ok = (~bad.cpu().any(1)).nonzero().flatten().tolist()
+            if ok:
+                req, pos, n, i, times, key = meta[ok[0]]
+                same = self._c_stored_equals_reference(key, i) if stored else None
+                control = [req, f"{pos}/{n}", i, times, 0, same, *self._c_probes(key, i)]
+                break
         return {
             "equal_to_another_copy_stored": alt_equal,
             "keys_stored_more_than_once": len(self._c_alts),
@@ -323,7 +398,17 @@ class Checker:
             "layers_differing": len(by_layer),
             "by_layer": dict(sorted(by_layer.items())),
             "examples": first,
+            "control": control,
         }
+
+    def _c_probes(self, key: bytes, i: int) -> list[int | None]:
+        """Layers in which block ``i`` of ``key``'s staged copy differed from the reference:
+        where the store path staged it, where it coded it (None: not fingerprinted)."""
+        ref = self._bank_rows([self._c_refs[key] + i])[0]
+        return [
+            int((fp[i] != ref).any(-1).sum()) if (fp := at.get(key)) is not None else None
+            for at in (self._c_at_stage, self._c_at_encode)
+        ]
 
     def _c_stored_equals_reference(self, key: bytes, i: int) -> bool | None:
         """Block ``i`` of the tier's stored copy of ``key`` (decoded on the CPU, apart from

@@ -110,7 +110,16 @@ def default_queue_bytes(device: torch.device, encode_bytes: int = ENCODE_BYTES) 
 class StorePath:
     """The pipeline's stores: staging on the device, the spill to page-locked host memory,
     the store thread that codes and places the chunks, and what it reports. Its state is made
-    by :class:`~kvzip_vllm.core.cuda_pipeline.CudaTierPipeline`'s ``__init__``."""
+    by :class:`~kvzip_vllm.core.cuda_pipeline.CudaTierPipeline`'s ``__init__``.
+
+    Two hooks for checkers (None by default): ``on_stage(keys, staged)``, called where a
+    step's chunks are staged (the caller's stream, right after their copy), and
+    ``on_encode(keys, staged, todo)``, called on the store thread right before the chunks
+    ``todo`` (indices into ``keys``) are coded (the store stream); ``staged`` is per layer
+    (K, V) ``[chunks, chunk_tokens, kv_heads, head_size]``."""
+
+    on_stage = None
+    on_encode = None
 
     # -- helpers ------------------------------------------------------------------------
     def _on(self, stream):
@@ -170,6 +179,8 @@ class StorePath:
         ids = self._device_ids(flat)
         extent: list = []
         staged = self._layers(self._stage(ids, m, extent))
+        if self.on_stage is not None:
+            self.on_stage(keys, staged)
         self._jobs.put(
             _Job(keys, staged, self._record(), nbytes, extent=extent[0] if extent else None)
         )
@@ -283,6 +294,8 @@ class StorePath:
             sub = ids[j0 * self.bpc : j1 * self.bpc]
             # [chunks, 2 * layers, chunk_tokens, kv_heads, head_size] on the device
             group = self._stage(sub, j1 - j0)
+            if self.on_stage is not None:
+                self.on_stage(keys[j0:j1], self._layers(group))
             for j in range(j0, j1):
                 off, n = extents[j]
                 dst = self.store.extent(off, n).view(torch.bfloat16)
@@ -489,6 +502,8 @@ class StorePath:
             for layer, (k, v) in enumerate(staged):
                 tensors += [k[j], v[j]]
                 slots += [kvzip_lossless.kv_slot(layer, "k"), kvzip_lossless.kv_slot(layer, "v")]
+        if self.on_encode is not None:
+            self.on_encode(keys, staged, todo)
         try:
             enc = kvzip_lossless.encode_batch(tensors, tables=self.store.tables, slots=slots)
         except Exception:  # noqa: BLE001 (every chunk of the job reported not stored)
