@@ -896,3 +896,42 @@ def test_gather_into_equals_gather_with_a_cpu_page_order():
     assert torch.equal(out[:, 0].reshape(k.shape), k)
     assert torch.equal(out[:, 2].reshape(v.shape), v)
     assert not out[:, 1].any()  # nothing written between the slots
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_asynchronous_load_writes_after_the_work_queued_before_it(device):
+    """vLLM frees a finished request's blocks once its last step's output is back, while the
+    copies of that step's stores, queued on the engine's stream behind it, may not have run
+    yet: an asynchronous load into those blocks, on the tier's own streams, must not land
+    first. On CUDA the engine's stream is held by a sleep kernel with a copy of a block queued
+    behind it (the store's copy) when a load into that block is submitted: the copy holds the
+    block as it was, and the block then holds the chunk restored bit for bit. (On the CPU the
+    same steps, in order.)"""
+    from kvzip_vllm.core.pages import Bf16Pages
+    from kvzip_vllm.core.transfer import ChunkLoad, ChunkStore, KvTier
+
+    layers, heads, n, d = SHAPES[device]
+    _, caches = paged_caches(layers, heads, n, d, device)
+    fill(caches, seed=11)
+    store = BlockStore(1 << 28, tables=calibrated_tables(layers, heads, d), fit_tokens=0)
+    tier = KvTier(store, caches, Bf16Pages.of(caches[0]), 1)
+    try:
+        tier.submit_store(1, [ChunkStore(key(1), (0,))])
+        tier.wait({1})
+        assert [r.stored for r in tier.get_finished()] == [[key(1)]]
+        chunk = [c[0].clone() for c in caches]
+        before = [c[5].clone() for c in caches]
+        if device == "cuda":
+            torch.cuda._sleep(400_000_000)  # about 0.2 s of the engine's stream
+        staged = [c[5].clone() for c in caches]  # queued behind it
+        tier.submit_load(2, [ChunkLoad("r", key(1), (5,))], asynchronous=True)
+        assert tier.wait_loads(60)
+        (res,) = tier.get_finished()
+        assert res.success and res.hits == {"r": 1}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for layer in range(layers):
+            assert torch.equal(bits(staged[layer]), bits(before[layer])), f"layer {layer}"
+            assert torch.equal(bits(caches[layer][5]), bits(chunk[layer])), f"layer {layer}"
+    finally:
+        tier.shutdown()

@@ -168,6 +168,10 @@ class _Load:
     t_ordered: float = 0.0
     host_plan_s: float = 0.0  # host time: the step's offsets over the plans (numpy)
     host_s: float = 0.0  # host time of start_loads (lookups, plan, copies and launches)
+    # an event on the engine's stream that the step's writes into the cache wait for on the
+    # device (asynchronous loads: the work queued there before the load, e.g. store copies
+    # of blocks vLLM has since freed); None once waited for, or for loads in the engine's step
+    after: object = None
 
 
 def _load_item(item) -> tuple[str, bytes, tuple[int, ...], int]:
@@ -284,11 +288,13 @@ class CudaTierPipeline(StorePath):
         self._thread.start()
 
     # -- loads --------------------------------------------------------------------------
-    def start_loads(self, loads) -> None:
+    def start_loads(self, loads, after=None) -> None:
         """Begin restoring ``(req_id, key, block_ids, skip)`` chunks into the paged cache
-        (asynchronous): the chunk's blocks after the first ``skip`` are written."""
+        (asynchronous): the chunk's blocks after the first ``skip`` are written, on the device
+        after the event ``after`` (CUDA; its copies and decodes need not wait for it)."""
         self._carry = self.wait_loads()  # a previous step's loads, if never waited for
         load = self._load = _Load(time.perf_counter(), time.thread_time())
+        load.after = after
         n_tensors = 2 * len(self.caches)
         numel = int(np.prod(self.block_shape))
         good, plans, records = [], [], []
@@ -402,6 +408,7 @@ class CudaTierPipeline(StorePath):
                     hits[req_id] = hits.get(req_id, 0) + 1
                     tokens += (b - skip) * self.block_size
                 if rows and not load.scattered:
+                    self._after(load)
                     out = load.out.view(load.out.shape[0], n * b, self.block_size,
                                         *self.block_shape[1:])  # fmt: skip
                     if rows != list(range(n * b)):
@@ -410,6 +417,7 @@ class CudaTierPipeline(StorePath):
                     for layer, cache in enumerate(self.caches):
                         self.layout.scatter(cache, ids, out[2 * layer], out[2 * layer + 1])
             for (req_id, _, ids, skip), outs in load.single:  # decoded one by one
+                self._after(load)
                 b, n = self.bpc, self.block_size
                 rows = torch.arange(skip, b, device=self.device)
                 dest = torch.tensor(ids[skip:], device=self.device)
@@ -578,12 +586,20 @@ class CudaTierPipeline(StorePath):
         ]  # fmt: skip
         if not plan:
             return
+        self._after(load)
         cols = [x for col in zip(*plan, strict=True) for x in col]  # rows, blocks, chunks
         dev = self._device_ids(cols).view(3, len(plan))  # [3, R], uploaded without a sync
         rows = out.view(out.shape[0], out.shape[1] * b, self.block_size, *self.block_shape[1:])
         flags = flags.to(torch.int32)
         scatter.masked_scatter(rows, self.caches, self._bases, dev, flags)
         load.keep += [dev, flags]
+
+    def _after(self, load: _Load) -> None:
+        """The current stream (the one about to write the step's chunks into the cache) waits
+        on the device for ``load.after``, once."""
+        if load.after is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(load.after)
+        load.after = None
 
     def _flags_to_host(self, load: _Load) -> None:
         """The step's flags copied to the host behind its writes, and an event after both (the

@@ -187,6 +187,8 @@ class KvTier(TierTransfers):
         self._finished: list[TransferResult] = []
         self._load_job: tuple[int, dict, TransferResult] | None = None  # CUDA load in flight
         self._runner: _LoadRunner | None = None  # asynchronous loads' thread, once used
+        self._fences: dict[int, object] = {}  # asynchronous load job -> its fence (CUDA)
+        self._fence = None  # the fence of the pass the load thread runs (its state only)
         self._own_stream = None  # asynchronous loads' stream without the CUDA pipeline
         # stores in flight (CUDA pipeline, CPU coder thread), in order
         self._store_jobs: dict[int, tuple[set[bytes], TransferResult]] = {}
@@ -334,6 +336,18 @@ class KvTier(TierTransfers):
         for ld in loads:
             self._check(ld.block_ids, ld.skip)
         if asynchronous:
+            if self.device.type == "cuda":
+                # the fence: the job's writes into the cache wait on the device for the work
+                # queued on the caller's stream so far. vLLM frees a finished request's blocks
+                # once its last step's output is back, while what was queued behind that
+                # step's forward (the copies of its stores) may not have run yet: a load into
+                # those blocks on the tier's own streams could land first, and the store would
+                # copy the restored chunk's bits into its later layers (what the restore
+                # benchmark's differing blocks look like: results/vllm/tier_vs_offload/
+                # h100_restore_defaults_s20/). The copies and decodes need not wait for it.
+                fence = torch.cuda.Event()
+                fence.record(torch.cuda.current_stream(self.device))
+                self._fences[job_id] = fence
             self._load_runner().submit(job_id, loads)
             return True
         t0 = time.perf_counter()
@@ -362,8 +376,11 @@ class KvTier(TierTransfers):
 
     def _run_load(self, job_id: int, loads: list[ChunkLoad]) -> TransferResult:
         """One asynchronous load job, start to finish, on the load thread: its writes into
-        the cache are complete (the stream synchronised) when this returns."""
+        the cache come after the pass's fence (an event on the engine's stream, recorded when
+        its last job was submitted) and are complete (the stream synchronised) when this
+        returns."""
         t0 = time.perf_counter()
+        fence = self._fence
         stream = self._load_stream()
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         # (vLLM's caches are inference tensors: written in place only in inference mode,
@@ -375,10 +392,12 @@ class KvTier(TierTransfers):
                 by_block = {b: ld for ld in loads for b in ld.block_ids[ld.skip :]}
                 job = (job_id, by_block, res, fetched, t0)
                 self.pipeline.start_loads(
-                    [(ld.req_id, ld.key, ld.block_ids, ld.skip) for ld in loads]
+                    [(ld.req_id, ld.key, ld.block_ids, ld.skip) for ld in loads], after=fence
                 )
                 res = self._finish_cuda_load(job)
             else:
+                if fence is not None:
+                    stream.wait_event(fence)
                 self._load_each(loads, res, fetched)
                 self._finish_load(res, t0)
             if stream is not None:
@@ -393,6 +412,10 @@ class KvTier(TierTransfers):
         then one result per job (its own chunks' failures; the keys the pass stored or
         dropped go with the first). A pass that raises is run again job by job, so that only
         the job that raises fails its chunks."""
+        fence = None  # the last job's (recorded after the others' on the same stream)
+        for job_id, _ in jobs:
+            fence = self._fences.pop(job_id, None) or fence
+        self._fence = fence
         with gil.busy(self.switch_interval_s):
             return self._run_passes(jobs)
 
