@@ -17,6 +17,7 @@
 #   gpu_session.sh quality   # tests/test_vllm_quality_gpu.py: SmolLM2 through vLLM against kvzip eval (.carry/smollm2 carried)
 #   gpu_session.sh codec     # the GPU codec's tests
 #   gpu_session.sh window    # the residual window's GPU tests
+#   gpu_session.sh tiercore  # the tier core's CUDA pipeline and scatter GPU tests (compacttier's first half)
 #   gpu_session.sh compacttier  # the tier core's CUDA pipeline, both scatters, compact pages in the tier
 #
 # kernels, v7, restore (and the fp8 design's benchmarks/fp8mma/gpu.sh) need no vLLM: they run on
@@ -155,11 +156,11 @@ window)
     python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_window.py \
     $R/kvzip-kernels/tests/test_cuda_decode.py -k "window or sink" 2>&1 | tee $RES/window_gpu_tests.log | tail -4
   ;;
-compacttier)
+tiercore|compacttier)
   env_line
   PYTHONPATH=$PYTHONPATH:$R/kvzip-vllm/tests timeout 300 python3 -m pytest -q -m gpu \
     $R/kvzip-vllm/tests/test_cuda_pipeline.py $R/kvzip-vllm/tests/test_scatter.py 2>&1 | tee $RES/tier_core.log | tail -4
-  timeout 400 python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_compact_tier.py 2>&1 | tee $RES/compact_tier.log | tail -5
+  [ "$stage" = tiercore ] || timeout 400 python3 -m pytest -q -m gpu $R/kvzip-vllm/tests/test_compact_tier.py 2>&1 | tee $RES/compact_tier.log | tail -5
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -39,7 +39,7 @@ def test_the_core_imports_without_vllm():
         "    del sys.modules[m]\n"
         "import importlib\n"
         "for m in ('pages', 'blocks', 'store', 'cpu_layout', 'cuda_pipeline', 'shared_store',\n"
-        "          'background', 'transfer'):\n"
+        "          'background', 'load_thread', 'transfer'):\n"
         "    importlib.import_module('kvzip_vllm.core.' + m)\n"
         "from kvzip_vllm.core import cpu_layout\n"
         "from kvzip_vllm.core.transfer import KvTier\n"

