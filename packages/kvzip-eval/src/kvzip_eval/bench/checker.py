@@ -71,26 +71,31 @@ def form_weights(words: int, device, seed: int = 0) -> torch.Tensor:
     return w.to(torch.float64).to(device)
 
 
-def fingerprints(cache: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[len(idx), LANES]`` float64: the blocks ``idx`` of one layer's paged cache (their
-    bytes as 16-bit words) times ``weights``, exactly."""
-    out = []
-    for lo in range(0, len(idx), PIECE_BLOCKS):
-        blocks = cache.index_select(0, idx[lo : lo + PIECE_BLOCKS])
-        words = blocks.contiguous().view(torch.int16).flatten(1).to(torch.float64)
-        out.append(words @ weights)
-    return torch.cat(out) if out else weights.new_zeros((0, LANES))
-
-
-def _token_major(x: torch.Tensor, block_size: int, weights: torch.Tensor) -> torch.Tensor:
-    """``[blocks, LANES]``: the blocks of token-major chunks ``x`` (``[chunks, tokens, ...]``)
-    times ``weights`` (a block's words in token-major order), exactly, in pieces."""
-    words = x.reshape(-1, block_size * x[0, 0].numel()).view(torch.int16)
+def _forms(words: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[rows, LANES]``: rows of 16-bit ``words`` times ``weights``, exactly (float64, in
+    pieces of ``PIECE_BLOCKS`` rows)."""
     out = [
         words[lo : lo + PIECE_BLOCKS].to(torch.float64) @ weights
         for lo in range(0, words.shape[0], PIECE_BLOCKS)
     ]  # fmt: skip
     return torch.cat(out) if out else weights.new_zeros((0, LANES))
+
+
+def fingerprints(cache: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[len(idx), LANES]`` float64: the blocks ``idx`` of one layer's paged cache (their
+    bytes as 16-bit words) times ``weights``, exactly."""
+    out = [
+        _forms(cache.index_select(0, idx[lo : lo + PIECE_BLOCKS]).contiguous()
+               .view(torch.int16).flatten(1), weights)
+        for lo in range(0, len(idx), PIECE_BLOCKS)
+    ]  # fmt: skip
+    return torch.cat(out) if out else weights.new_zeros((0, LANES))
+
+
+def _token_major(x: torch.Tensor, block_size: int, weights: torch.Tensor) -> torch.Tensor:
+    """``[blocks, LANES]``: the blocks of token-major chunks ``x`` (``[chunks, tokens, ...]``)
+    times ``weights`` (a block's words in token-major order), exactly."""
+    return _forms(x.reshape(-1, block_size * x[0, 0].numel()).view(torch.int16), weights)
 
 
 class Checker:
