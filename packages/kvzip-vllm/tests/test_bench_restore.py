@@ -39,10 +39,12 @@ def check_rows(doc, contexts, shape):
         assert r["restore_s_min"] <= r["restore_s_p50"] <= r["restore_s_max"]
         assert r["raw_copy_s_min"] <= r["raw_copy_s_p50"] <= r["raw_copy_s_max"]
         assert 0 < r["restore_s_min"] and 0 < r["raw_copy_s_min"] and r["store_s"] > 0
-        assert r["restore_vs_raw"] == pytest.approx(
-            r["restore_s_p50"] / r["raw_copy_s_p50"], rel=0.01)  # fmt: skip
-        assert r["restore_gbps"] == pytest.approx(
-            r["raw_bytes"] / r["restore_s_p50"] / 1e9, rel=0.01)  # fmt: skip
+        # the ratios come from the unrounded times: within what the times' rounding to the
+        # microsecond allows (a raw copy of the tiny shape takes tens of microseconds on a CPU)
+        r50, c50, h = r["restore_s_p50"], r["raw_copy_s_p50"], 5e-7
+        assert (r50 - h) / (c50 + h) - 5e-5 <= r["restore_vs_raw"] <= (r50 + h) / (c50 - h) + 5e-5
+        gb = r["raw_bytes"] / 1e9
+        assert gb / (r50 + h) - 5e-4 <= r["restore_gbps"] <= gb / (r50 - h) + 5e-4
     assert "synthetic" in doc["data"] and "depends on the data" in doc["data"]
 
 
