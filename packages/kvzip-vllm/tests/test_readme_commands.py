@@ -30,6 +30,10 @@ that Ctrl-C stopped) and no traceback in its log before the shutdown. The
 server listens where the command says (vLLM's default, port 8000, unless it names
 ``--port``); the port must be free.
 
+A block that repeats an earlier one runs once, as the earlier one: the same commands with the
+same options, or, for a server, the same ``vllm serve`` command with client lines that the
+earlier block also runs (``repeats``; a package README may repeat the quick start's server).
+
 Nothing is skipped: a marker without a block after it, an unknown option, or a block that
 cannot run fails its test. The documentation of the convention is docs/development.md.
 """
@@ -188,7 +192,27 @@ def _collect() -> tuple[list[Block], list[str]]:
     return blocks, errors
 
 
+def _norm(command: str) -> str:
+    return " ".join(command.replace("\\\n", " ").split())
+
+
+def repeats(block: Block, earlier: list[Block]) -> Block | None:
+    """The earlier block that runs everything ``block`` runs, or None: the same options and
+    commands; for a server, the same ``vllm serve`` command (whitespace and line breaks
+    aside) and client lines that are among the earlier block's."""
+    mine = [_norm(c) for c in _commands(block.text)]
+    for e in earlier:
+        theirs = [_norm(c) for c in _commands(e.text)]
+        if (e.venv, e.serve) != (block.venv, block.serve):
+            continue
+        if mine == theirs or (block.serve and mine[0] == theirs[0] and set(mine) <= set(theirs)):
+            return e
+    return None
+
+
 BLOCKS, MARKER_ERRORS = _collect()
+#: the blocks the slow test runs: each block but those repeating an earlier one
+RUN = [b for i, b in enumerate(BLOCKS) if repeats(b, BLOCKS[:i]) is None]
 
 
 # ------------------------------------------------------------------------- the harness
@@ -334,7 +358,7 @@ def test_the_markers_mark_blocks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
 def test_a_readme_cpu_command_runs_as_written(block, checkout, tmp_path):
     venv = None
     if block.venv:
@@ -399,6 +423,53 @@ def test_the_parser_finds_fenced_and_indented_blocks_with_their_options():
     first, rest = _commands(c.text)
     assert first.endswith('"kv_role": "kv_both"}\'') and _port(first) == 8123
     assert rest == "curl -s localhost:8123/v1/models"
+
+
+def test_a_block_repeating_an_earlier_one_runs_once():
+    doc = """<!-- cpu-test -->
+```sh
+vllm serve M --port 8123 \\
+  --dtype bfloat16
+curl -s localhost:8123/v1/models
+```
+
+<!-- cpu-test -->
+```sh
+vllm serve M --port 8123   --dtype bfloat16
+```
+
+<!-- cpu-test -->
+```sh
+vllm serve M --port 8123 --dtype float16
+```
+
+<!-- cpu-test -->
+```sh
+vllm serve M --port 8123 --dtype bfloat16
+curl -s localhost:8123/health
+```
+
+<!-- cpu-test: venv -->
+```sh
+vllm serve M --port 8123 --dtype bfloat16
+```
+
+<!-- cpu-test -->
+```sh
+echo one
+echo two
+```
+
+<!-- cpu-test -->
+```sh
+echo two
+```
+"""
+    blocks = parse_blocks(doc, "x.md")
+    got = [repeats(b, blocks[:i]) for i, b in enumerate(blocks)]
+    # the server without its client line is the first block's; another dtype, another client
+    # line, another option and a part of a plain block's commands are blocks of their own
+    assert got == [None, blocks[0], None, None, None, None, None]
 
 
 def test_an_indented_marker_is_an_example_not_a_marker():
