@@ -203,7 +203,7 @@ def repeats(block: Block, earlier: list[Block]) -> Block | None:
     mine = [_norm(c) for c in _commands(block.text)]
     for e in earlier:
         theirs = [_norm(c) for c in _commands(e.text)]
-        if (e.venv, e.serve) != (block.venv, block.serve):
+        if (e.venv, e.serve, e.timeout) != (block.venv, block.serve, block.timeout):
             continue
         if mine == theirs or (block.serve and mine[0] == theirs[0] and set(mine) <= set(theirs)):
             return e
