@@ -905,8 +905,9 @@ def test_an_asynchronous_load_writes_after_the_work_queued_before_it(device):
     yet: an asynchronous load into those blocks, on the tier's own streams, must not land
     first. On CUDA the engine's stream is held by a sleep kernel with a copy of a block queued
     behind it (the store's copy) when a load into that block is submitted: the copy holds the
-    block as it was, and the block then holds the chunk restored bit for bit. (On the CPU the
-    same steps, in order.)"""
+    block as it was, and the block then holds the chunk restored bit for bit. The job reports
+    its chunk restored for its request (the H100 run of 2026-12-07 found the pipeline's result
+    without it). (On the CPU the same steps, in order, through the same pipeline.)"""
     from kvzip_vllm.core.pages import Bf16Pages
     from kvzip_vllm.core.transfer import ChunkLoad, ChunkStore, KvTier
 
@@ -914,7 +915,7 @@ def test_an_asynchronous_load_writes_after_the_work_queued_before_it(device):
     _, caches = paged_caches(layers, heads, n, d, device)
     fill(caches, seed=11)
     store = BlockStore(1 << 28, tables=calibrated_tables(layers, heads, d), fit_tokens=0)
-    tier = KvTier(store, caches, Bf16Pages.of(caches[0]), 1)
+    tier = KvTier(store, caches, Bf16Pages.of(caches[0]), 1, pipeline=True)
     try:
         tier.submit_store(1, [ChunkStore(key(1), (0,))])
         tier.wait({1})
@@ -927,7 +928,7 @@ def test_an_asynchronous_load_writes_after_the_work_queued_before_it(device):
         tier.submit_load(2, [ChunkLoad("r", key(1), (5,))], asynchronous=True)
         assert tier.wait_loads(60)
         (res,) = tier.get_finished()
-        assert res.success and res.hits == {"r": 1}
+        assert res.success and res.hits == {"r": 1} and res.tokens == n
         if device == "cuda":
             torch.cuda.synchronize()
         for layer in range(layers):

@@ -139,7 +139,11 @@ class KvTier(TierTransfers):
 
     bf16 caches on the CPU: ``submit_store`` copies the chunks' pages out and returns; a thread
     codes them and a later ``get_finished`` reports them; ``submit_load`` first waits (at most
-    ``LOAD_WAIT_FOR_STORE_S`` in all) for stores still in flight of its chunks."""
+    ``LOAD_WAIT_FOR_STORE_S`` in all) for stores still in flight of its chunks.
+
+    ``pipeline``: bf16 caches go through :class:`~kvzip_vllm.core.cuda_pipeline.CudaTierPipeline`
+    (staged stores, batched restores); None (the default): on CUDA only. True on the CPU runs
+    the CUDA path's algorithm there (its tests' CPU twins)."""
 
     def __init__(
         self,
@@ -154,16 +158,24 @@ class KvTier(TierTransfers):
         on_store_idle=None,
         switch_interval_s: float | None = None,
         queue_reserved: bool = False,
+        pipeline: bool | None = None,
     ):
         if not caches:
             raise ValueError("caches must hold one paged-cache view per layer, got none")
+        if pipeline is None:
+            pipeline = caches[0].device.type == "cuda" and isinstance(layout, Bf16Pages)
+        elif pipeline and not isinstance(layout, Bf16Pages):
+            raise ValueError(
+                "pipeline=True: the pipeline codes bf16 pages (Bf16Pages), "
+                f"not {type(layout).__name__}"
+            )
         self.store, self.caches, self.layout, self.bpc = store, caches, layout, bpc
         self.switch_interval_s = switch_interval_s  # while loads or stores run (core.gil)
         self.device = caches[0].device
         self.shared, self.shared_writer = shared, shared_writer
         self.shared_counts = {"shared_blocks_fetched": 0, "shared_blocks_bad": 0}
         self.pipeline = None
-        if self.device.type == "cuda" and isinstance(layout, Bf16Pages):
+        if pipeline:
             from kvzip_vllm.core.cuda_pipeline import CudaTierPipeline
 
             self.pipeline = CudaTierPipeline(
@@ -173,7 +185,7 @@ class KvTier(TierTransfers):
         elif self.device.type == "cuda":
             store.pin()  # raw pages are copied from the arena where they lie
         self.background = self.decoder = None  # the CPU path's coder thread and decode pool
-        if self.device.type == "cpu" and isinstance(layout, Bf16Pages):
+        if self.pipeline is None and self.device.type == "cpu" and isinstance(layout, Bf16Pages):
             from kvzip_vllm.core import background
 
             # (the store's put / get looked up at each call: tests wrap them)
@@ -571,6 +583,11 @@ class KvTier(TierTransfers):
         res.failed_blocks |= failed_ids
         res.failed.extend(seen.values())
         res.success = not failed_ids
+        # the job's other chunks were restored (the pipeline counts them in the stats)
+        for ld in {id(ld): ld for ld in by_block.values()}.values():
+            if id(ld) not in seen:
+                res.hits[ld.req_id] = res.hits.get(ld.req_id, 0) + 1
+                res.tokens += (self.bpc - ld.skip) * self.layout.block_size
         for ld in seen.values():
             if ld.key in fetched:
                 self.shared_counts["shared_blocks_bad"] += 1
