@@ -113,6 +113,21 @@ def test_worker_refuses_a_cache_whose_layer_name_has_no_number():
 
 
 # ---------------------------------------------------------------------------- factory
+def test_a_reserved_store_queue_is_sized_from_what_vllm_leaves_outside_its_budget():
+    """vLLM's budget is gpu_memory_utilization of the device; a KV cache sized in bytes
+    (kv_cache_memory_bytes) states none."""
+    from kvzip_vllm.tier.worker import vllm_headroom
+
+    total = 80 << 30
+    cfg = SimpleNamespace(gpu_memory_utilization=0.9, kv_cache_memory_bytes=None)
+    assert vllm_headroom(cfg, total) == int(total * (1 - 0.9))
+    cfg.gpu_memory_utilization = 0.5
+    assert vllm_headroom(cfg, total) == 40 << 30
+    cfg.kv_cache_memory_bytes = 8 << 30
+    assert vllm_headroom(cfg, total) is None
+    assert abs(vllm_headroom(SimpleNamespace(gpu_memory_utilization=0.8), total) - (16 << 30)) <= 1
+
+
 def test_plugin_registers_the_connector_by_name_once():
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

@@ -428,6 +428,11 @@ def test_the_default_store_queue_is_half_the_free_device_memory_less_the_coders(
     assert cp.default_queue_bytes(gpu, 512 << 20) == 16 << 30
     free["bytes"] = 1 << 30  # nothing left beside the coder: one call's bytes
     assert cp.default_queue_bytes(gpu, 512 << 20) == 512 << 20
+    # headroom: the engine's memory outside its budget caps what counts as free
+    free["bytes"] = 16 << 30
+    assert cp.default_queue_bytes(gpu, 512 << 20, headroom=8 << 30) == (4 << 30) - (1 << 30)
+    assert cp.default_queue_bytes(gpu, 512 << 20, headroom=32 << 30) == (8 << 30) - (1 << 30)
+    assert cp.default_queue_bytes(gpu, 512 << 20, headroom=-1) == 512 << 20
 
 
 @pytest.mark.parametrize("device", DEVICES)

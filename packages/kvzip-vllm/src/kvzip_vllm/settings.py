@@ -137,7 +137,11 @@ class ConnectorSettings(BaseModel):
     allocator as they come; with vLLM holding most of the device, an allocation it cannot
     serve from its cache makes it free the cache and retry, which waits for the whole device
     (``cuda_alloc_retries``). Reserved, the queue's unused bytes are no longer free for the
-    encoder's working memory (about 1.7x the bf16 bytes of the job it codes)."""
+    encoder's working memory (about 1.7x the bf16 bytes of the job it codes), and the default
+    queue is taken from no more than what vLLM leaves outside its budget (``1 -
+    gpu_memory_utilization`` of the device): reserved from the memory free at start-up, which
+    still holds what vLLM's forward needs for its activations, it ran the forward out of
+    memory on an H100."""
     load_mode: Literal["async", "sync"] = "async"
     """How a prefix hit is restored. ``"async"`` (the default): the request waits in vLLM's
     ``WAITING_FOR_REMOTE_KVS`` while the tier's load thread copies, decodes and writes its

@@ -91,7 +91,9 @@ ENCODE_WORKSPACE = 2
 ENCODE_BYTES = table.STORE_ENCODE_BYTES.get()
 
 
-def default_queue_bytes(device: torch.device, encode_bytes: int = ENCODE_BYTES) -> int:
+def default_queue_bytes(
+    device: torch.device, encode_bytes: int = ENCODE_BYTES, headroom: int | None = None
+) -> int:
     """The tier's share of the device memory free now (half of it, after vLLM allocated its
     KV cache) less the coder's working memory for one call of ``encode_bytes``
     (``ENCODE_WORKSPACE`` times it), at most ``QUEUE_CAP_BYTES``, at least one call's bytes;
@@ -99,10 +101,18 @@ def default_queue_bytes(device: torch.device, encode_bytes: int = ENCODE_BYTES) 
     the first chunks are coded (and the table set fitted): a queue of 2 GiB dropped half of
     such a prompt's stores on the H200. The coder's memory was outside the share before: on
     an 80 GB H100 with vLLM at 0.9 of the device, a queue of half the free memory plus the
-    coder's memory for a whole step's chunks ran out of memory (every store failed)."""
+    coder's memory for a whole step's chunks ran out of memory (every store failed).
+
+    ``headroom``: the device memory the engine leaves outside its own budget (vLLM: ``1 -
+    gpu_memory_utilization`` of the device); the share is then taken from the smaller of it
+    and what is free. What is free when the tier starts also holds the memory that the
+    engine's forward takes back for its activations (vLLM frees it after profiling): a queue
+    reserved from half of it ran vLLM's forward out of memory on an H100 (2026-12-07)."""
     if device.type != "cuda":
         return QUEUE_CPU_BYTES
     free, _ = torch.cuda.mem_get_info(device)
+    if headroom is not None:
+        free = min(free, max(0, headroom))
     share = free // 2 - ENCODE_WORKSPACE * encode_bytes
     return max(encode_bytes, min(QUEUE_CAP_BYTES, share))
 

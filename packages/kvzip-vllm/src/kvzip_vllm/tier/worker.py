@@ -112,6 +112,15 @@ def _tp_rank(vllm_config) -> tuple[int, int]:
     return world, get_tensor_model_parallel_rank()
 
 
+def vllm_headroom(cache_config, total: int) -> int | None:
+    """The device memory vLLM leaves outside its own budget: ``1 - gpu_memory_utilization`` of
+    the device's ``total`` bytes; None where vLLM's KV cache is sized in bytes
+    (``kv_cache_memory_bytes``), which states no budget for the rest."""
+    if getattr(cache_config, "kv_cache_memory_bytes", None):
+        return None
+    return int(total * (1.0 - cache_config.gpu_memory_utilization))
+
+
 class KvzipWorker:
     """Worker side of ``KvzipConnector`` (one per model worker)."""
 
@@ -252,13 +261,35 @@ class KvzipWorker:
             [cache for _, cache in self.layers],
             layout,
             self.bpc,
-            queue_bytes=self.settings.store_queue_bytes,
+            queue_bytes=self._queue_bytes(),
             shared=self.shared,
             shared_writer=self._shared_writer,
             on_store_idle=self._write_stats,  # the stats file current on an idle server too
             switch_interval_s=self.settings.switch_interval_s,
             queue_reserved=self.settings.store_queue_reserved,
         )
+
+    def _queue_bytes(self) -> int | None:
+        """The store queue's bytes: ``store_queue_bytes``, or by default the tier's share of
+        the free device memory (``core.cuda_stores.default_queue_bytes``). A queue reserved
+        at start-up (``store_queue_reserved``) takes it from no more than what vLLM leaves
+        outside its budget (:func:`vllm_headroom`): vLLM's forward takes back the memory its
+        profiling freed."""
+        if self.settings.store_queue_bytes is not None or not self.settings.store_queue_reserved:
+            return self.settings.store_queue_bytes
+        device = self.layers[0][1].device
+        if device.type != "cuda":
+            return None
+        from kvzip_vllm.core.cuda_stores import default_queue_bytes
+
+        total = torch.cuda.mem_get_info(device)[1]
+        headroom = vllm_headroom(self.vllm_config.cache_config, total)
+        queue = default_queue_bytes(device, headroom=headroom)
+        logger.info(
+            "kvzip tier: store queue %.2f GB reserved (headroom outside vLLM's budget: %s)",
+            queue / 1e9, "unstated" if headroom is None else f"{headroom / 1e9:.2f} GB",
+        )  # fmt: skip
+        return queue
 
     def _compact_layout(self, cache: torch.Tensor) -> pages.CompactPages:
         """The compact backend's cache (``KVZIP_KV_FORMAT``): its K and V page bytes."""
