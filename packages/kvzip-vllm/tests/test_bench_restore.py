@@ -73,6 +73,7 @@ def test_bench_restore_on_the_cpu(tmp_path):
     assert (s["shape"], s["block_size"], s["chunk_tokens"], s["repeats"], s["device"]) == (
         "tiny", 16, 256, 3, "cpu")  # fmt: skip
     assert doc["rows"][1]["chunks"] == 4
+    assert not any("profile" in r for r in doc["rows"]) and s["profile"] is False
     md = (out / "bench_restore.md").read_text()
     assert "| tokens | raw bytes | stored bytes | ratio |" in md
     assert "| 1024 | 2,097,152 |" in md and "synthetic" in md and "bit for bit" in md
@@ -80,6 +81,30 @@ def test_bench_restore_on_the_cpu(tmp_path):
         assert f"- {key}: " in md
     if doc.get("plot"):
         assert (out / "bench_restore.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_adds_one_checked_restore_per_context_and_where_its_time_went(tmp_path):
+    """``--profile``: one more restore per context under torch's profiler, checked bit for
+    bit like the timed ones; its operators (CPU) listed longest first, at most PROFILE_TOP;
+    the timed rows as without it."""
+    out = tmp_path / "p"
+    res = invoke(["--shape", "tiny", "--contexts", "512", "--repeats", "1", "--device", "cpu",
+                  "--profile", "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "bench_restore.json").read_text())
+    check_rows(doc, [512], "tiny")
+    assert doc["settings"]["profile"] is True
+    p = doc["rows"][0]["profile"]
+    assert p["clock"] == "cpu" and p["wall_s"] > 0 and p["copies_s"] == 0
+    top = p["top"]
+    assert 0 < len(top) <= restore.PROFILE_TOP
+    assert [e["s"] for e in top] == sorted((e["s"] for e in top), reverse=True)
+    assert all(e["count"] >= 1 and e["s"] > 0 for e in top)
+    # the listed operators are some of all those timed (own times, every thread)
+    assert sum(e["s"] for e in top) <= p["other_s"] + 1e-5
+    assert any(e["name"].startswith("aten::") for e in top)
+    md = (out / "bench_restore.md").read_text()
+    assert "under torch's profiler (cpu time" in md and "- 512 tokens: wall " in md
 
 
 @pytest.mark.parametrize(
@@ -181,15 +206,20 @@ def test_a_restore_that_differs_is_never_reported(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_bench_restore_on_cuda_8b(tmp_path):
-    """The 8B shape at 8,192 tokens on the GPU: bit-exact, compressed, timed."""
+    """The 8B shape at 8,192 tokens on the GPU: bit-exact, compressed, timed; profiled, its
+    device time split into the copies of the records and the rest (the decode, the scatter)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     out = tmp_path / "r"
     res = invoke(["--shape", "8b", "--contexts", "8192", "--repeats", "3", "--device", "cuda",
-                  "--out", str(out)])  # fmt: skip
+                  "--profile", "--out", str(out)])  # fmt: skip
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "bench_restore.json").read_text())
     check_rows(doc, [8192], "8b")
     assert doc["settings"]["device"].startswith("cuda") and "CPU" not in doc["device"]
     r = doc["rows"][0]
     assert r["chunks"] == 32 and r["raw_bytes"] == 8192 * 131072
+    p = r["profile"]
+    # the records' bytes cross the link: at most ~64 GB/s, so the copies take real time
+    assert p["clock"] == "device" and p["copies_s"] > r["stored_bytes"] / 100e9
+    assert p["other_s"] > 0 and any(e["name"].startswith("Memcpy") for e in p["top"])

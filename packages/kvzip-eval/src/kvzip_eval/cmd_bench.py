@@ -371,6 +371,10 @@ def kernels(**kw) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
               help="Default: cuda where there is one, else cpu.")  # fmt: skip
+@click.option("--profile", is_flag=True,
+              help="One more restore per context under torch's profiler (checked, not timed): "
+              "device time per copy and kernel (CPU: per operator) in the JSON and the "
+              "markdown.")  # fmt: skip
 @out_option
 def restore(**kw) -> None:
     """The lossless tier's restore of a returning prompt beside a raw bf16 copy, no vLLM.

@@ -61,6 +61,10 @@ class RestoreBenchError(RuntimeError):
     restored blocks that differ from the source."""
 
 
+#: operators (or kernels and copies) listed per profiled restore, the longest first
+PROFILE_TOP = 8
+
+
 def default_chunk_tokens() -> int:
     """The tier's default chunk (``KVZIP_TIER_CHUNK_TOKENS``'s default)."""
     from kvzip_formats import settings as table
@@ -289,6 +293,33 @@ def restore_prompt(torch, pipe, loads) -> tuple[float, float]:
     return sec, pipe.last_host_s.get("start_loads", 0.0)
 
 
+def profile_restore(torch, pipe, loads, top: int = PROFILE_TOP) -> dict:
+    """One more restore of ``loads`` under torch's profiler: where its time went. On CUDA the
+    device time of each copy and kernel name (summed over its launches: copies and kernels on
+    different streams overlap, so the sums can pass the wall time; a sum near the wall time
+    says that part bounds the restore); on the CPU each operator's own CPU time. Seconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = pipe.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        wall, _ = restore_prompt(torch, pipe, loads)
+    events = []
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        if us > 0:
+            events.append({"name": ev.key, "count": ev.count, "s": round(us / 1e6, 6)})
+    events.sort(key=lambda e: -e["s"])
+    copies = sum(e["s"] for e in events if e["name"].startswith("Memcpy"))
+    return {
+        "clock": "device" if cuda else "cpu",
+        "wall_s": round(wall, 6),
+        "copies_s": round(copies, 6),
+        "other_s": round(sum(e["s"] for e in events) - copies, 6),
+        "top": events[:top],
+    }
+
+
 def raw_copy(torch, phys, host, first: int) -> float:
     """Copy ``host`` (``[layers, blocks, ...]``, pinned on CUDA) into blocks ``first..`` of
     every layer, one contiguous copy per layer; seconds to the bytes on the device."""
@@ -345,6 +376,13 @@ def measure_context(torch, o, device, tokens: int, bar) -> dict:
                 hosts.append(host_s)
                 copies.append(copy_s)
             bar.update(1)
+        prof = None
+        if getattr(o, "profile", False):  # one more restore, profiled, checked, not timed
+            bar.set_postfix_str(f"{tokens} tokens: profile")
+            wipe(torch, phys, n)
+            prof = profile_restore(torch, pipe, loads)
+            check_bit_exact(torch, phys, src, dst, f"context {tokens}, profiled restore")
+            bar.update(1)
         st = store.stats
     finally:
         pipe.close()
@@ -373,6 +411,7 @@ def measure_context(torch, o, device, tokens: int, bar) -> dict:
         "restore_gbps": round(raw / r50 / 1e9, 3),
         "raw_copy_gbps": round(raw / c50 / 1e9, 3),
         "bit_exact": True,
+        **({"profile": prof} if prof is not None else {}),
     }
 
 
@@ -420,7 +459,8 @@ def run(o) -> dict:
     for ctx in o.contexts:  # every context checked before the first is measured
         needs[ctx] = check_memory(torch, device, o.shape, ctx, o.block_size, chunk_tokens)
     rows = []
-    bar = tqdm(total=len(o.contexts) * (o.repeats + 2), desc="bench restore", unit="step")
+    steps = o.repeats + 2 + bool(getattr(o, "profile", False))
+    bar = tqdm(total=len(o.contexts) * steps, desc="bench restore", unit="step")
     for ctx in o.contexts:
         rows.append(measure_context(torch, o, device, ctx, bar))
         if device.type == "cuda":
@@ -444,6 +484,7 @@ def run(o) -> dict:
             "fit_tokens": FIT_TOKENS,
             "load_group_chunks": cuda_pipeline.BLOCKS_PER_GROUP,
             "repeats": o.repeats,
+            "profile": bool(getattr(o, "profile", False)),
             "seed": o.seed,
             "device": str(device),
             "cache_layout": "[layers, blocks, block_size, kv_heads, 2 * head_size] bf16",
@@ -501,6 +542,23 @@ def _markdown(doc: dict) -> list[str]:
             ("bit_exact", "bit-exact"),
         ],
     )
+    profiled = [r for r in doc["rows"] if "profile" in r]
+    if profiled:
+        clock = profiled[0]["profile"]["clock"]
+        lines += [
+            "",
+            f"One more restore per context under torch's profiler ({clock} time, seconds, "
+            "summed over launches: work on different streams overlaps, so a sum can pass the "
+            "wall time; copies: CUDA's memory copies):",
+            "",
+        ]
+        for r in profiled:
+            p = r["profile"]
+            top = "; ".join(f"{e['name'][:60]} x{e['count']}: {e['s']:.4g}" for e in p["top"])
+            lines.append(
+                f"- {r['tokens']} tokens: wall {p['wall_s']:.4g}, copies {p['copies_s']:.4g}, "
+                f"the rest {p['other_s']:.4g}; largest: {top}"
+            )
     return lines
 
 
