@@ -377,7 +377,7 @@ def measure_context(torch, o, device, tokens: int, bar) -> dict:
                 copies.append(copy_s)
             bar.update(1)
         prof = None
-        if getattr(o, "profile", False):  # one more restore, profiled, checked, not timed
+        if o.profile:  # one more restore, profiled, checked, not timed
             bar.set_postfix_str(f"{tokens} tokens: profile")
             wipe(torch, phys, n)
             prof = profile_restore(torch, pipe, loads)
@@ -459,7 +459,8 @@ def run(o) -> dict:
     for ctx in o.contexts:  # every context checked before the first is measured
         needs[ctx] = check_memory(torch, device, o.shape, ctx, o.block_size, chunk_tokens)
     rows = []
-    steps = o.repeats + 2 + bool(getattr(o, "profile", False))
+    o.profile = bool(getattr(o, "profile", False))  # (callers without the option: off)
+    steps = o.repeats + 2 + o.profile
     bar = tqdm(total=len(o.contexts) * steps, desc="bench restore", unit="step")
     for ctx in o.contexts:
         rows.append(measure_context(torch, o, device, ctx, bar))
@@ -484,7 +485,7 @@ def run(o) -> dict:
             "fit_tokens": FIT_TOKENS,
             "load_group_chunks": cuda_pipeline.BLOCKS_PER_GROUP,
             "repeats": o.repeats,
-            "profile": bool(getattr(o, "profile", False)),
+            "profile": o.profile,
             "seed": o.seed,
             "device": str(device),
             "cache_layout": "[layers, blocks, block_size, kv_heads, 2 * head_size] bf16",

@@ -584,7 +584,7 @@ class KvTier(TierTransfers):
         res.failed.extend(seen.values())
         res.success = not failed_ids
         # the job's other chunks were restored (the pipeline counts them in the stats)
-        for ld in {id(ld): ld for ld in by_block.values()}.values():
+        for ld in res.loads:
             if id(ld) not in seen:
                 res.hits[ld.req_id] = res.hits.get(ld.req_id, 0) + 1
                 res.tokens += (self.bpc - ld.skip) * self.layout.block_size
